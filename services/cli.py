@@ -1,0 +1,114 @@
+"""``diloco``: one command line for every service and for a whole local cluster.
+
+    diloco up        start nats-server, outer, gateway and N learners; show progress
+    diloco learner   run one learner unit against a NATS URL
+    diloco outer     run the outer optimizer of a job
+    diloco gateway   run the REST gateway
+
+Every option is also an environment variable ``DILOCO_<NAME>``; ``diloco <command> --help``
+lists them. docker-compose runs these same commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import threading
+
+from shared.runtime import setup_logging
+from shared.settings import SettingsError, add_settings_arguments, settings_from_args
+
+log = logging.getLogger("diloco")
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from services.cluster import UpSettings, run_up
+
+    return run_up(settings_from_args(UpSettings, args))
+
+
+def _cmd_learner(args: argparse.Namespace) -> int:
+    from services.learner.service import install_stop_signals, run_learner
+    from services.learner.settings import LearnerSettings
+
+    settings = settings_from_args(LearnerSettings, args)
+    setup_logging(args.log_level, f"learner-{settings.unit}")
+    stop = threading.Event()
+    install_stop_signals(stop)
+    run_learner(settings, stop)
+    return 0
+
+
+def _cmd_outer(args: argparse.Namespace) -> int:
+    from services.outer.service import OuterService
+    from services.outer.settings import OuterSettings
+
+    settings = settings_from_args(OuterSettings, args)
+    setup_logging(args.log_level, "outer")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await OuterService(settings, stop).run()
+
+    asyncio.run(main())
+    return 0
+
+
+def _cmd_gateway(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from services.gateway.app import create_app
+    from services.gateway.settings import GatewaySettings
+
+    settings = settings_from_args(GatewaySettings, args)
+    setup_logging(args.log_level, "gateway")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``diloco`` argument parser with one subcommand per service."""
+    from services.cluster import UpSettings
+    from services.gateway.settings import GatewaySettings
+    from services.learner.settings import LearnerSettings
+    from services.outer.settings import OuterSettings
+
+    parser = argparse.ArgumentParser(
+        prog="diloco", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    table = [
+        ("up", UpSettings, _cmd_up,
+         "run a whole local cluster (nats-server, outer, gateway, learners) until it finishes"),
+        ("learner", LearnerSettings, _cmd_learner, "run one learner unit"),
+        ("outer", OuterSettings, _cmd_outer, "run the outer optimizer of a job"),
+        ("gateway", GatewaySettings, _cmd_gateway, "run the REST gateway"),
+    ]
+    for name, settings_cls, handler, help_text in table:
+        sub = commands.add_parser(
+            name, help=help_text, description=(settings_cls.__doc__ or help_text).strip()
+        )
+        add_settings_arguments(sub, settings_cls)
+        sub.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+        sub.set_defaults(handler=handler)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``diloco`` command."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except SettingsError as err:
+        print(f"diloco {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""``diloco up``: a whole local cluster — nats-server, outer, gateway, N learners — supervised.
+
+Every service runs as its own process, started with the same ``diloco <service>`` command that
+docker-compose runs. This supervisor shows live progress read from the status KV bucket, ends
+the run by itself once every unit has finished and the outer has applied (and evaluated)
+everything they published, and on Ctrl-C/SIGTERM stops the services in a safe order: learners
+first (they upload what they have), then the outer and gateway, then nats-server. Children are
+also tied to this process with PR_SET_PDEATHSIG, so even a kill -9 of the supervisor leaves no
+process behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared import broker, subjects, transport
+from shared.settings import ENV_PREFIX, NatsSettings
+
+STOP_GRACE_S = 30.0
+
+
+class UpSettings(BaseSettings):
+    """Options of ``diloco up`` (each also settable as ``DILOCO_<NAME>``)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    learners: int = Field(4, ge=1, le=64, description="number of learner units to start")
+    job: str = Field("demo", description="job name")
+    model: str = Field("small", description="model size: tiny, small, medium or large")
+    max_steps: int = Field(600, ge=1, description="inner steps per unit before the run ends")
+    h_steps: int = Field(50, ge=1, description="inner steps between uploads (H)")
+    batch_size: int = Field(16, ge=1, description="sequences per inner step")
+    inner_lr: float = Field(3e-3, gt=0, description="peak inner AdamW learning rate")
+    outer_lr: float = Field(0.7, gt=0, description="outer Nesterov learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer Nesterov momentum")
+    codec: str = Field("int8", description="pseudo-gradient codec: int8 or fp32")
+    seed: int = Field(0, ge=0, description="seed of init and data order")
+    corpus: str | None = Field(None, description="text file or folder (default: Python stdlib)")
+    corpus_max_bytes: int | None = Field(None, gt=0, description="cap on corpus bytes")
+    data_dir: str = Field("data", description="folder for NATS storage, logs and caches")
+    gateway_port: int = Field(8000, ge=0, le=65535, description="gateway HTTP port (0 = free)")
+    nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0 = free)")
+    eval_every_s: float = Field(10.0, gt=0, description="seconds between held-out evals")
+    progress_every_s: float = Field(5.0, gt=0, description="seconds between progress lines")
+    max_duration_s: float = Field(
+        1800.0, gt=0, description="stop the run after this many seconds even if not finished"
+    )
+    learner_threads: int = Field(
+        1, ge=1, le=64, description="CPU threads each learner's XLA may use"
+    )
+
+
+@dataclass
+class Child:
+    """A supervised service process."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+@dataclass
+class Cluster:
+    """The processes of one ``diloco up`` run."""
+
+    settings: UpSettings
+    out: TextIO = sys.stdout
+    server: broker.NatsServer | None = None
+    learners: list[Child] = field(default_factory=list)
+    services: list[Child] = field(default_factory=list)
+    gateway_url: str = ""
+
+    @property
+    def nats_url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+        logs = Path(self.settings.data_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log_path = logs / f"{name}.log"
+        with open(log_path, "ab") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *args],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+                preexec_fn=broker.terminate_with_parent,
+            )
+        return Child(name, process, log_path)
+
+    def job_flags(self) -> list[str]:
+        s = self.settings
+        flags = ["--nats-url", self.nats_url, "--job", s.job, "--model", s.model, "--seed", str(s.seed)]
+        if s.corpus:
+            flags += ["--corpus", s.corpus]
+        if s.corpus_max_bytes:
+            flags += ["--corpus-max-bytes", str(s.corpus_max_bytes)]
+        return flags
+
+    def start(self) -> None:
+        """Start nats-server, the outer, the gateway and the learners."""
+        s = self.settings
+        data_dir = Path(s.data_dir)
+        self.server = broker.start_nats_server(
+            data_dir / "nats", port=s.nats_port, new_session=True, die_with_parent=True
+        )
+        self.print(f"nats-server  {self.nats_url}  (store {data_dir / 'nats'})")
+        cache_env = {"DILOCO_JAX_CACHE": str((data_dir / "jax-cache").resolve())}
+        self.services.append(
+            self._spawn(
+                "outer",
+                ["outer", *self.job_flags(), "--outer-lr", str(s.outer_lr),
+                 "--outer-momentum", str(s.outer_momentum), "--eval-every-s", str(s.eval_every_s)],
+                cache_env,
+            )
+        )
+        port = s.gateway_port or broker.free_port()
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        self.services.append(
+            self._spawn(
+                "gateway",
+                ["gateway", "--nats-url", self.nats_url, "--job", s.job, "--port", str(port)],
+            )
+        )
+        self.print(f"gateway      {self.gateway_url}  (GET /jobs/{s.job}, /readyz)")
+        threads = s.learner_threads
+        learner_env = {
+            **cache_env,
+            # Several JAX processes share few cores: bound each one's threads (DESIGN.md §6).
+            "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'} "
+            f"intra_op_parallelism_threads={threads}",
+            "OMP_NUM_THREADS": str(threads),
+        }
+        for unit in range(s.learners):
+            self.learners.append(
+                self._spawn(
+                    f"learner-{unit}",
+                    ["learner", *self.job_flags(), "--unit", str(unit),
+                     "--num-units", str(s.learners), "--max-steps", str(s.max_steps),
+                     "--h-steps", str(s.h_steps), "--batch-size", str(s.batch_size),
+                     "--inner-lr", str(s.inner_lr), "--codec", s.codec],
+                    learner_env,
+                )
+            )
+        self.print(
+            f"{s.learners} learners     model {s.model}, {s.max_steps} steps each, H={s.h_steps}"
+            f"  (logs in {data_dir / 'logs'})"
+        )
+
+    def print(self, line: str) -> None:
+        print(line, file=self.out, flush=True)
+
+    def children(self) -> list[Child]:
+        return [*self.learners, *self.services]
+
+    def stop(self) -> None:
+        """Stop everything: learners, then outer and gateway, then NATS; kill stragglers."""
+        for group in (self.learners, self.services):
+            for child in group:
+                if child.alive():
+                    child.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in group:
+                try:
+                    child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self.print(f"{child.name} did not stop in {STOP_GRACE_S}s: killing it")
+                    child.process.kill()
+                    child.process.wait(timeout=10)
+        if self.server is not None:
+            self.server.stop()
+
+
+def _fmt(value: Any, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def progress_line(elapsed_s: float, outer: dict | None, units: dict[int, dict]) -> str:
+    """One line of live progress: global version, eval loss, per-unit step/loss/tokens/s."""
+    outer = outer or {}
+    evaluation = outer.get("eval") or {}
+    parts = [
+        f"[{elapsed_s:6.1f}s] v{outer.get('version', '-')}",
+        f"eval {_fmt(evaluation.get('nats_per_byte'), '.3f')} nats/B",
+    ]
+    for unit in sorted(units):
+        status = units[unit]
+        parts.append(
+            f"u{unit} {status.get('state', '?')[:4]} {status.get('step', 0)}"
+            f" loss {_fmt(status.get('train_loss'), '.2f')}"
+            f" {_fmt(status.get('tokens_per_s'), '.0f')} tok/s"
+        )
+    return " | ".join(parts)
+
+
+async def _read_statuses(kv: Any, job: str, learners: int) -> tuple[dict | None, dict[int, dict]]:
+    outer = await transport.get_json(kv, subjects.outer_status_key(job))
+    units = {}
+    for unit in range(learners):
+        status = await transport.get_json(kv, subjects.unit_status_key(job, unit))
+        if status is not None:
+            units[unit] = status
+    return outer, units
+
+
+def run_is_complete(cluster: Cluster, outer: dict | None, units: dict[int, dict]) -> bool:
+    """All learners exited, the outer applied all they published and evaluated the result."""
+    if any(child.alive() for child in cluster.learners) or not outer:
+        return False
+    published = sum(u.get("counters", {}).get("published", 0) for u in units.values())
+    rejected = sum((outer.get("rejected") or {}).values())
+    evaluated = (outer.get("eval") or {}).get("version") == outer.get("version")
+    return outer.get("applied", 0) + rejected >= published and evaluated
+
+
+async def supervise(cluster: Cluster, stop: asyncio.Event) -> dict[str, Any]:
+    """Print progress until the run completes, ``stop`` is set or the time limit passes."""
+    s = cluster.settings
+    nc = await transport.connect(NatsSettings(nats_url=cluster.nats_url), "diloco-up")
+    js = nc.jetstream()
+    await transport.ensure_streams(js)
+    kv = await js.key_value(subjects.STATUS_BUCKET)
+    started = time.monotonic()
+    last_print = 0.0
+    outer: dict | None = None
+    units: dict[int, dict] = {}
+    reason = "interrupted"
+    reported_dead: set[str] = set()
+    try:
+        while not stop.is_set():
+            outer, units = await _read_statuses(kv, s.job, s.learners)
+            elapsed = time.monotonic() - started
+            if time.monotonic() - last_print >= s.progress_every_s:
+                cluster.print(progress_line(elapsed, outer, units))
+                last_print = time.monotonic()
+            for child in cluster.children():
+                code = child.process.poll()
+                if code not in (None, 0) and child.name not in reported_dead:
+                    reported_dead.add(child.name)
+                    cluster.print(f"{child.name} exited with code {code}; see {child.log_path}")
+            if run_is_complete(cluster, outer, units):
+                reason = "finished"
+                break
+            if elapsed > s.max_duration_s:
+                reason = f"time limit {s.max_duration_s:.0f}s reached"
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)
+    return {"reason": reason, "elapsed_s": time.monotonic() - started, "outer": outer,
+            "units": units}
+
+
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    """The end-of-run summary: initial vs final held-out loss, versions, tokens."""
+    outer = result.get("outer") or {}
+    init = outer.get("eval_init") or {}
+    final = outer.get("eval") or {}
+    lines = [
+        f"run {result['reason']} after {result['elapsed_s']:.0f}s",
+        f"global version      {outer.get('version', '-')}"
+        f"  ({outer.get('applied', 0)} pseudo-gradients applied,"
+        f" rejected {outer.get('rejected') or {}})",
+        f"tokens applied      {outer.get('tokens_applied', 0):,}",
+        f"held-out eval loss  {_fmt(init.get('nats_per_byte'), '.4f')} -> "
+        f"{_fmt(final.get('nats_per_byte'), '.4f')} nats/byte "
+        f"({_fmt(final.get('bits_per_byte'), '.4f')} bits/byte) at version {final.get('version')}",
+    ]
+    for unit, status in sorted(result.get("units", {}).items()):
+        counters = status.get("counters", {})
+        lines.append(
+            f"unit {unit}: {status.get('state')} at step {status.get('step')},"
+            f" {counters.get('published', 0)} uploads, train loss {status.get('train_loss')}"
+        )
+    return lines
+
+
+def run_up(settings: UpSettings, out: TextIO = sys.stdout) -> int:
+    """Run a local cluster to completion (or until SIGINT/SIGTERM); returns an exit code."""
+    cluster = Cluster(settings, out=out)
+    stop = asyncio.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        cluster.print(f"signal {signum}: stopping the cluster")
+        loop.call_soon_threadsafe(stop.set)
+
+    loop = asyncio.new_event_loop()
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    cluster.print(f"diloco up: job {settings.job}")
+    try:
+        cluster.start()
+        result = loop.run_until_complete(supervise(cluster, stop))
+        for line in summary_lines(result):
+            cluster.print(line)
+        return 0 if result["reason"] in ("finished", "interrupted") else 1
+    finally:
+        cluster.print("stopping services ...")
+        cluster.stop()
+        cluster.print("all services stopped")
+        loop.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

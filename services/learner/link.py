@@ -1,0 +1,336 @@
+"""The learner's connection to the rest of the system, run on a background thread.
+
+The training loop never waits for the network (DESIGN invariant 1). It hands finished
+pseudo-gradients to :meth:`LearnerLink.submit` and polls :meth:`LearnerLink.take_new_params`
+and :attr:`LearnerLink.desired_state` at step boundaries; all of those return at once. This
+thread owns the NATS connection and does the slow parts: encoding, chunked publishing with
+retries, fetching new global params, heartbeats and reading the desired state from KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import nats.errors
+import numpy as np
+
+from services.learner.settings import LearnerSettings
+from shared import codec, subjects, transport, wire
+from shared.transport import TransportError
+
+log = logging.getLogger(__name__)
+
+PARAMS_POLL_S = 2.0  # fallback poll in case a head notification was missed while reconnecting
+DESIRED_POLL_S = 0.5
+RECONNECT_BACKOFF_MAX_S = 5.0
+
+
+@dataclass
+class PendingUpload:
+    """A pseudo-gradient waiting to be encoded and published."""
+
+    round: int
+    base_version: int
+    inner_steps: int
+    tokens: int
+    train_loss: float
+    tensors: dict[str, np.ndarray]
+
+
+@dataclass
+class GlobalParams:
+    """A decoded global parameter set."""
+
+    version: int
+    tensors: dict[str, np.ndarray]
+
+
+class LearnerLink:
+    """Owns the NATS side of one learner unit on a daemon thread with its own event loop."""
+
+    def __init__(self, settings: LearnerSettings, max_params_bytes: int) -> None:
+        self.settings = settings
+        self.max_params_bytes = max_params_bytes
+        self.desired_state = "running"
+        self.connected = False
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.last_error = ""
+        self._lock = threading.Lock()
+        self._queue: collections.deque[PendingUpload] = collections.deque()
+        self._queue_changed: asyncio.Event | None = None
+        self._newest: GlobalParams | None = None
+        self._known_version = -1
+        self._status: dict[str, Any] = {"state": "starting"}
+        self._stopping = threading.Event()
+        self._flush_deadline = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="learner-link", daemon=True)
+
+    # ---- called from the training thread (all non-blocking) ----------------------------------
+
+    def start(self) -> None:
+        """Start the background thread; returns at once."""
+        self._thread.start()
+
+    def submit(self, upload: PendingUpload) -> None:
+        """Queue a pseudo-gradient for publishing; drops the oldest when the queue is full."""
+        with self._lock:
+            if len(self._queue) >= self.settings.max_unsent:
+                dropped = self._queue.popleft()
+                self.counters["dropped_unsent"] += 1
+                log.warning("unsent queue full: dropped round %d", dropped.round)
+            self._queue.append(upload)
+            self.counters["queued"] += 1
+        self._wake_publisher()
+
+    def take_new_params(self, newer_than: int) -> GlobalParams | None:
+        """Return global params newer than ``newer_than`` if they have arrived, else None."""
+        with self._lock:
+            newest = self._newest
+            if newest is not None and newest.version > newer_than:
+                self._newest = None
+                return newest
+        return None
+
+    def set_status(self, **status: Any) -> None:
+        """Replace the fields sent with the next heartbeat."""
+        with self._lock:
+            self._status.update(status)
+
+    def unsent(self) -> int:
+        """Number of pseudo-gradients not yet accepted by JetStream."""
+        with self._lock:
+            return len(self._queue)
+
+    def stop(self, flush_timeout_s: float) -> None:
+        """Publish what is queued (up to ``flush_timeout_s``), send a last heartbeat, close."""
+        self._flush_deadline = time.monotonic() + flush_timeout_s
+        self._stopping.set()
+        self._wake_publisher()
+        self._thread.join(timeout=flush_timeout_s + 15)
+
+    def _wake_publisher(self) -> None:
+        loop, event = self._loop, self._queue_changed
+        if loop is not None and event is not None:
+            loop.call_soon_threadsafe(event.set)
+
+    # ---- the background thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue_changed = asyncio.Event()
+        backoff = 0.5
+        nc = None
+        while nc is None and not self._stopping.is_set():
+            try:
+                nc = await transport.connect(
+                    self.settings,
+                    f"learner-{self.settings.job}-{self.settings.unit}",
+                    disconnected_cb=self._on_disconnect,
+                    reconnected_cb=self._on_reconnect,
+                )
+            except TransportError as err:
+                self.last_error = str(err)
+                log.warning("%s; retrying in %.1fs", err, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(RECONNECT_BACKOFF_MAX_S, backoff * 2)
+        if nc is None:
+            return
+        self.connected = True
+        js = nc.jetstream()
+        await self._retry_forever(lambda: transport.ensure_streams(js), "create streams")
+        status_kv = await js.key_value(subjects.STATUS_BUCKET)
+        desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
+        head_seen = asyncio.Event()
+
+        async def on_head(_msg: Any) -> None:
+            head_seen.set()
+
+        sub = await nc.subscribe(subjects.params_head_subject(self.settings.job), cb=on_head)
+        tasks = [
+            asyncio.create_task(self._publisher(js)),
+            asyncio.create_task(self._params_watcher(js, head_seen)),
+            asyncio.create_task(self._desired_poller(desired_kv)),
+            asyncio.create_task(self._heartbeat(status_kv)),
+        ]
+        publisher = tasks[0]
+        await publisher  # ends once stopping and the queue is flushed (or the deadline passed)
+        for task in tasks[1:]:
+            task.cancel()
+        await asyncio.gather(*tasks[1:], return_exceptions=True)
+        try:
+            await transport.put_status(
+                status_kv, subjects.unit_status_key(self.settings.job, self.settings.unit),
+                self._status_record(),
+            )
+            await sub.unsubscribe()
+            await asyncio.wait_for(nc.close(), timeout=5)
+        except (asyncio.TimeoutError, nats.errors.Error) as err:
+            log.warning("closing NATS: %s", err)
+
+    async def _on_disconnect(self) -> None:
+        self.connected = False
+
+    async def _on_reconnect(self) -> None:
+        self.connected = True
+
+    async def _retry_forever(self, make_call: Callable[[], Any], what: str) -> Any:
+        backoff = 0.5
+        while True:
+            try:
+                return await make_call()
+            except (asyncio.TimeoutError, nats.errors.Error, TransportError) as err:
+                self.last_error = f"{what}: {err}"
+                log.warning("%s failed (%s); retrying in %.1fs", what, err, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(RECONNECT_BACKOFF_MAX_S, backoff * 2)
+
+    def _status_record(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                **self._status,
+                "unit": self.settings.unit,
+                "desired": self.desired_state,
+                "unsent": len(self._queue),
+                "counters": dict(self.counters),
+                "last_error": self.last_error,
+            }
+
+    async def _publisher(self, js: Any) -> None:
+        assert self._queue_changed is not None
+        chunk_size = transport.chunk_size_for(js._nc)
+        backoff = 0.5
+        while True:
+            with self._lock:
+                upload = self._queue[0] if self._queue else None
+            if upload is None:
+                if self._stopping.is_set():
+                    return
+                self._queue_changed.clear()
+                try:
+                    await asyncio.wait_for(self._queue_changed.wait(), timeout=1.0)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            if self._stopping.is_set() and time.monotonic() > self._flush_deadline:
+                log.warning("flush deadline passed with %d uploads unsent", self.unsent())
+                return
+            try:
+                blob = await asyncio.get_running_loop().run_in_executor(
+                    None, self._encode, upload
+                )
+                upload_id = wire.upload_id(self.settings.job, self.settings.unit, upload.round, 0)
+                await transport.publish_blob(
+                    js,
+                    subjects.grads_subject(self.settings.job, self.settings.unit),
+                    blob,
+                    upload_id,
+                    chunk_size,
+                )
+            except codec.CodecError as err:
+                # A pseudo-gradient with NaN/Inf must never be sent: record and skip it.
+                log.error("round %d not sent: %s", upload.round, err)
+                self.last_error = f"round {upload.round} not sent: {err}"
+                self._finish(upload, "rejected_local")
+                continue
+            except (TransportError, asyncio.TimeoutError, nats.errors.Error) as err:
+                self.last_error = f"publish round {upload.round}: {err}"
+                log.warning("%s; retrying in %.1fs", self.last_error, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(RECONNECT_BACKOFF_MAX_S, backoff * 2)
+                continue
+            backoff = 0.5
+            self.counters["bytes_sent"] += len(blob)
+            self._finish(upload, "published")
+
+    def _finish(self, upload: PendingUpload, counter: str) -> None:
+        with self._lock:
+            if self._queue and self._queue[0] is upload:
+                self._queue.popleft()
+            self.counters[counter] += 1
+            if counter == "published":
+                self._status["last_published_round"] = upload.round
+
+    def _encode(self, upload: PendingUpload) -> bytes:
+        payload, description = codec.encode_tensors(
+            upload.tensors,
+            codec=self.settings.codec,
+            block_size=self.settings.block_size,
+            zstd_level=self.settings.zstd_level,
+        )
+        envelope = wire.Envelope(
+            kind="pseudo_grad",
+            job=self.settings.job,
+            unit=self.settings.unit,
+            round=upload.round,
+            fragment=0,
+            base_version=upload.base_version,
+            inner_steps=upload.inner_steps,
+            tokens=upload.tokens,
+            train_loss=upload.train_loss,
+            codec=description,
+            sent_at=time.time(),
+            payload=payload,
+            model=self.settings.model,
+        )
+        return wire.pack_envelope(envelope)
+
+    async def _params_watcher(self, js: Any, head_seen: asyncio.Event) -> None:
+        while True:
+            try:
+                head = await transport.read_params_head(js, self.settings.job)
+                if head is not None and head["version"] > self._known_version:
+                    fetched = await transport.read_latest_params(
+                        js, self.settings.job, self.max_params_bytes
+                    )
+                    if fetched is not None:
+                        version, blob = fetched
+                        envelope = wire.unpack_envelope(blob, max_size=self.max_params_bytes)
+                        tensors = codec.decode_tensors(envelope.payload, envelope.codec)
+                        with self._lock:
+                            self._newest = GlobalParams(version, tensors)
+                            self._known_version = version
+                            self.counters["params_received"] += 1
+            except (wire.WireError, codec.CodecError) as err:
+                self.counters["params_rejected"] += 1
+                self.last_error = f"bad global params: {err}"
+                log.error(self.last_error)
+            except (TransportError, asyncio.TimeoutError, nats.errors.Error) as err:
+                log.info("params fetch: %r", err)
+            head_seen.clear()
+            try:
+                await asyncio.wait_for(head_seen.wait(), timeout=PARAMS_POLL_S)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _desired_poller(self, desired_kv: Any) -> None:
+        key = subjects.desired_key(self.settings.job, self.settings.unit)
+        while True:
+            try:
+                desired = await transport.get_json(desired_kv, key)
+                state = (desired or {}).get("state", "running")
+                if state in ("running", "paused") and state != self.desired_state:
+                    log.info("desired state of unit %d: %s", self.settings.unit, state)
+                    self.desired_state = state
+            except (asyncio.TimeoutError, nats.errors.Error, ValueError) as err:
+                log.info("desired-state poll: %r", err)
+            await asyncio.sleep(DESIRED_POLL_S)
+
+    async def _heartbeat(self, status_kv: Any) -> None:
+        key = subjects.unit_status_key(self.settings.job, self.settings.unit)
+        while True:
+            try:
+                await transport.put_status(status_kv, key, self._status_record())
+            except (asyncio.TimeoutError, nats.errors.Error) as err:
+                log.info("heartbeat: %r", err)
+            await asyncio.sleep(self.settings.status_interval_s)

@@ -1,0 +1,153 @@
+"""Typed settings shared by every service, and the bridge from settings classes to CLI flags.
+
+Each service has one ``pydantic-settings`` class (see ``services/*/settings.py``). A value comes
+from, in order of precedence: a CLI flag (``--inner-lr 3e-3``), an environment variable
+(``DILOCO_INNER_LR=3e-3``), then the default. Flags are generated from the fields, so the flag
+list, the environment variables and ``--help`` can never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "DILOCO_"
+JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+class SettingsError(ValueError):
+    """A setting has an invalid value; the message names the flag and what is expected."""
+
+
+class NatsSettings(BaseSettings):
+    """Connection settings every service has."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222",
+        description="NATS server URL(s), comma-separated for a cluster",
+    )
+    connect_timeout_s: float = Field(
+        5.0, gt=0, description="timeout of one connection attempt to NATS"
+    )
+
+    @field_validator("nats_url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        for url in value.split(","):
+            if not re.match(r"^(nats|tls|ws|wss)://[^\s/]+$", url.strip()):
+                raise ValueError(f"expected nats://host:port (comma-separated), got {url!r}")
+        return value
+
+    def nats_servers(self) -> list[str]:
+        """The URL list nats-py expects."""
+        return [url.strip() for url in self.nats_url.split(",")]
+
+
+class JobSettings(NatsSettings):
+    """What defines a training job; learner and outer must agree on all of it."""
+
+    job: str = Field("demo", description="job name (letters, digits, '_' and '-')")
+    model: str = Field("small", description="model size: tiny, small, medium or large")
+    seed: int = Field(0, ge=0, description="seed of the initial parameters and the data order")
+    corpus: str | None = Field(
+        None,
+        description="text file or folder to train on (default: this Python's standard library)",
+    )
+    corpus_max_bytes: int | None = Field(
+        None, gt=0, description="use only the first N bytes of the corpus (default: all)"
+    )
+    heldout_fraction: float = Field(
+        0.02, gt=0, lt=0.5, description="tail share of the corpus held out for eval loss"
+    )
+
+    @field_validator("job")
+    @classmethod
+    def _check_job(cls, value: str) -> str:
+        if not JOB_NAME_PATTERN.match(value):
+            raise ValueError("expected 1-64 letters, digits, '_' or '-' (starting alphanumeric)")
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, value: str) -> str:
+        from shared.model import SIZES
+
+        if value not in SIZES:
+            raise ValueError(f"unknown model size {value!r}; choose one of {sorted(SIZES)}")
+        return value
+
+
+SettingsT = TypeVar("SettingsT", bound=BaseModel)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> None:
+    """Add one ``--flag`` per settings field, with the field's description and env variable.
+
+    Flags default to "not given" so that environment variables keep working for fields the
+    user did not pass on the command line.
+    """
+    for name, field in cls.model_fields.items():
+        env = ENV_PREFIX + name.upper()
+        default = field.default if field.default is not None else "unset"
+        help_text = f"{field.description or name} [env {env}; default {default}]"
+        if field.annotation is bool:
+            parser.add_argument(
+                _flag(name),
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                _flag(name), dest=name, default=argparse.SUPPRESS, metavar="V", help=help_text
+            )
+
+
+def settings_from_args(cls: type[SettingsT], args: argparse.Namespace | dict[str, Any]) -> SettingsT:
+    """Build a settings object from parsed flags (plus environment and defaults).
+
+    Raises:
+        SettingsError: naming every invalid flag, its value and what is expected.
+    """
+    given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
+    kwargs = {name: given[name] for name in cls.model_fields if name in given}
+    try:
+        return cls(**kwargs)
+    except ValidationError as err:
+        problems = []
+        for item in err.errors():
+            name = str(item["loc"][0]) if item["loc"] else "?"
+            value = item.get("input")
+            problems.append(
+                f"{_flag(name)} (env {ENV_PREFIX}{name.upper()}) = {value!r}: {item['msg']}"
+            )
+        raise SettingsError("invalid settings:\n  " + "\n  ".join(problems)) from None
+
+
+def to_flags(settings: BaseModel, exclude: set[str] | None = None) -> list[str]:
+    """Render settings back into CLI flags (how ``diloco up`` configures its child processes)."""
+    flags: list[str] = []
+    for name in settings.model_fields_set | {
+        n for n, f in type(settings).model_fields.items() if getattr(settings, n) != f.default
+    }:
+        if exclude and name in exclude:
+            continue
+        value = getattr(settings, name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            flags.append(_flag(name) if value else "--no-" + name.replace("_", "-"))
+        else:
+            flags += [_flag(name), str(value)]
+    return flags

@@ -1,0 +1,72 @@
+"""Names of every NATS stream, subject, consumer and KV bucket the services share.
+
+One place, so that a reader can see the whole NATS layout at once (docs/ARCHITECTURE.md explains
+it) and so that no service spells a subject by hand.
+
+Layout for a job ``J``::
+
+    diloco.J.grads.<unit>          stream DILOCO_GRADS   pseudo-gradient chunks (work queue)
+    diloco.J.params.head           stream DILOCO_PARAMS  small pointer to the newest global version
+    diloco.J.params.chunk.<i>      stream DILOCO_PARAMS  chunk i of the newest global params
+    diloco.J.dead                  stream DILOCO_DEAD    rejected messages with the reason
+    KV diloco_desired  J.<unit>    desired unit state, written by the gateway
+    KV diloco_status   J.unit.<u>  heartbeat + status of a learner unit
+    KV diloco_status   J.outer     heartbeat + status of the outer optimizer
+"""
+
+from __future__ import annotations
+
+GRADS_STREAM = "DILOCO_GRADS"
+PARAMS_STREAM = "DILOCO_PARAMS"
+DEAD_STREAM = "DILOCO_DEAD"
+DESIRED_BUCKET = "diloco_desired"
+STATUS_BUCKET = "diloco_status"
+
+GRADS_ALL = "diloco.*.grads.>"
+PARAMS_ALL = "diloco.*.params.>"
+DEAD_ALL = "diloco.*.dead"
+
+
+def grads_subject(job: str, unit: int) -> str:
+    """Subject a learner unit publishes its pseudo-gradient chunks to."""
+    return f"diloco.{job}.grads.{unit}"
+
+
+def grads_filter(job: str) -> str:
+    """Subject filter covering every unit's pseudo-gradients of one job."""
+    return f"diloco.{job}.grads.>"
+
+
+def params_head_subject(job: str) -> str:
+    """Subject of the small message that announces the newest global version."""
+    return f"diloco.{job}.params.head"
+
+
+def params_chunk_subject(job: str, index: int) -> str:
+    """Subject holding chunk ``index`` of the newest global parameters (last value only)."""
+    return f"diloco.{job}.params.chunk.{index}"
+
+
+def dead_letter_subject(job: str) -> str:
+    """Subject where rejected messages of a job are copied together with the reason."""
+    return f"diloco.{job}.dead"
+
+
+def outer_consumer(job: str) -> str:
+    """Durable consumer name of the outer optimizer of a job."""
+    return f"outer-{job}"
+
+
+def desired_key(job: str, unit: int) -> str:
+    """KV key (bucket DESIRED_BUCKET) of a unit's desired state."""
+    return f"{job}.{unit}"
+
+
+def unit_status_key(job: str, unit: int) -> str:
+    """KV key (bucket STATUS_BUCKET) of a unit's heartbeat and status."""
+    return f"{job}.unit.{unit}"
+
+
+def outer_status_key(job: str) -> str:
+    """KV key (bucket STATUS_BUCKET) of the outer optimizer's heartbeat and status."""
+    return f"{job}.outer"

@@ -1,0 +1,307 @@
+"""The thin NATS layer: connect, create the streams and buckets, move chunked blobs.
+
+Everything here has an explicit timeout. Pseudo-gradients and parameters travel as msgpack
+envelopes (``shared.wire``) split into chunks no larger than the server's ``max_payload`` minus
+header slack; every chunk carries a ``Nats-Msg-Id`` so that a retried publish is deduplicated by
+JetStream. See docs/ARCHITECTURE.md for the layout and research notes on why it looks like this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from shared import subjects
+from shared.settings import NatsSettings
+from shared.wire import (
+    ChunkInfo,
+    Reassembler,
+    WireError,
+    chunk_headers,
+    parse_chunk_headers,
+    split_chunks,
+    upload_id,
+)
+
+log = logging.getLogger(__name__)
+
+HEADER_SLACK_BYTES = 8 * 1024  # headers count towards max_payload on the server
+MAX_CHUNK_BYTES = 1 << 20  # 1 MiB chunks: fast on loopback and far below file-store limits
+GRADS_DUPLICATE_WINDOW_S = 3600.0  # longer than any learner retry window
+GRADS_MAX_BYTES = 8 << 30  # a full grads stream refuses new uploads instead of losing old ones
+STATUS_TTL_S = 24 * 3600.0  # status keys of long-gone units eventually disappear
+PUBLISH_TIMEOUT_S = 10.0
+PUBLISH_RETRIES = 6
+RETRYABLE_API_CODES = {429, 503}
+
+
+class TransportError(RuntimeError):
+    """A NATS operation failed after its retries."""
+
+
+async def connect(settings: NatsSettings, name: str, **callbacks: Callable[..., Any]) -> NatsClient:
+    """Connect to NATS with reconnect-forever and logged errors.
+
+    Args:
+        settings: connection settings.
+        name: client name shown in the server's connection list.
+        **callbacks: optional nats-py callbacks (``disconnected_cb``, ``reconnected_cb``, ...).
+
+    Raises:
+        TransportError: when the first connection cannot be made within the connect timeout.
+    """
+
+    async def error_cb(err: Exception) -> None:
+        # Denied publishes and server-side errors only surface here (research/nats.md §4).
+        log.warning("nats error (%s): %s", name, err)
+
+    try:
+        return await nats.connect(
+            servers=settings.nats_servers(),
+            name=name,
+            connect_timeout=settings.connect_timeout_s,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            allow_reconnect=True,
+            error_cb=callbacks.pop("error_cb", error_cb),
+            **callbacks,
+        )
+    except (OSError, nats.errors.Error, asyncio.TimeoutError) as err:
+        raise TransportError(f"cannot connect to NATS at {settings.nats_url}: {err}") from err
+
+
+def chunk_size_for(nc: NatsClient) -> int:
+    """Largest chunk that fits the server's max_payload with room for headers."""
+    return max(4096, min(MAX_CHUNK_BYTES, nc.max_payload - HEADER_SLACK_BYTES))
+
+
+async def ensure_streams(js: JetStreamContext) -> None:
+    """Create (or update) every stream and KV bucket the system uses. Idempotent."""
+    configs = [
+        StreamConfig(
+            name=subjects.GRADS_STREAM,
+            subjects=[subjects.GRADS_ALL],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            duplicate_window=GRADS_DUPLICATE_WINDOW_S,
+            max_bytes=GRADS_MAX_BYTES,
+            discard=DiscardPolicy.NEW,
+        ),
+        StreamConfig(
+            name=subjects.PARAMS_STREAM,
+            subjects=[subjects.PARAMS_ALL],
+            storage=StorageType.FILE,
+            max_msgs_per_subject=1,
+            allow_direct=True,
+            discard=DiscardPolicy.OLD,
+        ),
+        StreamConfig(
+            name=subjects.DEAD_STREAM,
+            subjects=[subjects.DEAD_ALL],
+            storage=StorageType.FILE,
+            max_age=7 * 24 * 3600.0,
+            max_bytes=1 << 30,
+            discard=DiscardPolicy.OLD,
+        ),
+    ]
+    for config in configs:
+        try:
+            await js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            await js.update_stream(config)
+    await js.create_key_value(
+        KeyValueConfig(bucket=subjects.DESIRED_BUCKET, history=5, direct=True)
+    )
+    await js.create_key_value(
+        KeyValueConfig(bucket=subjects.STATUS_BUCKET, history=1, ttl=STATUS_TTL_S, direct=True)
+    )
+
+
+async def publish_blob(
+    js: JetStreamContext,
+    subject: str | Callable[[int], str],
+    blob: bytes,
+    upload: str,
+    chunk_size: int,
+    *,
+    inflight: int = 8,
+    extra_headers: dict[str, str] | None = None,
+) -> int:
+    """Publish ``blob`` as chunk messages with a bounded window of in-flight publishes.
+
+    Each chunk is retried with the same ``Nats-Msg-Id`` on timeouts and on the server's
+    "busy" answers, which JetStream deduplicates: a timed-out publish may still have been stored.
+
+    Args:
+        js: JetStream context.
+        subject: one subject for every chunk, or a function of the chunk index.
+        blob: the bytes to send.
+        upload: upload id (``shared.wire.upload_id``), the prefix of every chunk's message id.
+        chunk_size: bytes per chunk (``chunk_size_for``).
+        inflight: chunks in flight at once.
+        extra_headers: headers added to every chunk.
+
+    Returns:
+        The number of chunks sent.
+
+    Raises:
+        TransportError: when a chunk fails after all retries or the server rejects it.
+    """
+    chunks = split_chunks(blob, chunk_size)
+    window = asyncio.Semaphore(inflight)
+
+    async def send(index: int, data: bytes) -> None:
+        headers = chunk_headers(ChunkInfo(upload, index, len(chunks), len(blob)))
+        if extra_headers:
+            headers.update(extra_headers)
+        target = subject(index) if callable(subject) else subject
+        async with window:
+            for attempt in range(PUBLISH_RETRIES):
+                try:
+                    await js.publish(target, data, headers=headers, timeout=PUBLISH_TIMEOUT_S)
+                    return
+                except nats.js.errors.APIError as err:
+                    if err.code not in RETRYABLE_API_CODES:
+                        raise TransportError(f"server rejected {target}: {err}") from err
+                except (asyncio.TimeoutError, nats.errors.Error) as err:
+                    log.info("publish %s chunk %d attempt %d: %r", upload, index, attempt, err)
+                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
+            raise TransportError(f"chunk {index} of {upload} failed after {PUBLISH_RETRIES} tries")
+
+    await asyncio.gather(*(send(i, c) for i, c in enumerate(chunks)))
+    return len(chunks)
+
+
+async def publish_params(
+    js: JetStreamContext, job: str, version: int, blob: bytes, chunk_size: int
+) -> None:
+    """Publish a global parameter set: chunks first, then the head that points at them.
+
+    The params stream keeps one message per subject, so the newest version replaces the old one
+    and a unit that starts late reads the newest (last-value semantics).
+    """
+    upload = upload_id(job, -1, version, 0)
+    count = await publish_blob(
+        js, lambda i: subjects.params_chunk_subject(job, i), blob, upload, chunk_size
+    )
+    head = json.dumps({"version": version, "upload": upload, "chunks": count, "size": len(blob)})
+    await js.publish(
+        subjects.params_head_subject(job),
+        head.encode(),
+        headers={"Nats-Msg-Id": f"{upload}:head"},
+        timeout=PUBLISH_TIMEOUT_S,
+    )
+
+
+async def read_params_head(js: JetStreamContext, job: str) -> dict[str, Any] | None:
+    """Return the newest params head (``{"version", "upload", "chunks", "size"}``) or None."""
+    try:
+        msg = await js.get_last_msg(
+            subjects.PARAMS_STREAM, subjects.params_head_subject(job), direct=True
+        )
+    except nats.js.errors.NotFoundError:
+        return None
+    head = json.loads(msg.data)
+    if not isinstance(head, dict) or not isinstance(head.get("version"), int):
+        raise WireError(f"malformed params head for job {job}: {msg.data[:200]!r}")
+    return head
+
+
+async def read_latest_params(
+    js: JetStreamContext, job: str, max_bytes: int, attempts: int = 5
+) -> tuple[int, bytes] | None:
+    """Fetch the newest global parameter blob: ``(version, blob)``, or None if none exists yet.
+
+    A newer version may overwrite chunks while we read; every chunk names its upload, so a torn
+    read is detected and retried against the new head.
+
+    Raises:
+        TransportError: if no consistent read succeeds within ``attempts``.
+        WireError: if the stored data is malformed.
+    """
+    for _ in range(attempts):
+        head = await read_params_head(js, job)
+        if head is None:
+            return None
+        reassembler = Reassembler(max_upload_bytes=max_bytes, max_pending_uploads=1)
+        blob = None
+        torn = False
+        for index in range(int(head["chunks"])):
+            msg = await js.get_last_msg(
+                subjects.PARAMS_STREAM, subjects.params_chunk_subject(job, index), direct=True
+            )
+            info = parse_chunk_headers(msg.headers)
+            if info.upload != head["upload"]:
+                torn = True
+                break
+            blob = reassembler.add(info, msg.data)
+        if not torn and blob is not None:
+            return int(head["version"]), blob
+        await asyncio.sleep(0.05)
+    raise TransportError(f"could not read a consistent params set for job {job}")
+
+
+async def put_status(kv: Any, key: str, status: dict[str, Any]) -> None:
+    """Write a heartbeat/status record (JSON, with the writer's wall-clock time)."""
+    status = {**status, "time": time.time()}
+    await kv.put(key, json.dumps(status).encode())
+
+
+async def get_json(kv: Any, key: str) -> dict[str, Any] | None:
+    """Read a JSON KV value, or None when the key is missing or deleted."""
+    import nats.js.errors as js_errors
+
+    try:
+        entry = await kv.get(key)
+    except js_errors.KeyNotFoundError:
+        return None
+    if entry.value is None or not entry.value:
+        return None
+    value = json.loads(entry.value)
+    return value if isinstance(value, dict) else None
+
+
+async def dead_letter(
+    js: JetStreamContext, job: str, reason: str, headers: dict[str, str] | None, size: int
+) -> None:
+    """Record a rejected message on the job's dead-letter subject (best effort, never raises)."""
+    record = {"reason": reason, "headers": headers or {}, "size": size, "time": time.time()}
+    try:
+        await js.publish(
+            subjects.dead_letter_subject(job), json.dumps(record).encode(), timeout=5
+        )
+    except (asyncio.TimeoutError, nats.errors.Error) as err:
+        log.warning("could not record dead letter (%s): %s", reason, err)
+
+
+__all__ = [
+    "TransportError",
+    "WireError",
+    "chunk_size_for",
+    "connect",
+    "dead_letter",
+    "ensure_streams",
+    "get_json",
+    "publish_blob",
+    "publish_params",
+    "put_status",
+    "read_latest_params",
+    "read_params_head",
+]

@@ -1,0 +1,89 @@
+"""Pausing a unit through the gateway really stops it; the others and the version go on."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from shared.broker import free_port
+from tests.conftest import read_status, wait_for
+
+JOB = "pause"
+
+
+@pytest.mark.timeout(400)
+def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, services):
+    port = free_port()
+    gateway = f"http://127.0.0.1:{port}"
+    job_flags = ["--nats-url", nats_server.url, "--job", JOB, "--model", "tiny"]
+    services.start("outer", "outer", *job_flags, "--eval-every-s", "30")
+    services.start("gateway", "gateway", "--nats-url", nats_server.url, "--job", JOB,
+                   "--port", str(port))
+    for unit in range(2):
+        services.start(
+            f"learner-{unit}", "learner", *job_flags, "--unit", str(unit), "--num-units", "2",
+            "--max-steps", "100000", "--h-steps", "5", "--status-interval-s", "0.5",
+        )
+    client = httpx.Client(base_url=gateway, timeout=10)
+
+    def job_view():
+        try:
+            response = client.get(f"/jobs/{JOB}")
+        except httpx.TransportError:
+            return None
+        return response.json() if response.status_code == 200 else None
+
+    def units_published(minimum):
+        view = job_view()
+        if view and len(view["units"]) == 2 and all(u["published"] >= minimum for u in view["units"]):
+            return view
+        return None
+
+    try:
+        wait_for(lambda: units_published(2), 180, "both units to publish twice", interval_s=0.5)
+        assert client.get("/readyz").status_code == 200
+
+        response = client.post(f"/jobs/{JOB}/units/1/pause")
+        assert response.status_code == 200, response.text
+        assert response.json() == {"job": JOB, "unit": 1, "desired": "paused"}
+
+        def unit1_paused():
+            view = job_view()
+            return view if view and view["units"][1]["state"] == "paused" else None
+
+        paused_view = wait_for(unit1_paused, 30, "unit 1 to report paused")
+        time.sleep(1.5)  # let an upload that was already queued at the pause land
+        outer_before, units_before = read_status(nats_server.url, JOB)
+        time.sleep(6)
+        outer_after, units_after = read_status(nats_server.url, JOB)
+
+        # The paused unit neither trains nor publishes...
+        assert units_after[1]["step"] == units_before[1]["step"]
+        assert units_after[1]["counters"]["published"] == units_before[1]["counters"]["published"]
+        assert outer_after["units"]["1"]["applied"] == outer_before["units"]["1"]["applied"]
+        # ...while the other unit and the global version go on.
+        assert units_after[0]["counters"]["published"] > units_before[0]["counters"]["published"]
+        assert outer_after["version"] > outer_before["version"]
+        assert paused_view["units"][0]["state"] == "running"
+
+        response = client.post(f"/jobs/{JOB}/units/1/resume")
+        assert response.status_code == 200 and response.json()["desired"] == "running"
+        published_at_pause = units_after[1]["counters"]["published"]
+        step_at_pause = units_after[1]["step"]
+
+        def unit1_publishes_again():
+            _, units = read_status(nats_server.url, JOB)
+            return units[1]["counters"]["published"] >= published_at_pause + 2 and units[1]
+
+        resumed = wait_for(unit1_publishes_again, 60, "unit 1 to publish again after resume")
+        # It resumed from where it was, not from step 0.
+        assert resumed["step"] > step_at_pause
+
+        # Unknown units are refused, and nothing is written for them.
+        assert client.post(f"/jobs/{JOB}/units/7/pause").status_code == 404
+        assert client.post(f"/jobs/bad%20name/units/0/pause").status_code == 422
+    except Exception:
+        print(services.logs())
+        raise

@@ -1,0 +1,98 @@
+"""`diloco up`: runs a whole cluster, finishes by itself, and never leaves a process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, wait_for
+
+
+def processes_mentioning(marker: str) -> list[str]:
+    """Command lines of live processes that mention ``marker`` (our data dir), except us."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def cluster_processes(data_dir: Path, out_path: Path) -> list[str]:
+    """Live processes of one `diloco up` run: nats-server (its config lives in the data dir)
+    and every service (their command lines carry the server's unique URL)."""
+    url = next(
+        line.split()[1] for line in out_path.read_text().splitlines()
+        if line.startswith("nats-server")
+    )
+    return sorted(set(processes_mentioning(str(data_dir)) + processes_mentioning(url + " ")))
+
+
+def start_up(
+    tmp_path: Path, jax_cache: Path, *extra: str
+) -> tuple[subprocess.Popen, Path, Path]:
+    data_dir = tmp_path / "cluster-data"
+    out_path = tmp_path / "up.out"
+    env = {**os.environ, "DILOCO_JAX_CACHE": str(jax_cache), "PYTHONUNBUFFERED": "1"}
+    with open(out_path, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--data-dir", str(data_dir),
+             "--gateway-port", "0", "--model", "tiny", "--learners", "2",
+             "--progress-every-s", "1", "--eval-every-s", "2", *extra],
+            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+    return process, data_dir, out_path
+
+
+@pytest.mark.timeout(400)
+def test_up_trains_to_the_end_and_prints_a_summary(tmp_path, jax_cache):
+    process, data_dir, out_path = start_up(
+        tmp_path, jax_cache, "--max-steps", "120", "--h-steps", "10"
+    )
+    try:
+        assert process.wait(timeout=360) == 0, out_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = out_path.read_text()
+    assert "run finished" in output, output
+    assert "held-out eval loss" in output
+    line = next(x for x in output.splitlines() if x.startswith("held-out eval loss"))
+    init_loss, final_loss = (float(x) for x in line.split()[3:6:2])
+    assert final_loss < init_loss - 1.0, line
+    assert "all services stopped" in output
+    assert cluster_processes(data_dir, out_path) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_up_stops_cleanly_on_signal_and_leaves_no_process(tmp_path, jax_cache, signum):
+    process, data_dir, out_path = start_up(tmp_path, jax_cache, "--max-steps", "100000")
+    try:
+        # Wait until training is really under way (a unit reports a step), then interrupt.
+        wait_for(
+            lambda: any(" u0 runn" in line and "tok/s" in line and " u1 " in line
+                        for line in out_path.read_text().splitlines()),
+            180, "progress lines from both units",
+        )
+        children = [p for p in cluster_processes(data_dir, out_path)
+                    if not p.startswith(f"{process.pid}:")]
+        assert len(children) == 5, children  # nats-server, outer, gateway, 2 learners
+        process.send_signal(signum)
+        process.wait(timeout=90)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "all services stopped" in out_path.read_text()
+    assert cluster_processes(data_dir, out_path) == []
