@@ -126,7 +126,8 @@ class Cluster:
         self.services.append(
             self._spawn(
                 "outer",
-                ["outer", *self.job_flags(), "--outer-lr", str(s.outer_lr),
+                ["outer", *self.job_flags(), "--num-units", str(s.learners),
+                 "--outer-lr", str(s.outer_lr),
                  "--outer-momentum", str(s.outer_momentum), "--eval-every-s", str(s.eval_every_s)],
                 cache_env,
             )
@@ -181,7 +182,12 @@ class Cluster:
                 try:
                     child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    self.print(f"{child.name} did not stop in {STOP_GRACE_S}s: killing it")
+                    self.print(
+                        f"{child.name} did not stop in {STOP_GRACE_S:.0f}s: killing it "
+                        f"(its stack is dumped to {child.log_path})"
+                    )
+                    child.process.send_signal(signal.SIGUSR1)  # faulthandler: dump all threads
+                    time.sleep(0.5)
                     child.process.kill()
                     child.process.wait(timeout=10)
         if self.server is not None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 from pathlib import Path
 
 _configured = False
@@ -29,7 +31,12 @@ def configure_jax() -> None:
 
 
 def setup_logging(level: str = "INFO", name: str = "") -> None:
-    """Log to stderr as ``time level [name] logger: message``."""
+    """Log to stderr as ``time level [name] logger: message``.
+
+    Also makes SIGUSR1 dump every thread's stack to stderr, so a stuck service can be
+    inspected (``diloco up`` does this before it kills a service that will not stop).
+    """
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     prefix = f"[{name}] " if name else ""
     logging.basicConfig(
         level=getattr(logging, level.upper(), logging.INFO),

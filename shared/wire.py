@@ -26,7 +26,6 @@ import msgpack
 import numpy as np
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE",
     "DEFAULT_MAX_ENVELOPE_SIZE",
     "KINDS",
     "WIRE_VERSION",
@@ -46,8 +45,6 @@ __all__ = [
 WIRE_VERSION = 1
 KINDS = ("pseudo_grad", "params")
 
-# NATS counts headers against max_payload too; leave room for them under the 1 MiB default.
-DEFAULT_CHUNK_SIZE = (1 << 20) - (16 << 10)
 DEFAULT_MAX_ENVELOPE_SIZE = 1 << 30
 
 HEADER_MSG_ID = "Nats-Msg-Id"
@@ -295,7 +292,7 @@ def _field_spans(view: memoryview) -> dict[str, memoryview]:
 def _decode_field(key: str, span: memoryview) -> Any:
     try:
         return msgpack.unpackb(span, raw=False, max_bin_len=len(span), **_LIMITS)
-    except Exception as exc:  # spans come from a successful skip(), but stay defensive
+    except Exception as exc:  # spans were only measured; decoding can still fail
         raise WireError(f"envelope field {key!r} is not valid msgpack: {exc}") from exc
 
 

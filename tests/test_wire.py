@@ -30,7 +30,7 @@ from shared.wire import (
     validate_job_name,
 )
 
-SETTINGS = settings(max_examples=2000, deadline=None)
+SETTINGS = settings(max_examples=100, deadline=None)
 
 
 def make_envelope(**changes: object) -> Envelope:
@@ -257,14 +257,14 @@ def test_checksum_catches_flipped_payload_byte() -> None:
             unpack_envelope(bytes(flipped))
 
 
-@settings(max_examples=5000, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=400))
 def test_arbitrary_bytes_raise_only_wire_error(data: bytes) -> None:
     with pytest.raises(WireError):
         unpack_envelope(data)
 
 
-@settings(max_examples=5000, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_mutated_envelope_raises_wire_error_or_is_valid(data: st.DataObject) -> None:
     blob = bytearray(pack_envelope(make_envelope(payload=b"p" * 40)))

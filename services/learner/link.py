@@ -114,7 +114,7 @@ class LearnerLink:
         self._flush_deadline = time.monotonic() + flush_timeout_s
         self._stopping.set()
         self._wake_publisher()
-        self._thread.join(timeout=flush_timeout_s + 15)
+        self._thread.join(timeout=flush_timeout_s + 8)
 
     def _wake_publisher(self) -> None:
         loop, event = self._loop, self._queue_changed

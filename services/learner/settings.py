@@ -28,7 +28,7 @@ class LearnerSettings(JobSettings):
     )
     status_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
     flush_timeout_s: float = Field(
-        60.0, ge=0, description="at the end, how long to wait for unsent uploads"
+        15.0, ge=0, description="at the end, how long to wait for unsent uploads"
     )
 
     @model_validator(mode="after")

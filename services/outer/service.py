@@ -303,7 +303,9 @@ class OuterService:
         except pytree.PytreeMismatchError as err:
             raise Rejected("shape_mismatch", str(err)) from err
 
-        weight = staleness_weight(staleness, self.settings.staleness_exponent)
+        # Synchronous DiLoCo averages K pseudo-gradients before one outer step; applying each
+        # arrival alone, the 1/K factor moves the params about as far per cycle of K arrivals.
+        weight = staleness_weight(staleness, self.settings.staleness_exponent) / self.settings.num_units
         params, opt_state = self.outer_step(
             self.state.params, self.state.opt_state, pseudo_grad, np.float32(weight)
         )
@@ -326,6 +328,10 @@ class OuterService:
                 await self._publish(js)
                 break
             except (TransportError, asyncio.TimeoutError, nats.errors.Error) as err:
+                if self.stop.is_set():
+                    # Not acked, so JetStream redelivers these uploads to the next outer.
+                    log.warning("stopping before version %d was published", self.state.version)
+                    return
                 log.warning("publishing version %d failed (%s); retrying", self.state.version, err)
                 await asyncio.sleep(0.5)
         for upload_msgs in ready:

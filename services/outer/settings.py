@@ -12,6 +12,12 @@ class OuterSettings(JobSettings):
 
     outer_lr: float = Field(0.7, gt=0, le=10, description="outer SGD learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer Nesterov momentum")
+    num_units: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="units contributing; each arrival is scaled by 1/num-units (see docs)",
+    )
     staleness_exponent: float = Field(
         0.5, ge=0, le=4, description="update weight (1 + staleness)^-a; 0 disables it"
     )

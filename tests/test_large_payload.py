@@ -1,0 +1,95 @@
+"""A ≥10M-parameter pseudo-gradient crosses a real nats-server in chunks and reaches the outer."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import jax
+import numpy as np
+import pytest
+
+from services.outer.service import OuterService
+from services.outer.settings import OuterSettings
+from shared import codec, model, pytree, subjects, transport, wire
+
+
+@pytest.mark.timeout(300)
+def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_server, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 400)
+    settings = OuterSettings(
+        nats_url=nats_server.url, job="big", model="medium", corpus=str(corpus),
+        staleness_exponent=0.0, outer_momentum=0.9, outer_lr=0.7,
+    )
+    service = OuterService(settings, asyncio.Event())
+    service._build_math()
+    template = service.template
+    assert model.param_count(template) >= 10_000_000
+
+    rng = np.random.default_rng(0)
+    pseudo_grad = {
+        name: (rng.standard_normal(array.shape) * 1e-3).astype(np.float32)
+        for name, array in pytree.flatten_named(template).items()
+    }
+    payload, description = codec.encode_tensors(pseudo_grad, codec="int8", block_size=256)
+    blob = wire.pack_envelope(
+        wire.Envelope(
+            kind="pseudo_grad", job="big", unit=0, round=0, fragment=0, base_version=0,
+            inner_steps=10, tokens=1000, train_loss=3.0, codec=description, sent_at=0.0,
+            payload=payload, model="medium",
+        )
+    )
+
+    async def scenario():
+        nc = await transport.connect(settings, "test")
+        js = nc.jetstream()
+        await transport.ensure_streams(js)
+        max_payload = nc.max_payload
+        chunk_size = transport.chunk_size_for(nc)
+        sent = await transport.publish_blob(
+            js, subjects.grads_subject("big", 0), blob, wire.upload_id("big", 0, 0, 0), chunk_size
+        )
+        assert sent == -(-len(blob) // chunk_size) and sent >= 10
+        # Retrying the same upload is deduplicated by Nats-Msg-Id: the stream holds one copy.
+        await transport.publish_blob(
+            js, subjects.grads_subject("big", 0), blob, wire.upload_id("big", 0, 0, 0), chunk_size
+        )
+        info = await js.stream_info(subjects.GRADS_STREAM)
+        assert info.state.messages == sent
+
+        sub = await service._subscribe(js)
+        reassembler = wire.Reassembler(max_upload_bytes=1 << 30, max_pending_uploads=4)
+        chunk_msgs = collections.defaultdict(list)
+        before = jax.device_get(service.state.params)
+        sizes = []
+        while service.ledger.applied == 0:
+            msgs = await sub.fetch(8, timeout=5)
+            sizes += [len(m.data) + sum(len(k) + len(v) for k, v in m.headers.items()) for m in msgs]
+            ready = await service._process(js, msgs, reassembler, chunk_msgs)
+            if ready:
+                await service._commit(js, ready)
+        await nc.close()
+        return before, max_payload, sizes
+
+    before, max_payload, sizes = asyncio.run(scenario())
+    assert max(sizes) < max_payload, "no message may exceed the server's max_payload"
+    assert service.state.version == 1 and service.ledger.rejected == {}
+
+    # First Nesterov step from zero momentum: θ1 = θ0 − lr·(1 + β)·Δ, so Δ is recoverable.
+    after = jax.device_get(service.state.params)
+    received = {
+        name: (before_leaf - after_leaf) / (0.7 * 1.9)
+        for (name, before_leaf), after_leaf in zip(
+            pytree.flatten_named(before).items(),
+            pytree.flatten_named(after).values(),
+            strict=True,
+        )
+    }
+    for name, sent_tensor in pseudo_grad.items():
+        # int8 blockwise: each element is off by at most half a quantization step.
+        step = np.abs(sent_tensor).max() / 127
+        np.testing.assert_allclose(received[name], sent_tensor, atol=step * 0.5 + 2e-6, rtol=0)
+    total = np.concatenate([v.ravel() for v in pseudo_grad.values()])
+    error = np.concatenate([(received[k] - v).ravel() for k, v in pseudo_grad.items()])
+    assert np.linalg.norm(error) / np.linalg.norm(total) < 0.01
