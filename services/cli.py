@@ -84,8 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     table = [
-        ("up", UpSettings, _cmd_up,
-         "run a whole local cluster (nats-server, outer, gateway, learners) until it finishes"),
+        (
+            "up",
+            UpSettings,
+            _cmd_up,
+            "run a whole local cluster (nats-server, outer, gateway, learners) until it finishes",
+        ),
         ("learner", LearnerSettings, _cmd_learner, "run one learner unit"),
         ("outer", OuterSettings, _cmd_outer, "run the outer optimizer of a job"),
         ("gateway", GatewaySettings, _cmd_gateway, "run the REST gateway"),

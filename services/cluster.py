@@ -12,6 +12,7 @@ process behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -38,8 +39,8 @@ class UpSettings(BaseSettings):
     learners: int = Field(4, ge=1, le=64, description="number of learner units to start")
     job: str = Field("demo", description="job name")
     model: str = Field("small", description="model size: tiny, small, medium or large")
-    max_steps: int = Field(600, ge=1, description="inner steps per unit before the run ends")
-    h_steps: int = Field(50, ge=1, description="inner steps between uploads (H)")
+    max_steps: int = Field(300, ge=1, description="inner steps per unit before the run ends")
+    h_steps: int = Field(30, ge=1, description="inner steps between uploads (H)")
     batch_size: int = Field(16, ge=1, description="sequences per inner step")
     inner_lr: float = Field(3e-3, gt=0, description="peak inner AdamW learning rate")
     outer_lr: float = Field(0.7, gt=0, description="outer Nesterov learning rate")
@@ -107,7 +108,16 @@ class Cluster:
 
     def job_flags(self) -> list[str]:
         s = self.settings
-        flags = ["--nats-url", self.nats_url, "--job", s.job, "--model", s.model, "--seed", str(s.seed)]
+        flags = [
+            "--nats-url",
+            self.nats_url,
+            "--job",
+            s.job,
+            "--model",
+            s.model,
+            "--seed",
+            str(s.seed),
+        ]
         if s.corpus:
             flags += ["--corpus", s.corpus]
         if s.corpus_max_bytes:
@@ -126,9 +136,18 @@ class Cluster:
         self.services.append(
             self._spawn(
                 "outer",
-                ["outer", *self.job_flags(), "--num-units", str(s.learners),
-                 "--outer-lr", str(s.outer_lr),
-                 "--outer-momentum", str(s.outer_momentum), "--eval-every-s", str(s.eval_every_s)],
+                [
+                    "outer",
+                    *self.job_flags(),
+                    "--num-units",
+                    str(s.learners),
+                    "--outer-lr",
+                    str(s.outer_lr),
+                    "--outer-momentum",
+                    str(s.outer_momentum),
+                    "--eval-every-s",
+                    str(s.eval_every_s),
+                ],
                 cache_env,
             )
         )
@@ -153,10 +172,24 @@ class Cluster:
             self.learners.append(
                 self._spawn(
                     f"learner-{unit}",
-                    ["learner", *self.job_flags(), "--unit", str(unit),
-                     "--num-units", str(s.learners), "--max-steps", str(s.max_steps),
-                     "--h-steps", str(s.h_steps), "--batch-size", str(s.batch_size),
-                     "--inner-lr", str(s.inner_lr), "--codec", s.codec],
+                    [
+                        "learner",
+                        *self.job_flags(),
+                        "--unit",
+                        str(unit),
+                        "--num-units",
+                        str(s.learners),
+                        "--max-steps",
+                        str(s.max_steps),
+                        "--h-steps",
+                        str(s.h_steps),
+                        "--batch-size",
+                        str(s.batch_size),
+                        "--inner-lr",
+                        str(s.inner_lr),
+                        "--codec",
+                        s.codec,
+                    ],
                     learner_env,
                 )
             )
@@ -249,10 +282,21 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> dict[str, Any]:
     units: dict[int, dict] = {}
     reason = "interrupted"
     reported_dead: set[str] = set()
+    # Training throughput is measured from the first inner step seen to the last token counted,
+    # so start-up (imports, JIT compilation) and shutdown do not dilute it.
+    first_step_at: float | None = None
+    tokens_at_first_step = 0
+    tokens_seen, tokens_changed_at = 0, started
     try:
         while not stop.is_set():
             outer, units = await _read_statuses(kv, s.job, s.learners)
             elapsed = time.monotonic() - started
+            tokens = sum(u.get("tokens", 0) for u in units.values())
+            if tokens > tokens_seen:
+                if first_step_at is None:
+                    first_step_at = time.monotonic()
+                    tokens_at_first_step = tokens
+                tokens_seen, tokens_changed_at = tokens, time.monotonic()
             if time.monotonic() - last_print >= s.progress_every_s:
                 cluster.print(progress_line(elapsed, outer, units))
                 last_print = time.monotonic()
@@ -267,14 +311,18 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> dict[str, Any]:
             if elapsed > s.max_duration_s:
                 reason = f"time limit {s.max_duration_s:.0f}s reached"
                 break
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
-            except asyncio.TimeoutError:
-                pass
     finally:
         await asyncio.wait_for(nc.close(), timeout=5)
-    return {"reason": reason, "elapsed_s": time.monotonic() - started, "outer": outer,
-            "units": units}
+    training_s = tokens_changed_at - first_step_at if first_step_at is not None else 0.0
+    return {
+        "reason": reason,
+        "elapsed_s": time.monotonic() - started,
+        "outer": outer,
+        "units": units,
+        "tokens_per_s": (tokens_seen - tokens_at_first_step) / training_s if training_s else None,
+    }
 
 
 def summary_lines(result: dict[str, Any]) -> list[str]:
@@ -288,6 +336,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"  ({outer.get('applied', 0)} pseudo-gradients applied,"
         f" rejected {outer.get('rejected') or {}})",
         f"tokens applied      {outer.get('tokens_applied', 0):,}",
+        f"training throughput {_fmt(result.get('tokens_per_s'), ',.0f')} tokens/s (all units)",
         f"held-out eval loss  {_fmt(init.get('nats_per_byte'), '.4f')} -> "
         f"{_fmt(final.get('nats_per_byte'), '.4f')} nats/byte "
         f"({_fmt(final.get('bits_per_byte'), '.4f')} bits/byte) at version {final.get('version')}",

@@ -20,9 +20,7 @@ class PytreeMismatchError(ValueError):
 def flatten_named(tree: Any) -> dict[str, np.ndarray]:
     """Return ``{key path: float32 numpy array}`` for every leaf of ``tree``."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {
-        jax.tree_util.keystr(path): np.asarray(leaf, dtype=np.float32) for path, leaf in leaves
-    }
+    return {jax.tree_util.keystr(path): np.asarray(leaf, dtype=np.float32) for path, leaf in leaves}
 
 
 def unflatten_named(template: Any, named: Mapping[str, np.ndarray]) -> Any:

@@ -114,7 +114,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseModel]
             )
 
 
-def settings_from_args(cls: type[SettingsT], args: argparse.Namespace | dict[str, Any]) -> SettingsT:
+def settings_from_args(
+    cls: type[SettingsT], args: argparse.Namespace | dict[str, Any]
+) -> SettingsT:
     """Build a settings object from parsed flags (plus environment and defaults).
 
     Raises:

@@ -83,7 +83,7 @@ async def connect(settings: NatsSettings, name: str, **callbacks: Callable[..., 
             error_cb=callbacks.pop("error_cb", error_cb),
             **callbacks,
         )
-    except (OSError, nats.errors.Error, asyncio.TimeoutError) as err:
+    except (TimeoutError, OSError, nats.errors.Error) as err:
         raise TransportError(f"cannot connect to NATS at {settings.nats_url}: {err}") from err
 
 
@@ -180,7 +180,7 @@ async def publish_blob(
                 except nats.js.errors.APIError as err:
                     if err.code not in RETRYABLE_API_CODES:
                         raise TransportError(f"server rejected {target}: {err}") from err
-                except (asyncio.TimeoutError, nats.errors.Error) as err:
+                except (TimeoutError, nats.errors.Error) as err:
                     log.info("publish %s chunk %d attempt %d: %r", upload, index, attempt, err)
                 await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
             raise TransportError(f"chunk {index} of {upload} failed after {PUBLISH_RETRIES} tries")
@@ -284,10 +284,8 @@ async def dead_letter(
     """Record a rejected message on the job's dead-letter subject (best effort, never raises)."""
     record = {"reason": reason, "headers": headers or {}, "size": size, "time": time.time()}
     try:
-        await js.publish(
-            subjects.dead_letter_subject(job), json.dumps(record).encode(), timeout=5
-        )
-    except (asyncio.TimeoutError, nats.errors.Error) as err:
+        await js.publish(subjects.dead_letter_subject(job), json.dumps(record).encode(), timeout=5)
+    except (TimeoutError, nats.errors.Error) as err:
         log.warning("could not record dead letter (%s): %s", reason, err)
 
 

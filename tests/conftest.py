@@ -69,8 +69,9 @@ class ServiceProcesses:
         return ""
 
     def logs(self) -> str:
-        return "\n".join(f"==== {n} ====\n{p.read_text(errors='replace')[-3000:]}"
-                         for n, _, p in self.children)
+        return "\n".join(
+            f"==== {n} ====\n{p.read_text(errors='replace')[-3000:]}" for n, _, p in self.children
+        )
 
     def stop_all(self) -> None:
         for _, process, _ in self.children:

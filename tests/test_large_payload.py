@@ -19,8 +19,13 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(256)) * 400)
     settings = OuterSettings(
-        nats_url=nats_server.url, job="big", model="medium", corpus=str(corpus),
-        staleness_exponent=0.0, outer_momentum=0.9, outer_lr=0.7,
+        nats_url=nats_server.url,
+        job="big",
+        model="medium",
+        corpus=str(corpus),
+        staleness_exponent=0.0,
+        outer_momentum=0.9,
+        outer_lr=0.7,
     )
     service = OuterService(settings, asyncio.Event())
     service._build_math()
@@ -35,9 +40,19 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
     payload, description = codec.encode_tensors(pseudo_grad, codec="int8", block_size=256)
     blob = wire.pack_envelope(
         wire.Envelope(
-            kind="pseudo_grad", job="big", unit=0, round=0, fragment=0, base_version=0,
-            inner_steps=10, tokens=1000, train_loss=3.0, codec=description, sent_at=0.0,
-            payload=payload, model="medium",
+            kind="pseudo_grad",
+            job="big",
+            unit=0,
+            round=0,
+            fragment=0,
+            base_version=0,
+            inner_steps=10,
+            tokens=1000,
+            train_loss=3.0,
+            codec=description,
+            sent_at=0.0,
+            payload=payload,
+            model="medium",
         )
     )
 
@@ -65,7 +80,9 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
         sizes = []
         while service.ledger.applied == 0:
             msgs = await sub.fetch(8, timeout=5)
-            sizes += [len(m.data) + sum(len(k) + len(v) for k, v in m.headers.items()) for m in msgs]
+            sizes += [
+                len(m.data) + sum(len(k) + len(v) for k, v in m.headers.items()) for m in msgs
+            ]
             ready = await service._process(js, msgs, reassembler, chunk_msgs)
             if ready:
                 await service._commit(js, ready)

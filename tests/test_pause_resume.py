@@ -19,12 +19,24 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
     gateway = f"http://127.0.0.1:{port}"
     job_flags = ["--nats-url", nats_server.url, "--job", JOB, "--model", "tiny"]
     services.start("outer", "outer", *job_flags, "--eval-every-s", "30")
-    services.start("gateway", "gateway", "--nats-url", nats_server.url, "--job", JOB,
-                   "--port", str(port))
+    services.start(
+        "gateway", "gateway", "--nats-url", nats_server.url, "--job", JOB, "--port", str(port)
+    )
     for unit in range(2):
         services.start(
-            f"learner-{unit}", "learner", *job_flags, "--unit", str(unit), "--num-units", "2",
-            "--max-steps", "100000", "--h-steps", "5", "--status-interval-s", "0.5",
+            f"learner-{unit}",
+            "learner",
+            *job_flags,
+            "--unit",
+            str(unit),
+            "--num-units",
+            "2",
+            "--max-steps",
+            "100000",
+            "--h-steps",
+            "5",
+            "--status-interval-s",
+            "0.5",
         )
     client = httpx.Client(base_url=gateway, timeout=10)
 
@@ -37,7 +49,11 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
 
     def units_published(minimum):
         view = job_view()
-        if view and len(view["units"]) == 2 and all(u["published"] >= minimum for u in view["units"]):
+        if (
+            view
+            and len(view["units"]) == 2
+            and all(u["published"] >= minimum for u in view["units"])
+        ):
             return view
         return None
 
@@ -83,7 +99,7 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
 
         # Unknown units are refused, and nothing is written for them.
         assert client.post(f"/jobs/{JOB}/units/7/pause").status_code == 404
-        assert client.post(f"/jobs/bad%20name/units/0/pause").status_code == 422
+        assert client.post("/jobs/bad%20name/units/0/pause").status_code == 422
     except Exception:
         print(services.logs())
         raise

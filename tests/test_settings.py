@@ -55,7 +55,15 @@ def test_up_help_explains_every_option(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["up", "--help"])
     text = capsys.readouterr().out
-    for flag in ("--learners", "--model", "--max-steps", "--h-steps", "--data-dir",
-                 "--gateway-port", "--max-duration-s", "--codec"):
+    for flag in (
+        "--learners",
+        "--model",
+        "--max-steps",
+        "--h-steps",
+        "--data-dir",
+        "--gateway-port",
+        "--max-duration-s",
+        "--codec",
+    ):
         assert flag in text
     assert "DILOCO_LEARNERS" in text

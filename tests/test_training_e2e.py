@@ -15,8 +15,19 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(nats_server,
     services.start("outer", "outer", *job_flags, "--eval-every-s", "2")
     learners = [
         services.start(
-            f"learner-{unit}", "learner", *job_flags, "--unit", str(unit), "--num-units", "2",
-            "--max-steps", "150", "--h-steps", "10", "--batch-size", "16",
+            f"learner-{unit}",
+            "learner",
+            *job_flags,
+            "--unit",
+            str(unit),
+            "--num-units",
+            "2",
+            "--max-steps",
+            "150",
+            "--h-steps",
+            "10",
+            "--batch-size",
+            "16",
         )
         for unit in range(2)
     ]

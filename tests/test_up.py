@@ -33,24 +33,43 @@ def cluster_processes(data_dir: Path, out_path: Path) -> list[str]:
     """Live processes of one `diloco up` run: nats-server (its config lives in the data dir)
     and every service (their command lines carry the server's unique URL)."""
     url = next(
-        line.split()[1] for line in out_path.read_text().splitlines()
+        line.split()[1]
+        for line in out_path.read_text().splitlines()
         if line.startswith("nats-server")
     )
     return sorted(set(processes_mentioning(str(data_dir)) + processes_mentioning(url + " ")))
 
 
-def start_up(
-    tmp_path: Path, jax_cache: Path, *extra: str
-) -> tuple[subprocess.Popen, Path, Path]:
+def start_up(tmp_path: Path, jax_cache: Path, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
     data_dir = tmp_path / "cluster-data"
     out_path = tmp_path / "up.out"
     env = {**os.environ, "DILOCO_JAX_CACHE": str(jax_cache), "PYTHONUNBUFFERED": "1"}
     with open(out_path, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--data-dir", str(data_dir),
-             "--gateway-port", "0", "--model", "tiny", "--learners", "2",
-             "--progress-every-s", "1", "--eval-every-s", "2", *extra],
-            cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "up",
+                "--data-dir",
+                str(data_dir),
+                "--gateway-port",
+                "0",
+                "--model",
+                "tiny",
+                "--learners",
+                "2",
+                "--progress-every-s",
+                "1",
+                "--eval-every-s",
+                "2",
+                *extra,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
     return process, data_dir, out_path
 
@@ -82,12 +101,16 @@ def test_up_stops_cleanly_on_signal_and_leaves_no_process(tmp_path, jax_cache, s
     try:
         # Wait until training is really under way (a unit reports a step), then interrupt.
         wait_for(
-            lambda: any(" u0 runn" in line and "tok/s" in line and " u1 " in line
-                        for line in out_path.read_text().splitlines()),
-            180, "progress lines from both units",
+            lambda: any(
+                " u0 runn" in line and "tok/s" in line and " u1 " in line
+                for line in out_path.read_text().splitlines()
+            ),
+            180,
+            "progress lines from both units",
         )
-        children = [p for p in cluster_processes(data_dir, out_path)
-                    if not p.startswith(f"{process.pid}:")]
+        children = [
+            p for p in cluster_processes(data_dir, out_path) if not p.startswith(f"{process.pid}:")
+        ]
         assert len(children) == 5, children  # nats-server, outer, gateway, 2 learners
         process.send_signal(signum)
         process.wait(timeout=90)

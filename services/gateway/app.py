@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from typing import Annotated, Any, Literal
 
 import nats.errors
@@ -97,7 +97,7 @@ class NatsLink:
                 self.status_kv = await js.key_value(subjects.STATUS_BUCKET)
                 self.nc = nc
                 return
-            except (TransportError, asyncio.TimeoutError, nats.errors.Error) as err:
+            except (TimeoutError, TransportError, nats.errors.Error) as err:
                 log.warning("gateway cannot reach NATS (%s); retrying in %.1fs", err, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(5.0, backoff * 2)
@@ -110,10 +110,8 @@ class NatsLink:
         if self._task is not None:
             self._task.cancel()
         if self.nc is not None:
-            try:
+            with suppress(TimeoutError, nats.errors.Error):
                 await asyncio.wait_for(self.nc.close(), timeout=5)
-            except (asyncio.TimeoutError, nats.errors.Error):
-                pass
 
 
 def _link(request: Request) -> NatsLink:
@@ -138,10 +136,10 @@ async def _read_status(link: NatsLink, job: str) -> tuple[dict[str, Any] | None,
         keys = []
     prefix = subjects.unit_status_key(job, 0)[:-1]
     for key in keys:
-        if key.startswith(prefix) and key[len(prefix):].isdigit():
+        if key.startswith(prefix) and key[len(prefix) :].isdigit():
             status = await transport.get_json(link.status_kv, key)
             if status is not None:
-                units[int(key[len(prefix):])] = status
+                units[int(key[len(prefix) :])] = status
     return outer, units
 
 
@@ -195,7 +193,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         for unit, status in sorted(units.items()):
             age = now - status.get("time", 0)
             lost = age > settings.heartbeat_timeout_s and status.get("state") not in (
-                "finished", "stopped"
+                "finished",
+                "stopped",
             )
             views.append(
                 UnitView(

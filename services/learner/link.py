@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -170,12 +171,13 @@ class LearnerLink:
         await asyncio.gather(*tasks[1:], return_exceptions=True)
         try:
             await transport.put_status(
-                status_kv, subjects.unit_status_key(self.settings.job, self.settings.unit),
+                status_kv,
+                subjects.unit_status_key(self.settings.job, self.settings.unit),
                 self._status_record(),
             )
             await sub.unsubscribe()
             await asyncio.wait_for(nc.close(), timeout=5)
-        except (asyncio.TimeoutError, nats.errors.Error) as err:
+        except (TimeoutError, nats.errors.Error) as err:
             log.warning("closing NATS: %s", err)
 
     async def _on_disconnect(self) -> None:
@@ -189,7 +191,7 @@ class LearnerLink:
         while True:
             try:
                 return await make_call()
-            except (asyncio.TimeoutError, nats.errors.Error, TransportError) as err:
+            except (TimeoutError, nats.errors.Error, TransportError) as err:
                 self.last_error = f"{what}: {err}"
                 log.warning("%s failed (%s); retrying in %.1fs", what, err, backoff)
                 await asyncio.sleep(backoff)
@@ -217,18 +219,14 @@ class LearnerLink:
                 if self._stopping.is_set():
                     return
                 self._queue_changed.clear()
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._queue_changed.wait(), timeout=1.0)
-                except asyncio.TimeoutError:
-                    pass
                 continue
             if self._stopping.is_set() and time.monotonic() > self._flush_deadline:
                 log.warning("flush deadline passed with %d uploads unsent", self.unsent())
                 return
             try:
-                blob = await asyncio.get_running_loop().run_in_executor(
-                    None, self._encode, upload
-                )
+                blob = await asyncio.get_running_loop().run_in_executor(None, self._encode, upload)
                 upload_id = wire.upload_id(self.settings.job, self.settings.unit, upload.round, 0)
                 await transport.publish_blob(
                     js,
@@ -243,7 +241,7 @@ class LearnerLink:
                 self.last_error = f"round {upload.round} not sent: {err}"
                 self._finish(upload, "rejected_local")
                 continue
-            except (TransportError, asyncio.TimeoutError, nats.errors.Error) as err:
+            except (TimeoutError, TransportError, nats.errors.Error) as err:
                 self.last_error = f"publish round {upload.round}: {err}"
                 log.warning("%s; retrying in %.1fs", self.last_error, backoff)
                 await asyncio.sleep(backoff)
@@ -305,13 +303,11 @@ class LearnerLink:
                 self.counters["params_rejected"] += 1
                 self.last_error = f"bad global params: {err}"
                 log.error(self.last_error)
-            except (TransportError, asyncio.TimeoutError, nats.errors.Error) as err:
+            except (TimeoutError, TransportError, nats.errors.Error) as err:
                 log.info("params fetch: %r", err)
             head_seen.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(head_seen.wait(), timeout=PARAMS_POLL_S)
-            except asyncio.TimeoutError:
-                pass
 
     async def _desired_poller(self, desired_kv: Any) -> None:
         key = subjects.desired_key(self.settings.job, self.settings.unit)
@@ -322,7 +318,7 @@ class LearnerLink:
                 if state in ("running", "paused") and state != self.desired_state:
                     log.info("desired state of unit %d: %s", self.settings.unit, state)
                     self.desired_state = state
-            except (asyncio.TimeoutError, nats.errors.Error, ValueError) as err:
+            except (TimeoutError, nats.errors.Error, ValueError) as err:
                 log.info("desired-state poll: %r", err)
             await asyncio.sleep(DESIRED_POLL_S)
 
@@ -331,6 +327,6 @@ class LearnerLink:
         while True:
             try:
                 await transport.put_status(status_kv, key, self._status_record())
-            except (asyncio.TimeoutError, nats.errors.Error) as err:
+            except (TimeoutError, nats.errors.Error) as err:
                 log.info("heartbeat: %r", err)
             await asyncio.sleep(self.settings.status_interval_s)

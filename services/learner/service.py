@@ -39,7 +39,9 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         data.load_corpus(settings.corpus, settings.corpus_max_bytes), settings.heldout_fraction
     )
     shard = data.shard_for_unit(corpus.train, settings.unit, settings.num_units)
-    sampler = data.BatchSampler(shard, cfg.seq_len, settings.batch_size, settings.seed, settings.unit)
+    sampler = data.BatchSampler(
+        shard, cfg.seq_len, settings.batch_size, settings.seed, settings.unit
+    )
 
     # Every unit and the outer build the same version-0 params from the job seed, so a unit can
     # start training before it has heard from the outer (no start-up barrier either).
@@ -140,8 +142,12 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         state, pseudo_grad = trainer.take_pseudo_gradient(state)
         link.submit(
             PendingUpload(
-                round_index, base_version, steps_since_upload, tokens_since_upload,
-                loss_sum / steps_since_upload, pytree.flatten_named(pseudo_grad),
+                round_index,
+                base_version,
+                steps_since_upload,
+                tokens_since_upload,
+                loss_sum / steps_since_upload,
+                pytree.flatten_named(pseudo_grad),
             )
         )
         round_index += 1

@@ -16,9 +16,9 @@ class LearnerSettings(JobSettings):
     inner_lr: float = Field(3e-3, gt=0, le=1.0, description="peak AdamW learning rate")
     warmup_steps: int = Field(50, ge=0, description="linear warm-up steps of the inner LR")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
-    max_steps: int = Field(600, ge=1, description="inner steps this unit trains (cosine horizon)")
+    max_steps: int = Field(300, ge=1, description="inner steps this unit trains (cosine horizon)")
     h_steps: int = Field(
-        50, ge=1, description="inner steps between two pseudo-gradient uploads (H)"
+        30, ge=1, description="inner steps between two pseudo-gradient uploads (H)"
     )
     codec: str = Field("int8", description="pseudo-gradient codec: int8 or fp32")
     block_size: int = Field(256, ge=8, le=1 << 20, description="quantization block size")

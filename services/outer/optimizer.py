@@ -39,7 +39,9 @@ def staleness_weight(staleness: int, exponent: float) -> float:
 
 def nesterov_outer(lr: float, momentum: float) -> optax.GradientTransformation:
     """SGD with Nesterov momentum, as DiLoCo's outer optimizer (lr 0.7, β 0.9 by default)."""
-    return optax.sgd(learning_rate=lr, momentum=momentum if momentum > 0 else None, nesterov=momentum > 0)
+    return optax.sgd(
+        learning_rate=lr, momentum=momentum if momentum > 0 else None, nesterov=momentum > 0
+    )
 
 
 def make_outer_step(optimizer: optax.GradientTransformation):
@@ -54,7 +56,9 @@ def make_outer_step(optimizer: optax.GradientTransformation):
     return step
 
 
-def init_outer(optimizer: optax.GradientTransformation, params: Any, version: int = 0) -> OuterState:
+def init_outer(
+    optimizer: optax.GradientTransformation, params: Any, version: int = 0
+) -> OuterState:
     """Outer state at ``version`` with zero momentum."""
     params = jax.tree_util.tree_map(jnp.asarray, params)
     return OuterState(params, optimizer.init(params), version)

@@ -182,7 +182,7 @@ class OuterService:
             while not self.stop.is_set():
                 try:
                     msgs = await sub.fetch(self.settings.fetch_batch, timeout=1.0)
-                except (asyncio.TimeoutError, nats.errors.TimeoutError):
+                except (TimeoutError, nats.errors.TimeoutError):
                     msgs = []
                 except nats.errors.Error as err:
                     log.info("fetch: %r", err)
@@ -205,7 +205,7 @@ class OuterService:
                     status_kv, subjects.outer_status_key(self.settings.job), self.status_record()
                 )
                 await asyncio.wait_for(nc.close(), timeout=5)
-            except (asyncio.TimeoutError, nats.errors.Error) as err:
+            except (TimeoutError, nats.errors.Error) as err:
                 log.warning("closing NATS: %s", err)
         return self.status_record()
 
@@ -237,9 +237,7 @@ class OuterService:
             except wire.WireError as err:
                 reassembler.discard(info.upload)
                 self.rejected_uploads.add(info.upload)
-                await self._reject(
-                    js, chunk_msgs.pop(info.upload), Rejected("bad_chunk", str(err))
-                )
+                await self._reject(js, chunk_msgs.pop(info.upload), Rejected("bad_chunk", str(err)))
                 continue
             for evicted in self._drain_evicted(reassembler):
                 await self._reject(
@@ -305,7 +303,9 @@ class OuterService:
 
         # Synchronous DiLoCo averages K pseudo-gradients before one outer step; applying each
         # arrival alone, the 1/K factor moves the params about as far per cycle of K arrivals.
-        weight = staleness_weight(staleness, self.settings.staleness_exponent) / self.settings.num_units
+        weight = (
+            staleness_weight(staleness, self.settings.staleness_exponent) / self.settings.num_units
+        )
         params, opt_state = self.outer_step(
             self.state.params, self.state.opt_state, pseudo_grad, np.float32(weight)
         )
@@ -327,7 +327,7 @@ class OuterService:
             try:
                 await self._publish(js)
                 break
-            except (TransportError, asyncio.TimeoutError, nats.errors.Error) as err:
+            except (TimeoutError, TransportError, nats.errors.Error) as err:
                 if self.stop.is_set():
                     # Not acked, so JetStream redelivers these uploads to the next outer.
                     log.warning("stopping before version %d was published", self.state.version)
@@ -360,7 +360,10 @@ class OuterService:
         )
         nc = js._nc
         await transport.publish_params(
-            js, self.settings.job, self.state.version, wire.pack_envelope(envelope),
+            js,
+            self.settings.job,
+            self.state.version,
+            wire.pack_envelope(envelope),
             transport.chunk_size_for(nc),
         )
 
@@ -392,7 +395,9 @@ class OuterService:
         del self.eval_history[:-EVAL_HISTORY]
         log.info(
             "eval v%d: %.4f nats/byte (%.4f bits/byte)",
-            version, result.nats_per_byte, result.bits_per_byte,
+            version,
+            result.nats_per_byte,
+            result.bits_per_byte,
         )
         return record
 
@@ -419,6 +424,6 @@ class OuterService:
         while True:
             try:
                 await transport.put_status(status_kv, key, self.status_record())
-            except (asyncio.TimeoutError, nats.errors.Error) as err:
+            except (TimeoutError, nats.errors.Error) as err:
                 log.info("heartbeat: %r", err)
             await asyncio.sleep(self.settings.status_interval_s)
