@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,7 +50,9 @@ class UpSettings(BaseSettings):
     seed: int = Field(0, ge=0, description="seed of init and data order")
     corpus: str | None = Field(None, description="text file or folder (default: Python stdlib)")
     corpus_max_bytes: int | None = Field(None, gt=0, description="cap on corpus bytes")
-    data_dir: str = Field("data", description="folder for NATS storage, logs and caches")
+    data_dir: str = Field(
+        "data", description="folder for logs, the JAX cache and the NATS store (emptied at start)"
+    )
     gateway_port: int = Field(8000, ge=0, le=65535, description="gateway HTTP port (0 = free)")
     nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0 = free)")
     eval_every_s: float = Field(10.0, gt=0, description="seconds between held-out evals")
@@ -128,10 +131,15 @@ class Cluster:
         """Start nats-server, the outer, the gateway and the learners."""
         s = self.settings
         data_dir = Path(s.data_dir)
+        store = data_dir / "nats"
+        if store.exists():
+            # Each run is a fresh job: learners number their rounds from 0, and JetStream would
+            # drop a new run's uploads as duplicates of the last run's within its dedupe window.
+            shutil.rmtree(store)
         self.server = broker.start_nats_server(
-            data_dir / "nats", port=s.nats_port, new_session=True, die_with_parent=True
+            store, port=s.nats_port, new_session=True, die_with_parent=True
         )
-        self.print(f"nats-server  {self.nats_url}  (store {data_dir / 'nats'})")
+        self.print(f"nats-server  {self.nats_url}  (fresh JetStream store {store})")
         cache_env = {"DILOCO_JAX_CACHE": str((data_dir / "jax-cache").resolve())}
         self.services.append(
             self._spawn(
@@ -305,6 +313,13 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> dict[str, Any]:
                 if code not in (None, 0) and child.name not in reported_dead:
                     reported_dead.add(child.name)
                     cluster.print(f"{child.name} exited with code {code}; see {child.log_path}")
+            # A lost learner never stops the others; without the outer or NATS nothing can go on.
+            failed = [c.name for c in cluster.services if not c.alive()]
+            if cluster.server is not None and not cluster.server.alive():
+                failed.append("nats-server")
+            if failed:
+                reason = f"stopped: {', '.join(failed)} exited"
+                break
             if run_is_complete(cluster, outer, units):
                 reason = "finished"
                 break

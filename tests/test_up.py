@@ -119,3 +119,24 @@ def test_up_stops_cleanly_on_signal_and_leaves_no_process(tmp_path, jax_cache, s
             process.kill()
     assert "all services stopped" in out_path.read_text()
     assert cluster_processes(data_dir, out_path) == []
+
+
+@pytest.mark.timeout(300)
+def test_up_ends_with_an_error_when_the_outer_dies_and_cleans_up(tmp_path, jax_cache):
+    process, data_dir, out_path = start_up(tmp_path, jax_cache, "--max-steps", "100000")
+    try:
+        wait_for(
+            lambda: any(" u0 runn" in line for line in out_path.read_text().splitlines()),
+            180,
+            "unit 0 to be running",
+        )
+        outer = next(p for p in cluster_processes(data_dir, out_path) if " outer " in p)
+        os.kill(int(outer.split(":")[0]), signal.SIGKILL)
+        assert process.wait(timeout=90) == 1
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = out_path.read_text()
+    assert "stopped: outer exited" in output, output
+    assert "all services stopped" in output
+    assert cluster_processes(data_dir, out_path) == []
