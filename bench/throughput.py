@@ -95,7 +95,8 @@ def main() -> None:
         f"`{command.strip()}` — `diloco up` with model `{args.model}`, "
         f"{args.max_steps} inner steps per unit, H={args.h_steps}, on this machine "
         f"({os.cpu_count()} cores). Tokens/s are summed over all units from the first inner "
-        "step to the last; the ratio is to the first row, measured in the same run.",
+        "step to the last; the ratio is to the first row, measured in the same run. The eval "
+        "column is not a quality comparison: a single learner trains on a quarter of the tokens.",
         "",
         "| configuration | tokens/s | ratio | final eval (nats/byte) |",
         "|---|---|---|---|",
