@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast lint format clean
+.PHONY: install run test test-fast lint format clean bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ test: $(STAMP)  ## the whole test suite (unit, integration and slow tiers)
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)  ## the benchmarks that write BENCHMARKS.md (quality: ~20 min on 2 cores)
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python bench/quality.py --write
+	$(BIN)/python bench/throughput.py --write
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -5,8 +5,9 @@
     diloco outer     run the outer optimizer of a job
     diloco gateway   run the REST gateway
 
-Every option is also an environment variable ``DILOCO_<NAME>``; ``diloco <command> --help``
-lists them. docker-compose runs these same commands.
+Every option is also an environment variable ``DILOCO_<NAME>`` and a key of the job
+configuration file given with ``--config job.toml``; flags win over the environment, which wins
+over the file. ``diloco <command> --help`` lists them. docker-compose runs these same commands.
 """
 
 from __future__ import annotations
@@ -14,27 +15,47 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import threading
 
 from shared.runtime import setup_logging
-from shared.settings import SettingsError, add_settings_arguments, settings_from_args
+from shared.settings import (
+    SettingsError,
+    add_settings_arguments,
+    load_config_file,
+    settings_from_args,
+)
 
 log = logging.getLogger("diloco")
+
+
+def _settings(cls, args: argparse.Namespace):
+    """Settings of one command from its flags, the environment and the config file."""
+    from services.cluster import UpSettings
+    from services.gateway.settings import GatewaySettings
+    from services.learner.settings import LearnerSettings
+    from services.outer.settings import OuterSettings
+
+    known = set()
+    for settings_cls in (UpSettings, LearnerSettings, OuterSettings, GatewaySettings):
+        known |= set(settings_cls.model_fields)
+    config = load_config_file(args.config or os.environ.get("DILOCO_CONFIG"))
+    return settings_from_args(cls, args, config, known)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
     from services.cluster import UpSettings, run_up
 
-    return run_up(settings_from_args(UpSettings, args))
+    return run_up(_settings(UpSettings, args))
 
 
 def _cmd_learner(args: argparse.Namespace) -> int:
     from services.learner.service import install_stop_signals, run_learner
     from services.learner.settings import LearnerSettings
 
-    settings = settings_from_args(LearnerSettings, args)
+    settings = _settings(LearnerSettings, args)
     setup_logging(args.log_level, f"learner-{settings.unit}")
     stop = threading.Event()
     install_stop_signals(stop)
@@ -46,7 +67,7 @@ def _cmd_outer(args: argparse.Namespace) -> int:
     from services.outer.service import OuterService
     from services.outer.settings import OuterSettings
 
-    settings = settings_from_args(OuterSettings, args)
+    settings = _settings(OuterSettings, args)
     setup_logging(args.log_level, "outer")
 
     async def main() -> None:
@@ -66,7 +87,7 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     from services.gateway.app import create_app
     from services.gateway.settings import GatewaySettings
 
-    settings = settings_from_args(GatewaySettings, args)
+    settings = _settings(GatewaySettings, args)
     setup_logging(args.log_level, "gateway")
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning")
     return 0
@@ -100,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
         add_settings_arguments(sub, settings_cls)
         sub.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+        sub.add_argument(
+            "--config",
+            metavar="FILE",
+            help="job configuration file (TOML, keys = option names) [env DILOCO_CONFIG]",
+        )
         sub.set_defaults(handler=handler)
     return parser
 

@@ -23,33 +23,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
 
+from services.learner.settings import InnerSettings
+from services.outer.settings import OuterAlgorithmSettings
 from shared import broker, subjects, transport
-from shared.settings import ENV_PREFIX, NatsSettings
+from shared.settings import ENV_PREFIX, JobSpec, NatsSettings, to_flags
 
 STOP_GRACE_S = 30.0
 
 
-class UpSettings(BaseSettings):
-    """Options of ``diloco up`` (each also settable as ``DILOCO_<NAME>``)."""
+class UpSettings(JobSpec, InnerSettings, OuterAlgorithmSettings):
+    """Options of ``diloco up``: the job, every learner and outer option (passed on to the
+    services), and the local cluster's own (each also settable as ``DILOCO_<NAME>``)."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     learners: int = Field(4, ge=1, le=64, description="number of learner units to start")
-    job: str = Field("demo", description="job name")
-    model: str = Field("small", description="model size: tiny, small, medium or large")
-    max_steps: int = Field(300, ge=1, description="inner steps per unit before the run ends")
-    h_steps: int = Field(30, ge=1, description="inner steps between uploads (H)")
-    batch_size: int = Field(16, ge=1, description="sequences per inner step")
-    inner_lr: float = Field(3e-3, gt=0, description="peak inner AdamW learning rate")
-    outer_lr: float = Field(0.7, gt=0, description="outer Nesterov learning rate")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer Nesterov momentum")
-    codec: str = Field("int8", description="pseudo-gradient codec: int8 or fp32")
-    seed: int = Field(0, ge=0, description="seed of init and data order")
-    corpus: str | None = Field(None, description="text file or folder (default: Python stdlib)")
-    corpus_max_bytes: int | None = Field(None, gt=0, description="cap on corpus bytes")
+    slowdowns: str = Field(
+        "",
+        description="comma-separated slowdown factor per unit, e.g. 1,1,2,4 (emulates "
+        "heterogeneous hardware; the token budget is shared in proportion to speed)",
+    )
     data_dir: str = Field(
         "data", description="folder for logs, the JAX cache and the NATS store (emptied at start)"
     )
@@ -63,6 +59,36 @@ class UpSettings(BaseSettings):
     learner_threads: int = Field(
         1, ge=1, le=64, description="CPU threads each learner's XLA may use"
     )
+
+    def unit_steps(self) -> list[int]:
+        """Inner steps of each unit: the job's budget (learners × max-steps) shared in proportion
+        to speed, so that slow units do less of it and every unit finishes at about the same
+        time (with equal speeds: max-steps each)."""
+        speeds = [1.0 / f for f in self.unit_slowdowns()]
+        total = self.learners * self.max_steps
+        return [max(1, round(total * v / sum(speeds))) for v in speeds]
+
+    def unit_slowdowns(self) -> list[float]:
+        """The slowdown factor of each unit."""
+        if not self.slowdowns.strip():
+            return [1.0] * self.learners
+        return [float(x) for x in self.slowdowns.split(",")]
+
+    @model_validator(mode="after")
+    def _check_up(self) -> UpSettings:
+        try:
+            factors = self.unit_slowdowns()
+        except ValueError:
+            raise ValueError(
+                f"slowdowns must be numbers like 1,1,2,4, got {self.slowdowns!r}"
+            ) from None
+        if len(factors) != self.learners or any(not 1 <= f <= 100 for f in factors):
+            raise ValueError(
+                f"slowdowns needs {self.learners} factors in [1, 100], got {self.slowdowns!r}"
+            )
+        if self.min_quorum > self.learners:
+            raise ValueError(f"min-quorum {self.min_quorum} > learners {self.learners}")
+        return self
 
 
 @dataclass
@@ -110,22 +136,8 @@ class Cluster:
         return Child(name, process, log_path)
 
     def job_flags(self) -> list[str]:
-        s = self.settings
-        flags = [
-            "--nats-url",
-            self.nats_url,
-            "--job",
-            s.job,
-            "--model",
-            s.model,
-            "--seed",
-            str(s.seed),
-        ]
-        if s.corpus:
-            flags += ["--corpus", s.corpus]
-        if s.corpus_max_bytes:
-            flags += ["--corpus-max-bytes", str(s.corpus_max_bytes)]
-        return flags
+        """Flags every service of the job gets: NATS URL and the job definition."""
+        return ["--nats-url", self.nats_url, *to_flags(self.settings, JobSpec.model_fields)]
 
     def start(self) -> None:
         """Start nats-server, the outer, the gateway and the learners."""
@@ -141,6 +153,7 @@ class Cluster:
         )
         self.print(f"nats-server  {self.nats_url}  (fresh JetStream store {store})")
         cache_env = {"DILOCO_JAX_CACHE": str((data_dir / "jax-cache").resolve())}
+        outer_flags = to_flags(s, OuterAlgorithmSettings.model_fields)
         self.services.append(
             self._spawn(
                 "outer",
@@ -149,10 +162,7 @@ class Cluster:
                     *self.job_flags(),
                     "--num-units",
                     str(s.learners),
-                    "--outer-lr",
-                    str(s.outer_lr),
-                    "--outer-momentum",
-                    str(s.outer_momentum),
+                    *outer_flags,
                     "--eval-every-s",
                     str(s.eval_every_s),
                 ],
@@ -176,7 +186,10 @@ class Cluster:
             f"intra_op_parallelism_threads={threads}",
             "OMP_NUM_THREADS": str(threads),
         }
-        for unit in range(s.learners):
+        inner_flags = to_flags(s, set(InnerSettings.model_fields) - {"max_steps"})
+        for unit, (slowdown, steps) in enumerate(
+            zip(s.unit_slowdowns(), s.unit_steps(), strict=True)
+        ):
             self.learners.append(
                 self._spawn(
                     f"learner-{unit}",
@@ -187,16 +200,11 @@ class Cluster:
                         str(unit),
                         "--num-units",
                         str(s.learners),
+                        "--slowdown",
+                        str(slowdown),
                         "--max-steps",
-                        str(s.max_steps),
-                        "--h-steps",
-                        str(s.h_steps),
-                        "--batch-size",
-                        str(s.batch_size),
-                        "--inner-lr",
-                        str(s.inner_lr),
-                        "--codec",
-                        s.codec,
+                        str(steps),
+                        *inner_flags,
                     ],
                     learner_env,
                 )
@@ -350,6 +358,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"global version      {outer.get('version', '-')}"
         f"  ({outer.get('applied', 0)} pseudo-gradients applied,"
         f" rejected {outer.get('rejected') or {}})",
+        f"outer merges        {outer.get('merges', 0)}  (staleness of applied updates: "
+        f"{outer.get('staleness') or {}})",
         f"tokens applied      {outer.get('tokens_applied', 0):,}",
         f"training throughput {_fmt(result.get('tokens_per_s'), ',.0f')} tokens/s (all units)",
         f"held-out eval loss  {_fmt(init.get('nats_per_byte'), '.4f')} -> "

@@ -18,9 +18,9 @@ class PytreeMismatchError(ValueError):
 
 
 def flatten_named(tree: Any) -> dict[str, np.ndarray]:
-    """Return ``{key path: float32 numpy array}`` for every leaf of ``tree``."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {jax.tree_util.keystr(path): np.asarray(leaf, dtype=np.float32) for path, leaf in leaves}
+    """Return ``{key path: float32 numpy array}`` (writable copies) for every leaf of ``tree``."""
+    leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(tree))[0]
+    return {jax.tree_util.keystr(path): np.array(leaf, dtype=np.float32) for path, leaf in leaves}
 
 
 def unflatten_named(template: Any, named: Mapping[str, np.ndarray]) -> Any:

@@ -9,7 +9,10 @@ list, the environment variables and ``--help`` can never drift apart.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import tomllib
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
@@ -49,8 +52,10 @@ class NatsSettings(BaseSettings):
         return [url.strip() for url in self.nats_url.split(",")]
 
 
-class JobSettings(NatsSettings):
-    """What defines a training job; learner and outer must agree on all of it."""
+class JobSpec(BaseSettings):
+    """What defines a training job; every learner and the outer of a job must agree on it."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     job: str = Field("demo", description="job name (letters, digits, '_' and '-')")
     model: str = Field("small", description="model size: tiny, small, medium or large")
@@ -64,6 +69,9 @@ class JobSettings(NatsSettings):
     )
     heldout_fraction: float = Field(
         0.02, gt=0, lt=0.5, description="tail share of the corpus held out for eval loss"
+    )
+    fragments: int = Field(
+        1, ge=1, le=64, description="parameter fragments synced on staggered schedules (P)"
     )
 
     @field_validator("job")
@@ -81,6 +89,10 @@ class JobSettings(NatsSettings):
         if value not in SIZES:
             raise ValueError(f"unknown model size {value!r}; choose one of {sorted(SIZES)}")
         return value
+
+
+class JobSettings(NatsSettings, JobSpec):
+    """A service of one job: NATS connection plus the job's definition."""
 
 
 SettingsT = TypeVar("SettingsT", bound=BaseModel)
@@ -114,16 +126,57 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseModel]
             )
 
 
+def load_config_file(path: str | None) -> dict[str, Any]:
+    """Read a job configuration file (TOML, flat ``name = value`` keys, ``-`` or ``_``).
+
+    Raises:
+        SettingsError: when the file cannot be read or parsed.
+    """
+    if not path:
+        return {}
+    try:
+        with open(path, "rb") as handle:
+            raw = tomllib.load(handle)
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise SettingsError(f"cannot read config file {path}: {err}") from None
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():
+        if isinstance(value, dict):  # [sections] are only for readability
+            flat.update({k.replace("-", "_"): v for k, v in value.items()})
+        else:
+            flat[key.replace("-", "_")] = value
+    return flat
+
+
 def settings_from_args(
-    cls: type[SettingsT], args: argparse.Namespace | dict[str, Any]
+    cls: type[SettingsT],
+    args: argparse.Namespace | dict[str, Any],
+    config: dict[str, Any] | None = None,
+    known_keys: set[str] | None = None,
 ) -> SettingsT:
-    """Build a settings object from parsed flags (plus environment and defaults).
+    """Build a settings object: flags > environment > config file > defaults.
+
+    Args:
+        cls: the settings class.
+        args: parsed flags (only flags the user gave are present).
+        config: values from a job configuration file (``load_config_file``).
+        known_keys: every key any service accepts; config keys outside it are an error
+            (a typo must not be silently ignored). Defaults to the fields of ``cls``.
 
     Raises:
         SettingsError: naming every invalid flag, its value and what is expected.
     """
     given = vars(args) if isinstance(args, argparse.Namespace) else dict(args)
-    kwargs = {name: given[name] for name in cls.model_fields if name in given}
+    config = config or {}
+    unknown = sorted(set(config) - (known_keys or set(cls.model_fields)))
+    if unknown:
+        raise SettingsError(f"unknown keys in the config file: {', '.join(unknown)}")
+    kwargs = {
+        name: value
+        for name, value in config.items()
+        if name in cls.model_fields and ENV_PREFIX + name.upper() not in os.environ
+    }
+    kwargs.update({name: given[name] for name in cls.model_fields if name in given})
     try:
         return cls(**kwargs)
     except ValidationError as err:
@@ -131,20 +184,16 @@ def settings_from_args(
         for item in err.errors():
             name = str(item["loc"][0]) if item["loc"] else "?"
             value = item.get("input")
-            problems.append(
-                f"{_flag(name)} (env {ENV_PREFIX}{name.upper()}) = {value!r}: {item['msg']}"
-            )
+            where = f"{_flag(name)} (env {ENV_PREFIX}{name.upper()})" if item["loc"] else "settings"
+            problems.append(f"{where} = {value!r}: {item['msg']}")
         raise SettingsError("invalid settings:\n  " + "\n  ".join(problems)) from None
 
 
-def to_flags(settings: BaseModel, exclude: set[str] | None = None) -> list[str]:
-    """Render settings back into CLI flags (how ``diloco up`` configures its child processes)."""
+def to_flags(settings: BaseModel, fields: Iterable[str]) -> list[str]:
+    """Render the given fields of ``settings`` as CLI flags (how ``diloco up`` configures its
+    child processes). None values are left out; booleans become ``--x``/``--no-x``."""
     flags: list[str] = []
-    for name in settings.model_fields_set | {
-        n for n, f in type(settings).model_fields.items() if getattr(settings, n) != f.default
-    }:
-        if exclude and name in exclude:
-            continue
+    for name in fields:
         value = getattr(settings, name)
         if value is None:
             continue

@@ -6,8 +6,8 @@ it) and so that no service spells a subject by hand.
 Layout for a job ``J``::
 
     diloco.J.grads.<unit>          stream DILOCO_GRADS   pseudo-gradient chunks (work queue)
-    diloco.J.params.head           stream DILOCO_PARAMS  small pointer to the newest global version
-    diloco.J.params.chunk.<i>      stream DILOCO_PARAMS  chunk i of the newest global params
+    diloco.J.params.<p>.head       stream DILOCO_PARAMS  pointer to fragment p's newest version
+    diloco.J.params.<p>.chunk.<i>  stream DILOCO_PARAMS  chunk i of fragment p's newest params
     diloco.J.dead                  stream DILOCO_DEAD    rejected messages with the reason
     KV diloco_desired  J.<unit>    desired unit state, written by the gateway
     KV diloco_status   J.unit.<u>  heartbeat + status of a learner unit
@@ -37,14 +37,15 @@ def grads_filter(job: str) -> str:
     return f"diloco.{job}.grads.>"
 
 
-def params_head_subject(job: str) -> str:
-    """Subject of the small message that announces the newest global version."""
-    return f"diloco.{job}.params.head"
+def params_head_subject(job: str, fragment: int | str) -> str:
+    """Subject of the small message announcing fragment ``fragment``'s newest version
+    (``"*"`` for every fragment)."""
+    return f"diloco.{job}.params.{fragment}.head"
 
 
-def params_chunk_subject(job: str, index: int) -> str:
-    """Subject holding chunk ``index`` of the newest global parameters (last value only)."""
-    return f"diloco.{job}.params.chunk.{index}"
+def params_chunk_subject(job: str, fragment: int, index: int) -> str:
+    """Subject holding chunk ``index`` of a fragment's newest global params (last value)."""
+    return f"diloco.{job}.params.{fragment}.chunk.{index}"
 
 
 def dead_letter_subject(job: str) -> str:

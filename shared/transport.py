@@ -190,31 +190,33 @@ async def publish_blob(
 
 
 async def publish_params(
-    js: JetStreamContext, job: str, version: int, blob: bytes, chunk_size: int
+    js: JetStreamContext, job: str, fragment: int, version: int, blob: bytes, chunk_size: int
 ) -> None:
-    """Publish a global parameter set: chunks first, then the head that points at them.
+    """Publish a fragment's global params: chunks first, then the head that points at them.
 
     The params stream keeps one message per subject, so the newest version replaces the old one
     and a unit that starts late reads the newest (last-value semantics).
     """
-    upload = upload_id(job, -1, version, 0)
+    upload = upload_id(job, -1, version, fragment)
     count = await publish_blob(
-        js, lambda i: subjects.params_chunk_subject(job, i), blob, upload, chunk_size
+        js, lambda i: subjects.params_chunk_subject(job, fragment, i), blob, upload, chunk_size
     )
     head = json.dumps({"version": version, "upload": upload, "chunks": count, "size": len(blob)})
     await js.publish(
-        subjects.params_head_subject(job),
+        subjects.params_head_subject(job, fragment),
         head.encode(),
         headers={"Nats-Msg-Id": f"{upload}:head"},
         timeout=PUBLISH_TIMEOUT_S,
     )
 
 
-async def read_params_head(js: JetStreamContext, job: str) -> dict[str, Any] | None:
-    """Return the newest params head (``{"version", "upload", "chunks", "size"}``) or None."""
+async def read_params_head(
+    js: JetStreamContext, job: str, fragment: int
+) -> dict[str, Any] | None:
+    """Return a fragment's newest params head (``{"version", "upload", "chunks", "size"}``)."""
     try:
         msg = await js.get_last_msg(
-            subjects.PARAMS_STREAM, subjects.params_head_subject(job), direct=True
+            subjects.PARAMS_STREAM, subjects.params_head_subject(job, fragment), direct=True
         )
     except nats.js.errors.NotFoundError:
         return None
@@ -225,9 +227,9 @@ async def read_params_head(js: JetStreamContext, job: str) -> dict[str, Any] | N
 
 
 async def read_latest_params(
-    js: JetStreamContext, job: str, max_bytes: int, attempts: int = 5
+    js: JetStreamContext, job: str, fragment: int, max_bytes: int, attempts: int = 5
 ) -> tuple[int, bytes] | None:
-    """Fetch the newest global parameter blob: ``(version, blob)``, or None if none exists yet.
+    """Fetch a fragment's newest global params blob: ``(version, blob)``, or None if none yet.
 
     A newer version may overwrite chunks while we read; every chunk names its upload, so a torn
     read is detected and retried against the new head.
@@ -237,7 +239,7 @@ async def read_latest_params(
         WireError: if the stored data is malformed.
     """
     for _ in range(attempts):
-        head = await read_params_head(js, job)
+        head = await read_params_head(js, job, fragment)
         if head is None:
             return None
         reassembler = Reassembler(max_upload_bytes=max_bytes, max_pending_uploads=1)
@@ -245,7 +247,9 @@ async def read_latest_params(
         torn = False
         for index in range(int(head["chunks"])):
             msg = await js.get_last_msg(
-                subjects.PARAMS_STREAM, subjects.params_chunk_subject(job, index), direct=True
+                subjects.PARAMS_STREAM,
+                subjects.params_chunk_subject(job, fragment, index),
+                direct=True,
             )
             info = parse_chunk_headers(msg.headers)
             if info.upload != head["upload"]:
@@ -255,7 +259,7 @@ async def read_latest_params(
         if not torn and blob is not None:
             return int(head["version"]), blob
         await asyncio.sleep(0.05)
-    raise TransportError(f"could not read a consistent params set for job {job}")
+    raise TransportError(f"could not read consistent params of job {job} fragment {fragment}")
 
 
 async def put_status(kv: Any, key: str, status: dict[str, Any]) -> None:

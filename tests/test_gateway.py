@@ -11,9 +11,7 @@ from tests.conftest import wait_for
 
 def start_gateway(services, nats_url: str) -> httpx.Client:
     port = free_port()
-    services.start(
-        "gateway", "gateway", "--nats-url", nats_url, "--job", "g", "--port", str(port)
-    )
+    services.start("gateway", "gateway", "--nats-url", nats_url, "--job", "g", "--port", str(port))
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
 
     def up():

@@ -18,7 +18,7 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
     port = free_port()
     gateway = f"http://127.0.0.1:{port}"
     job_flags = ["--nats-url", nats_server.url, "--job", JOB, "--model", "tiny"]
-    services.start("outer", "outer", *job_flags, "--eval-every-s", "30")
+    services.start("outer", "outer", *job_flags, "--num-units", "2", "--eval-every-s", "30")
     services.start(
         "gateway", "gateway", "--nats-url", nats_server.url, "--job", JOB, "--port", str(port)
     )

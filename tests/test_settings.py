@@ -67,3 +67,83 @@ def test_up_help_explains_every_option(capsys):
     ):
         assert flag in text
     assert "DILOCO_LEARNERS" in text
+
+
+def test_config_file_sets_options_and_flags_and_env_win(tmp_path, monkeypatch):
+    from services.outer.settings import OuterSettings
+    from shared.settings import load_config_file
+
+    config = tmp_path / "job.toml"
+    config.write_text(
+        '[job]\nmodel = "tiny"\nfragments = 2\n[outer]\nmerge-policy = "each"\n'
+        "outer_lr = 0.5\nmin_quorum = 1\n[learner]\nh_steps = 7\n"
+    )
+    monkeypatch.setenv("DILOCO_OUTER_LR", "0.3")
+    values = load_config_file(str(config))
+    known = set(OuterSettings.model_fields) | set(LearnerSettings.model_fields)
+    outer = settings_from_args(OuterSettings, {"num_units": 2}, values, known)
+    assert (outer.model, outer.fragments, outer.merge_policy) == ("tiny", 2, "each")
+    assert outer.outer_lr == 0.3  # the environment beats the file
+    learner = settings_from_args(LearnerSettings, {"h_steps": 9}, values, known)
+    assert learner.h_steps == 9  # the flag beats the file
+
+
+def test_config_file_errors_are_clear(tmp_path):
+    from shared.settings import load_config_file
+
+    bad = tmp_path / "bad.toml"
+    bad.write_text("h_step = 3\n")
+    with pytest.raises(SettingsError, match="unknown keys in the config file: h_step"):
+        settings_from_args(LearnerSettings, {}, load_config_file(str(bad)))
+    broken = tmp_path / "broken.toml"
+    broken.write_text("h_steps = = 3\n")
+    with pytest.raises(SettingsError, match="cannot read config file"):
+        load_config_file(str(broken))
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--outer-optimizer", "adam"], "outer optimizer must be one of"),
+        (["--merge-policy", "sometimes"], "merge policy must be one of"),
+        (["--combine", "median"], "combine must be one of"),
+        (["--token-weighting", "bytes"], "token weighting must be one of"),
+        (["--staleness-rule", "linear"], "staleness rule must be one of"),
+        (["--min-quorum", "3", "--num-units", "2"], "min-quorum 3 > num-units 2"),
+        (["--grace-min-s", "5", "--grace-max-s", "1"], "grace_min_s <= grace_max_s"),
+        (["--dn-period", "0"], "--dn-period"),
+    ],
+)
+def test_invalid_outer_algorithm_options_are_named(argv, fragment):
+    from services.outer.settings import OuterSettings
+
+    with pytest.raises(SettingsError) as err:
+        parse(OuterSettings, argv)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--mix-alpha", "1.5"], "--mix-alpha"),
+        (["--overlap-tau", "-1"], "--overlap-tau"),
+        (["--slowdown", "0.5"], "--slowdown"),
+        (["--fragments", "0"], "--fragments"),
+    ],
+)
+def test_invalid_learner_sync_options_are_named(argv, fragment):
+    with pytest.raises(SettingsError) as err:
+        parse(LearnerSettings, argv)
+    assert fragment in str(err.value)
+
+
+def test_up_shares_the_budget_by_speed_and_validates_slowdowns():
+    from services.cluster import UpSettings
+
+    up = parse(UpSettings, ["--learners", "4", "--max-steps", "110", "--slowdowns", "1,1,2,4"])
+    assert up.unit_steps() == [160, 160, 80, 40]
+    assert sum(up.unit_steps()) == 440
+    with pytest.raises(SettingsError, match="slowdowns needs 4 factors"):
+        parse(UpSettings, ["--learners", "4", "--slowdowns", "1,2"])
+    with pytest.raises(SettingsError, match="slowdowns must be numbers"):
+        parse(UpSettings, ["--slowdowns", "fast,slow"])

@@ -6,13 +6,26 @@ import pytest
 
 from tests.conftest import read_status, wait_for
 
-JOB = "e2e"
-
 
 @pytest.mark.timeout(400)
-def test_two_learners_and_outer_advance_version_and_lower_eval_loss(nats_server, services):
-    job_flags = ["--nats-url", nats_server.url, "--job", JOB, "--model", "tiny", "--seed", "1"]
-    services.start("outer", "outer", *job_flags, "--eval-every-s", "2")
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
+    nats_server, services, fragments
+):
+    job = f"e2e{fragments}"
+    job_flags = [
+        "--nats-url",
+        nats_server.url,
+        "--job",
+        job,
+        "--model",
+        "tiny",
+        "--seed",
+        "1",
+        "--fragments",
+        str(fragments),
+    ]
+    services.start("outer", "outer", *job_flags, "--num-units", "2", "--eval-every-s", "2")
     learners = [
         services.start(
             f"learner-{unit}",
@@ -28,18 +41,19 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(nats_server,
             "10",
             "--batch-size",
             "16",
+            "--no-dynamic-h",
         )
         for unit in range(2)
     ]
     for learner in learners:
         try:
-            assert learner.wait(timeout=300) == 0, services.logs()
+            assert learner.wait(timeout=300) == 0
         except Exception:
             print(services.logs())
             raise
 
     def outer_caught_up():
-        outer, units = read_status(nats_server.url, JOB)
+        outer, units = read_status(nats_server.url, job)
         published = sum(u["counters"].get("published", 0) for u in units.values())
         if outer and outer["applied"] >= published and outer["eval"]["version"] == outer["version"]:
             return outer, units
@@ -47,11 +61,14 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(nats_server,
 
     outer, units = wait_for(outer_caught_up, 120, "the outer to apply and evaluate every upload")
     assert set(units) == {0, 1}
-    # 150 steps at H=10 -> 15 uploads per unit, every one applied once, none rejected.
-    assert [units[u]["counters"]["published"] for u in (0, 1)] == [15, 15]
-    assert outer["applied"] == 30 and outer["version"] == 30
-    assert outer["rejected"] == {}
-    assert {u: s["applied"] for u, s in outer["units"].items()} == {"0": 15, "1": 15}
+    # 150 steps at H=10: 15 uploads per fragment; with P=2 fragment 1 syncs 5 steps early and
+    # sends its last 5 steps at the end (16). Every upload is applied once, none rejected.
+    per_unit = 15 if fragments == 1 else 31
+    assert [units[u]["counters"]["published"] for u in (0, 1)] == [per_unit, per_unit]
+    assert outer["applied"] == 2 * per_unit and outer["rejected"] == {}
+    assert {u: s["applied"] for u, s in outer["units"].items()} == {"0": per_unit, "1": per_unit}
+    assert len(outer["versions"]) == fragments and outer["version"] == sum(outer["versions"])
+    assert outer["version"] >= per_unit // 2  # merges of one or both units' uploads
     init_loss = outer["eval_init"]["nats_per_byte"]
     final_loss = outer["eval"]["nats_per_byte"]
     assert init_loss == pytest.approx(5.55, abs=0.15)

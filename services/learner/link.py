@@ -22,6 +22,7 @@ from typing import Any
 import nats.errors
 import numpy as np
 
+from services.learner.core import Upload
 from services.learner.settings import LearnerSettings
 from shared import codec, subjects, transport, wire
 from shared.transport import TransportError
@@ -30,27 +31,17 @@ log = logging.getLogger(__name__)
 
 PARAMS_POLL_S = 2.0  # fallback poll in case a head notification was missed while reconnecting
 DESIRED_POLL_S = 0.5
+RATES_POLL_S = 2.0
 RECONNECT_BACKOFF_MAX_S = 5.0
 
 
 @dataclass
-class PendingUpload:
-    """A pseudo-gradient waiting to be encoded and published."""
+class GlobalFragment:
+    """A decoded global fragment."""
 
-    round: int
-    base_version: int
-    inner_steps: int
-    tokens: int
-    train_loss: float
-    tensors: dict[str, np.ndarray]
-
-
-@dataclass
-class GlobalParams:
-    """A decoded global parameter set."""
-
+    fragment: int
     version: int
-    tensors: dict[str, np.ndarray]
+    pieces: dict[str, np.ndarray]
 
 
 class LearnerLink:
@@ -64,10 +55,11 @@ class LearnerLink:
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_error = ""
         self._lock = threading.Lock()
-        self._queue: collections.deque[PendingUpload] = collections.deque()
+        self._queue: collections.deque[Upload] = collections.deque()
         self._queue_changed: asyncio.Event | None = None
-        self._newest: GlobalParams | None = None
-        self._known_version = -1
+        self._newest: dict[int, GlobalFragment] = {}
+        self._known_versions = [-1] * settings.fragments
+        self.unit_rates: dict[int, float] = {}
         self._status: dict[str, Any] = {"state": "starting"}
         self._stopping = threading.Event()
         self._flush_deadline = 0.0
@@ -80,7 +72,7 @@ class LearnerLink:
         """Start the background thread; returns at once."""
         self._thread.start()
 
-    def submit(self, upload: PendingUpload) -> None:
+    def submit(self, upload: Upload) -> None:
         """Queue a pseudo-gradient for publishing; drops the oldest when the queue is full."""
         with self._lock:
             if len(self._queue) >= self.settings.max_unsent:
@@ -91,14 +83,11 @@ class LearnerLink:
             self.counters["queued"] += 1
         self._wake_publisher()
 
-    def take_new_params(self, newer_than: int) -> GlobalParams | None:
-        """Return global params newer than ``newer_than`` if they have arrived, else None."""
+    def take_new_params(self) -> list[GlobalFragment]:
+        """Global fragments that arrived since the last call (newest version of each)."""
         with self._lock:
-            newest = self._newest
-            if newest is not None and newest.version > newer_than:
-                self._newest = None
-                return newest
-        return None
+            arrived, self._newest = list(self._newest.values()), {}
+        return arrived
 
     def set_status(self, **status: Any) -> None:
         """Replace the fields sent with the next heartbeat."""
@@ -157,13 +146,15 @@ class LearnerLink:
         async def on_head(_msg: Any) -> None:
             head_seen.set()
 
-        sub = await nc.subscribe(subjects.params_head_subject(self.settings.job), cb=on_head)
+        sub = await nc.subscribe(subjects.params_head_subject(self.settings.job, "*"), cb=on_head)
         tasks = [
             asyncio.create_task(self._publisher(js)),
             asyncio.create_task(self._params_watcher(js, head_seen)),
             asyncio.create_task(self._desired_poller(desired_kv)),
             asyncio.create_task(self._heartbeat(status_kv)),
         ]
+        if self.settings.dynamic_h:
+            tasks.append(asyncio.create_task(self._rates_poller(status_kv)))
         publisher = tasks[0]
         await publisher  # ends once stopping and the queue is flushed (or the deadline passed)
         for task in tasks[1:]:
@@ -227,7 +218,9 @@ class LearnerLink:
                 return
             try:
                 blob = await asyncio.get_running_loop().run_in_executor(None, self._encode, upload)
-                upload_id = wire.upload_id(self.settings.job, self.settings.unit, upload.round, 0)
+                upload_id = wire.upload_id(
+                    self.settings.job, self.settings.unit, upload.round, upload.fragment
+                )
                 await transport.publish_blob(
                     js,
                     subjects.grads_subject(self.settings.job, self.settings.unit),
@@ -251,7 +244,7 @@ class LearnerLink:
             self.counters["bytes_sent"] += len(blob)
             self._finish(upload, "published")
 
-    def _finish(self, upload: PendingUpload, counter: str) -> None:
+    def _finish(self, upload: Upload, counter: str) -> None:
         with self._lock:
             if self._queue and self._queue[0] is upload:
                 self._queue.popleft()
@@ -259,7 +252,7 @@ class LearnerLink:
             if counter == "published":
                 self._status["last_published_round"] = upload.round
 
-    def _encode(self, upload: PendingUpload) -> bytes:
+    def _encode(self, upload: Upload) -> bytes:
         payload, description = codec.encode_tensors(
             upload.tensors,
             codec=self.settings.codec,
@@ -271,7 +264,7 @@ class LearnerLink:
             job=self.settings.job,
             unit=self.settings.unit,
             round=upload.round,
-            fragment=0,
+            fragment=upload.fragment,
             base_version=upload.base_version,
             inner_steps=upload.inner_steps,
             tokens=upload.tokens,
@@ -285,29 +278,50 @@ class LearnerLink:
 
     async def _params_watcher(self, js: Any, head_seen: asyncio.Event) -> None:
         while True:
-            try:
-                head = await transport.read_params_head(js, self.settings.job)
-                if head is not None and head["version"] > self._known_version:
-                    fetched = await transport.read_latest_params(
-                        js, self.settings.job, self.max_params_bytes
-                    )
-                    if fetched is not None:
-                        version, blob = fetched
-                        envelope = wire.unpack_envelope(blob, max_size=self.max_params_bytes)
-                        tensors = codec.decode_tensors(envelope.payload, envelope.codec)
-                        with self._lock:
-                            self._newest = GlobalParams(version, tensors)
-                            self._known_version = version
-                            self.counters["params_received"] += 1
-            except (wire.WireError, codec.CodecError) as err:
-                self.counters["params_rejected"] += 1
-                self.last_error = f"bad global params: {err}"
-                log.error(self.last_error)
-            except (TimeoutError, TransportError, nats.errors.Error) as err:
-                log.info("params fetch: %r", err)
+            for fragment in range(self.settings.fragments):
+                try:
+                    await self._fetch_fragment(js, fragment)
+                except (wire.WireError, codec.CodecError) as err:
+                    self.counters["params_rejected"] += 1
+                    self.last_error = f"bad global params: {err}"
+                    log.error(self.last_error)
+                except (TransportError, TimeoutError, nats.errors.Error) as err:
+                    log.info("params fetch: %r", err)
             head_seen.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(head_seen.wait(), timeout=PARAMS_POLL_S)
+
+    async def _fetch_fragment(self, js: Any, fragment: int) -> None:
+        job = self.settings.job
+        head = await transport.read_params_head(js, job, fragment)
+        if head is None or head["version"] <= self._known_versions[fragment]:
+            return
+        fetched = await transport.read_latest_params(js, job, fragment, self.max_params_bytes)
+        if fetched is None:
+            return
+        version, blob = fetched
+        envelope = wire.unpack_envelope(blob, max_size=self.max_params_bytes)
+        if envelope.kind != "params" or envelope.fragment != fragment or envelope.job != job:
+            raise wire.WireError(f"expected params of {job} fragment {fragment}")
+        pieces = codec.decode_tensors(envelope.payload, envelope.codec)
+        with self._lock:
+            self._newest[fragment] = GlobalFragment(fragment, version, pieces)
+            self._known_versions[fragment] = version
+            self.counters["params_received"] += 1
+
+    async def _rates_poller(self, status_kv: Any) -> None:
+        """Read every unit's measured speed (for Dynamic Local Updates)."""
+        while True:
+            rates = {}
+            for unit in range(self.settings.num_units):
+                with contextlib.suppress(TimeoutError, nats.errors.Error, ValueError):
+                    status = await transport.get_json(
+                        status_kv, subjects.unit_status_key(self.settings.job, unit)
+                    )
+                    if status and status.get("state") == "running" and status.get("tokens_per_s"):
+                        rates[unit] = float(status["tokens_per_s"])
+            self.unit_rates = rates
+            await asyncio.sleep(RATES_POLL_S)
 
     async def _desired_poller(self, desired_kv: Any) -> None:
         key = subjects.desired_key(self.settings.job, self.settings.unit)

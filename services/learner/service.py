@@ -1,7 +1,7 @@
 """The learner unit's main loop: train, upload every H steps, adopt new global params, obey pause.
 
 No barrier with other units, ever: every network interaction goes through :class:`LearnerLink`,
-whose methods return at once.
+whose methods return at once. The sync decisions themselves are ``LearnerCore``'s.
 """
 
 from __future__ import annotations
@@ -14,15 +14,42 @@ import time
 import jax
 import numpy as np
 
-from services.learner.link import LearnerLink, PendingUpload
+from services.learner.core import LearnerCore, SyncSchedule, dynamic_h
+from services.learner.link import LearnerLink
 from services.learner.settings import LearnerSettings
 from services.learner.trainer import InnerTrainer, inner_optimizer
-from shared import data, model, pytree
+from shared import data, model
 from shared.runtime import configure_jax
 
 log = logging.getLogger(__name__)
 
 PAUSE_POLL_S = 0.1
+
+
+def build_core(settings: LearnerSettings) -> tuple[LearnerCore, data.BatchSampler, int]:
+    """The unit's data sampler and protocol core, from the job seed (slow: JAX compiles)."""
+    cfg = model.get_config(settings.model)
+    corpus = data.split_corpus(
+        data.load_corpus(settings.corpus, settings.corpus_max_bytes), settings.heldout_fraction
+    )
+    shard = data.shard_for_unit(corpus.train, settings.unit, settings.num_units)
+    sampler = data.BatchSampler(
+        shard, cfg.seq_len, settings.batch_size, settings.seed, settings.unit
+    )
+    # Every unit and the outer build the same version-0 params from the job seed, so a unit can
+    # start training before it has heard from the outer (no start-up barrier either).
+    params = model.init_params(cfg, jax.random.PRNGKey(settings.seed))
+    trainer = InnerTrainer(
+        cfg,
+        inner_optimizer(
+            settings.inner_lr, settings.warmup_steps, settings.max_steps, settings.weight_decay
+        ),
+    )
+    schedule = SyncSchedule(
+        settings.h_steps, settings.fragments, settings.overlap_tau, settings.mix_alpha
+    )
+    core = LearnerCore(trainer, params, schedule, settings.batch_size * cfg.seq_len)
+    return core, sampler, 4 * model.param_count(params)
 
 
 def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) -> dict:
@@ -34,42 +61,20 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
     """
     configure_jax()
     stop = stop or threading.Event()
-    cfg = model.get_config(settings.model)
-    corpus = data.split_corpus(
-        data.load_corpus(settings.corpus, settings.corpus_max_bytes), settings.heldout_fraction
-    )
-    shard = data.shard_for_unit(corpus.train, settings.unit, settings.num_units)
-    sampler = data.BatchSampler(
-        shard, cfg.seq_len, settings.batch_size, settings.seed, settings.unit
-    )
-
-    # Every unit and the outer build the same version-0 params from the job seed, so a unit can
-    # start training before it has heard from the outer (no start-up barrier either).
-    init_params = model.init_params(cfg, jax.random.PRNGKey(settings.seed))
-    param_bytes = 4 * model.param_count(init_params)
-    trainer = InnerTrainer(
-        cfg,
-        inner_optimizer(
-            settings.inner_lr, settings.warmup_steps, settings.max_steps, settings.weight_decay
-        ),
-    )
-    state = trainer.init(init_params)
-    base_version = 0
-
+    core, sampler, param_bytes = build_core(settings)
     link = LearnerLink(settings, max_params_bytes=2 * param_bytes + (1 << 20))
     link.start()
 
-    step = 0
-    round_index = 0
-    steps_since_upload = 0
-    tokens_since_upload = 0
     tokens_total = 0
-    loss_sum = 0.0
     loss_ema = float("nan")
     rate_window: list[tuple[float, int]] = [(time.monotonic(), 0)]
-    tokens_per_step = settings.batch_size * cfg.seq_len
     last_status = 0.0
     state_name = "running"
+
+    def rate() -> float:
+        (t0, tokens0) = rate_window[0]
+        now = time.monotonic()
+        return (tokens_total - tokens0) / (now - t0) if now > t0 else 0.0
 
     def report(force: bool = False) -> None:
         nonlocal last_status
@@ -77,92 +82,70 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         if not force and now - last_status < settings.status_interval_s / 2:
             return
         last_status = now
-        (t0, s0) = rate_window[0]
-        rate = (tokens_total - s0) / (now - t0) if now > t0 else 0.0
+        tokens_per_s = rate()
         rate_window.append((now, tokens_total))
         del rate_window[:-10]
+        versions = core.base_versions()
         link.set_status(
             state=state_name,
-            step=step,
+            step=core.step,
             max_steps=settings.max_steps,
-            round=round_index,
-            base_version=base_version,
+            round=core.round,
+            base_version=sum(versions),
+            base_versions=versions,
             train_loss=None if np.isnan(loss_ema) else round(loss_ema, 4),
             tokens=tokens_total,
-            tokens_per_s=round(rate, 1),
+            tokens_per_s=round(tokens_per_s, 1),
+            slowdown=settings.slowdown,
         )
 
-    while step < settings.max_steps and not stop.is_set():
+    while core.step < settings.max_steps and not stop.is_set():
         if link.desired_state == "paused":
             if state_name != "paused":
                 state_name = "paused"
-                log.info("unit %d paused at step %d", settings.unit, step)
+                log.info("unit %d paused at step %d", settings.unit, core.step)
                 report(force=True)
             stop.wait(PAUSE_POLL_S)
             continue
         if state_name != "running":
             state_name = "running"
-            log.info("unit %d resumed at step %d", settings.unit, step)
+            log.info("unit %d resumed at step %d", settings.unit, core.step)
             rate_window[:] = [(time.monotonic(), tokens_total)]
 
-        newest = link.take_new_params(newer_than=base_version)
-        if newest is not None:
-            global_params = pytree.unflatten_named(init_params, newest.tensors)
-            state = trainer.rebase(state, global_params)
-            base_version = newest.version
+        for fragment in link.take_new_params():
+            core.offer_global(fragment.fragment, fragment.version, fragment.pieces)
+        core.adopt_globals()
 
-        state, loss = trainer.step(state, sampler.batch(step))
-        step += 1
-        steps_since_upload += 1
-        tokens_since_upload += tokens_per_step
-        tokens_total += tokens_per_step
-        loss_value = float(loss)
-        loss_sum += loss_value
-        loss_ema = loss_value if np.isnan(loss_ema) else 0.9 * loss_ema + 0.1 * loss_value
+        started = time.monotonic()
+        loss = core.train_step(sampler.batch(core.step))
+        if settings.slowdown > 1:
+            # Emulate slower hardware: same math, (slowdown - 1)x the step's time idle.
+            stop.wait((settings.slowdown - 1) * (time.monotonic() - started))
+        tokens_total += core.tokens_per_step
+        loss_ema = loss if np.isnan(loss_ema) else 0.9 * loss_ema + 0.1 * loss
 
-        if steps_since_upload >= settings.h_steps or step == settings.max_steps:
-            state, pseudo_grad = trainer.take_pseudo_gradient(state)
-            link.submit(
-                PendingUpload(
-                    round=round_index,
-                    base_version=base_version,
-                    inner_steps=steps_since_upload,
-                    tokens=tokens_since_upload,
-                    train_loss=loss_sum / steps_since_upload,
-                    tensors=pytree.flatten_named(pseudo_grad),
-                )
-            )
-            round_index += 1
-            steps_since_upload = tokens_since_upload = 0
-            loss_sum = 0.0
+        next_h = settings.h_steps
+        if settings.dynamic_h:
+            next_h = dynamic_h(settings.h_steps, rate(), link.unit_rates)
+        for upload in core.due_uploads(next_h):
+            link.submit(upload)
         report()
 
-    # Send whatever is left (a partial round after an early stop), then flush the queue.
-    if steps_since_upload:
-        state, pseudo_grad = trainer.take_pseudo_gradient(state)
-        link.submit(
-            PendingUpload(
-                round_index,
-                base_version,
-                steps_since_upload,
-                tokens_since_upload,
-                loss_sum / steps_since_upload,
-                pytree.flatten_named(pseudo_grad),
-            )
-        )
-        round_index += 1
+    # Send whatever is left (partial rounds), then flush the queue.
+    for upload in core.flush():
+        link.submit(upload)
     state_name = "finishing"
     report(force=True)
     deadline = time.monotonic() + settings.flush_timeout_s
     while link.unsent() and time.monotonic() < deadline:
         time.sleep(0.05)
-    state_name = "finished" if step >= settings.max_steps else "stopped"
+    state_name = "finished" if core.step >= settings.max_steps else "stopped"
     report(force=True)
     link.stop(flush_timeout_s=max(0.0, deadline - time.monotonic()))
     summary = {
         "unit": settings.unit,
-        "steps": step,
-        "rounds": round_index,
+        "steps": core.step,
+        "rounds": core.round,
         "tokens": tokens_total,
         "train_loss": loss_ema,
         "counters": dict(link.counters),

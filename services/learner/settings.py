@@ -3,26 +3,56 @@
 from __future__ import annotations
 
 from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.settings import JobSettings
+from shared.settings import ENV_PREFIX, JobSettings
+
+CODECS = ("int8", "fp32")
 
 
-class LearnerSettings(JobSettings):
-    """One learner unit: which shard it trains on, its inner optimizer and how it syncs."""
+class InnerSettings(BaseSettings):
+    """A unit's inner optimizer and sync schedule (``diloco up`` passes these to every unit)."""
 
-    unit: int = Field(0, ge=0, description="this unit's index, 0 <= unit < num-units")
-    num_units: int = Field(4, ge=1, le=1024, description="number of units the corpus is split into")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
     batch_size: int = Field(16, ge=1, le=4096, description="sequences per inner step")
     inner_lr: float = Field(3e-3, gt=0, le=1.0, description="peak AdamW learning rate")
     warmup_steps: int = Field(50, ge=0, description="linear warm-up steps of the inner LR")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")
-    max_steps: int = Field(300, ge=1, description="inner steps this unit trains (cosine horizon)")
-    h_steps: int = Field(
-        30, ge=1, description="inner steps between two pseudo-gradient uploads (H)"
+    max_steps: int = Field(300, ge=1, description="inner steps each unit trains (cosine horizon)")
+    h_steps: int = Field(30, ge=1, description="inner steps between uploads of a fragment (H)")
+    overlap_tau: int = Field(
+        0, ge=0, description="steps after an upload before a new global fragment is mixed in (τ)"
+    )
+    mix_alpha: float = Field(
+        0.0, ge=0, le=1, description="share of local params kept when mixing in a global (α)"
+    )
+    dynamic_h: bool = Field(
+        True, description="scale H by the unit's speed relative to the fastest (DyLU)"
     )
     codec: str = Field("int8", description="pseudo-gradient codec: int8 or fp32")
     block_size: int = Field(256, ge=8, le=1 << 20, description="quantization block size")
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level of uploads")
+
+    @model_validator(mode="after")
+    def _check_codec(self) -> InnerSettings:
+        if self.codec not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {self.codec!r}")
+        return self
+
+
+class LearnerSettings(JobSettings, InnerSettings):
+    """One learner unit: which shard it trains on, its inner optimizer and how it syncs."""
+
+    unit: int = Field(0, ge=0, description="this unit's index, 0 <= unit < num-units")
+    num_units: int = Field(4, ge=1, le=1024, description="number of units the corpus is split into")
+    slowdown: float = Field(
+        1.0,
+        ge=1.0,
+        le=100.0,
+        description="run this many times slower than the hardware allows (emulates older "
+        "hardware; the math is unchanged)",
+    )
     max_unsent: int = Field(
         8, ge=1, description="unsent pseudo-gradients kept while NATS is unreachable"
     )
@@ -35,6 +65,4 @@ class LearnerSettings(JobSettings):
     def _check_unit(self) -> LearnerSettings:
         if self.unit >= self.num_units:
             raise ValueError(f"unit {self.unit} must be < num-units {self.num_units}")
-        if self.codec not in ("int8", "fp32"):
-            raise ValueError(f"codec must be int8 or fp32, got {self.codec!r}")
         return self

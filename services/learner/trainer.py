@@ -1,18 +1,8 @@
-"""The learner's math: inner AdamW steps, pseudo-gradients and adopting new global params.
+"""The learner's inner optimizer: jitted AdamW steps with warm-up and cosine decay.
 
-Three parameter sets matter (all pytrees of the same shape):
-
-* ``params``  θ_local, trained by the inner optimizer every step;
-* ``anchor``  the point the unsent local progress is measured from: the global params last
-  adopted, or θ_local at the last upload, whichever came later;
-* the global params of version ``base_version``, the newest this unit has adopted.
-
-Every H steps the unit uploads Δ = anchor − θ_local (DiLoCo's outer gradient, arXiv 2311.08105,
-Alg. 1) and moves the anchor to θ_local. When a newer global version arrives it *rebases*:
-θ_local ← θ_global + (θ_local − anchor), anchor ← θ_global. Right after an upload this is
-exactly DiLoCo's "replace local by global"; in between, the steps taken since the upload are
-kept rather than thrown away, and go out with the next upload, so no local work is lost or
-counted twice. The inner optimizer state (AdamW moments) is never synchronised (DiLoCo §3).
+Besides θ_local (``params``) the state carries the *anchor*, the point that the local progress
+not yet uploaded is measured from (``services/learner/core.py`` moves it). The inner optimizer
+state (AdamW moments) is never synchronised between units (DiLoCo, arXiv 2311.08105, §3).
 """
 
 from __future__ import annotations
@@ -20,7 +10,6 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 
 from shared.model import ModelConfig, loss_fn
@@ -52,31 +41,18 @@ def inner_optimizer(
 
 
 class InnerTrainer:
-    """Jitted inner steps and the two sync operations (upload, rebase) of one learner."""
+    """Jitted inner steps of one learner."""
 
     def __init__(self, cfg: ModelConfig, optimizer: optax.GradientTransformation) -> None:
         self.cfg = cfg
         self.optimizer = optimizer
 
-        def train_step(state: InnerState, batch: jax.Array) -> tuple[InnerState, jax.Array]:
-            loss, grads = jax.value_and_grad(loss_fn)(state.params, batch, cfg)
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            return InnerState(params, state.anchor, opt_state), loss
-
-        def take_pseudo_gradient(state: InnerState) -> tuple[InnerState, Any]:
-            pseudo_grad = jax.tree_util.tree_map(jnp.subtract, state.anchor, state.params)
-            return InnerState(state.params, state.params, state.opt_state), pseudo_grad
-
-        def rebase(state: InnerState, global_params: Any) -> InnerState:
-            params = jax.tree_util.tree_map(
-                lambda g, p, a: g + (p - a), global_params, state.params, state.anchor
-            )
-            return InnerState(params, global_params, state.opt_state)
+        def train_step(params: Any, opt_state: Any, batch: jax.Array):
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch, cfg)
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
 
         self._train_step = jax.jit(train_step)
-        self._take = jax.jit(take_pseudo_gradient)
-        self._rebase = jax.jit(rebase)
 
     def init(self, params: Any) -> InnerState:
         """State at the start: local params = anchor = the given global params."""
@@ -84,12 +60,5 @@ class InnerTrainer:
 
     def step(self, state: InnerState, batch: jax.Array) -> tuple[InnerState, jax.Array]:
         """One inner AdamW step on ``batch`` (int32, (B, T+1)); returns the new state and loss."""
-        return self._train_step(state, batch)
-
-    def take_pseudo_gradient(self, state: InnerState) -> tuple[InnerState, Any]:
-        """Return Δ = anchor − θ_local and the state with the anchor moved to θ_local."""
-        return self._take(state)
-
-    def rebase(self, state: InnerState, global_params: Any) -> InnerState:
-        """Adopt new global params, keeping the local progress not yet uploaded."""
-        return self._rebase(state, global_params)
+        params, opt_state, loss = self._train_step(state.params, state.opt_state, batch)
+        return InnerState(params, state.anchor, opt_state), loss

@@ -1,12 +1,17 @@
-"""Outer-optimizer math: staleness weighting and SGD with Nesterov momentum over pytrees.
+"""Outer optimizers over pytrees, optax-style ``(init, update)`` pairs.
 
-The outer step treats a pseudo-gradient Δ = θ_base − θ_local as a gradient (DiLoCo, arXiv
-2311.08105, Alg. 1) and applies Nesterov momentum in the PyTorch convention used there:
-m ← βm + Δ;  θ ← θ − lr·(Δ + βm)  — which is ``optax.sgd(lr, β, nesterov=True)``.
+The outer step treats a (merged) pseudo-gradient Δ = θ_base − θ_local as a gradient (DiLoCo,
+arXiv 2311.08105, Alg. 1):
 
-A stale update (computed against version ``base_version`` while the global params are at
-``version``) is scaled by w(s) = (1 + s)^−a with s = version − base_version (FedAsync /
-FedBuff's polynomial rule, a = 0.5 by default; arXiv 1903.03934, 2106.06639).
+* ``sgd``              θ ← θ − lr·Δ   (lr 1 is FedAvg)
+* ``nesterov``         m ← βm + Δ;  θ ← θ − lr·(Δ + βm)   (PyTorch convention, DiLoCo's choice)
+* ``delayed_nesterov`` Algorithm 3 of arXiv 2401.09135 with c = 0: accumulate N arrivals; between
+  milestones plain SGD on g/N; every N-th arrival m ← βm + mean(buffer) and θ ← θ − lr(βm + g/N).
+  Over N equal arrivals this equals one Nesterov step on their mean, which is what keeps
+  sequentially applied asynchronous updates from over-amplifying momentum (§4.2 of that paper).
+
+All state lives in NamedTuples and every update is jit-compatible (no Python branching on traced
+values).
 """
 
 from __future__ import annotations
@@ -17,48 +22,79 @@ import jax
 import jax.numpy as jnp
 import optax
 
-
-class OuterState(NamedTuple):
-    """Global params, the outer optimizer's state and the global version."""
-
-    params: Any
-    opt_state: Any
-    version: int
+OPTIMIZERS = ("sgd", "nesterov", "delayed_nesterov")
 
 
-def staleness_weight(staleness: int, exponent: float) -> float:
-    """Polynomial staleness weight (1 + s)^−a.
+class DelayedNesterovState(NamedTuple):
+    """State of Delayed Nesterov: momentum, the sum of buffered arrivals, arrivals so far."""
+
+    momentum: Any
+    accumulated: Any
+    count: jax.Array
+
+
+def delayed_nesterov(lr: float, momentum: float, period: int) -> optax.GradientTransformation:
+    """Delayed Nesterov (arXiv 2401.09135, Alg. 3, c = 0) as an optax transform.
+
+    Args:
+        lr: outer learning rate ε.
+        momentum: β.
+        period: N, arrivals per momentum update (≥ 1; N = 1 is plain Nesterov).
+    """
+    if period < 1:
+        raise ValueError(f"delayed Nesterov period must be >= 1, got {period}")
+
+    def init(params: Any) -> DelayedNesterovState:
+        zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+        return DelayedNesterovState(zeros, zeros, jnp.zeros([], jnp.int32))
+
+    def update(grads: Any, state: DelayedNesterovState, params: Any = None):
+        del params
+        accumulated = jax.tree_util.tree_map(jnp.add, state.accumulated, grads)
+        milestone = (state.count + 1) % period == 0
+        new_momentum = jax.tree_util.tree_map(
+            lambda m, acc: jnp.where(milestone, momentum * m + acc / period, m),
+            state.momentum,
+            accumulated,
+        )
+        updates = jax.tree_util.tree_map(
+            lambda m, g: -lr * (jnp.where(milestone, momentum * m, 0.0) + g / period),
+            new_momentum,
+            grads,
+        )
+        accumulated = jax.tree_util.tree_map(
+            lambda acc: jnp.where(milestone, jnp.zeros_like(acc), acc), accumulated
+        )
+        return updates, DelayedNesterovState(new_momentum, accumulated, state.count + 1)
+
+    return optax.GradientTransformation(init, update)
+
+
+def make_outer_optimizer(
+    name: str, lr: float, momentum: float = 0.9, period: int = 1
+) -> optax.GradientTransformation:
+    """Build an outer optimizer by name.
 
     Raises:
-        ValueError: for a negative staleness (an update from the future is a bug upstream).
+        ValueError: on an unknown name or invalid hyperparameters.
     """
-    if staleness < 0:
-        raise ValueError(f"staleness must be >= 0, got {staleness}")
-    return float((1.0 + staleness) ** -exponent)
-
-
-def nesterov_outer(lr: float, momentum: float) -> optax.GradientTransformation:
-    """SGD with Nesterov momentum, as DiLoCo's outer optimizer (lr 0.7, β 0.9 by default)."""
-    return optax.sgd(
-        learning_rate=lr, momentum=momentum if momentum > 0 else None, nesterov=momentum > 0
-    )
+    if name not in OPTIMIZERS:
+        raise ValueError(f"outer optimizer must be one of {OPTIMIZERS}, got {name!r}")
+    if lr <= 0 or not 0 <= momentum < 1:
+        raise ValueError(f"need lr > 0 and 0 <= momentum < 1, got lr={lr}, momentum={momentum}")
+    if name == "sgd":
+        return optax.sgd(learning_rate=lr)
+    if name == "nesterov":
+        return optax.sgd(learning_rate=lr, momentum=momentum, nesterov=True)
+    return delayed_nesterov(lr, momentum, period)
 
 
 def make_outer_step(optimizer: optax.GradientTransformation):
-    """Return a jitted ``step(params, opt_state, pseudo_grad, weight) -> (params, opt_state)``."""
+    """Return a jitted ``step(params, opt_state, pseudo_grad) -> (params, opt_state)``."""
 
     @jax.jit
-    def step(params: Any, opt_state: Any, pseudo_grad: Any, weight: jax.Array):
-        scaled = jax.tree_util.tree_map(lambda d: d * weight, pseudo_grad)
-        updates, opt_state = optimizer.update(scaled, opt_state, params)
+    def step(params: Any, opt_state: Any, pseudo_grad: Any):
+        updates, opt_state = optimizer.update(pseudo_grad, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
     return step
-
-
-def init_outer(
-    optimizer: optax.GradientTransformation, params: Any, version: int = 0
-) -> OuterState:
-    """Outer state at ``version`` with zero momentum."""
-    params = jax.tree_util.tree_map(jnp.asarray, params)
-    return OuterState(params, optimizer.init(params), version)

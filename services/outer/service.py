@@ -1,18 +1,22 @@
-"""The outer optimizer service: consume pseudo-gradients durably, apply them, publish versions.
+"""The outer optimizer service: consume pseudo-gradients durably, merge them, publish versions.
 
 Protocol per fetched batch of chunk messages (docs/ARCHITECTURE.md, "life of a pseudo-gradient"):
 
 1. reassemble chunks into uploads (``shared.wire.Reassembler``);
-2. validate each complete upload (envelope, job, model, codec, shapes, finiteness, staleness);
-   a bad one is terminated (never redelivered), copied to the dead-letter subject and counted;
-3. apply each good one with its staleness weight through outer Nesterov — version += 1 each;
-4. publish the new global params (the durable commit point), and only then ack the chunks.
+2. validate each complete upload (envelope, job, model, fragment, codec, shapes, finiteness,
+   staleness); a bad one is terminated (never redelivered), copied to the dead-letter subject
+   and counted by reason;
+3. offer each good one to ``OuterCore``, whose merge policy decides when a fragment is merged
+   (every arrival alone, or a quorum plus an adaptive grace window);
+4. for every merged fragment, publish its new global params (the durable commit point), and only
+   then ack the chunks of every upload that went into it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,17 +24,11 @@ from typing import Any
 
 import jax
 import nats.errors
-import nats.js.errors
 import numpy as np
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from services.outer.optimizer import (
-    OuterState,
-    init_outer,
-    make_outer_step,
-    nesterov_outer,
-    staleness_weight,
-)
+from services.outer.core import MergeResult, OuterCore, Rejected
+from services.outer.policy import Arrival
 from services.outer.settings import OuterSettings
 from shared import codec, data, evaluation, model, pytree, subjects, transport, wire
 from shared.runtime import configure_jax
@@ -40,15 +38,6 @@ log = logging.getLogger(__name__)
 
 ACK_WAIT_S = 300.0
 EVAL_HISTORY = 200
-
-
-class Rejected(Exception):
-    """An upload that is not applied; ``reason`` is the counter it is recorded under."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass
@@ -64,13 +53,15 @@ class UnitLedger:
 
 @dataclass
 class OuterLedger:
-    """Counters for the status record (and, later, for balancing the books)."""
+    """Counters for the status record (and for balancing the books)."""
 
     applied: int = 0
+    merges: int = 0
     deduplicated: int = 0
     tokens_applied: int = 0
     rejected: collections.Counter[str] = field(default_factory=collections.Counter)
     units: dict[int, UnitLedger] = field(default_factory=dict)
+    staleness: collections.Counter[int] = field(default_factory=collections.Counter)
 
 
 class OuterService:
@@ -80,6 +71,7 @@ class OuterService:
         self.settings = settings
         self.stop = stop
         self.ledger = OuterLedger()
+        self.accepted_uploads: set[str] = set()
         self.applied_uploads: set[str] = set()
         self.rejected_uploads: set[str] = set()
         self._evictions_seen = 0
@@ -90,22 +82,28 @@ class OuterService:
 
     # ---- set-up ----------------------------------------------------------------------------
 
-    def _build_math(self) -> None:
+    def build_math(self) -> None:
+        """Load the eval data, build the model template and the outer core (slow: JAX)."""
         configure_jax()
-        cfg = model.get_config(self.settings.model)
+        s = self.settings
+        cfg = model.get_config(s.model)
         corpus = data.split_corpus(
-            data.load_corpus(self.settings.corpus, self.settings.corpus_max_bytes),
-            self.settings.heldout_fraction,
+            data.load_corpus(s.corpus, s.corpus_max_bytes), s.heldout_fraction
         )
-        batches = data.eval_batches(
-            corpus.heldout, cfg.seq_len, self.settings.eval_batch_size, self.settings.eval_batches
-        )
+        batches = data.eval_batches(corpus.heldout, cfg.seq_len, s.eval_batch_size, s.eval_batches)
         self.evaluate = evaluation.make_evaluator(cfg, batches)
-        self.template = model.init_params(cfg, jax.random.PRNGKey(self.settings.seed))
+        self.template = model.init_params(cfg, jax.random.PRNGKey(s.seed))
         self.param_bytes = 4 * model.param_count(self.template)
-        self.optimizer = nesterov_outer(self.settings.outer_lr, self.settings.outer_momentum)
-        self.outer_step = make_outer_step(self.optimizer)
-        self.state: OuterState = init_outer(self.optimizer, self.template, version=0)
+        named = pytree.flatten_named(self.template)
+        self.core = OuterCore(named, s.algorithm(s.num_units, s.fragments))
+        self.piece_shapes = [
+            {k: v.shape for k, v in self.core.plan.extract(named, p).items()}
+            for p in range(self.core.plan.count)
+        ]
+
+    @property
+    def max_params_bytes(self) -> int:
+        return 2 * self.param_bytes + (1 << 20)
 
     async def _connect(self) -> Any:
         backoff = 0.5
@@ -119,28 +117,28 @@ class OuterService:
         return None
 
     async def _restore_or_publish_initial(self, js: Any) -> None:
-        """Continue from the newest published version (versions only move forward)."""
-        fetched = await transport.read_latest_params(
-            js, self.settings.job, max_bytes=2 * self.param_bytes + (1 << 20)
-        )
-        if fetched is None:
-            await self._publish(js)
-            return
-        version, blob = fetched
-        envelope = wire.unpack_envelope(blob, max_size=2 * self.param_bytes + (1 << 20))
-        if envelope.model != self.settings.model:
-            raise SystemExit(
-                f"job {self.settings.job} already has params for model {envelope.model!r}, "
-                f"not {self.settings.model!r}: use another --job or the same --model"
+        """Continue each fragment from its newest published version (versions only go up)."""
+        for fragment in range(self.core.plan.count):
+            fetched = await transport.read_latest_params(
+                js, self.settings.job, fragment, self.max_params_bytes
             )
-        params = pytree.unflatten_named(
-            self.template, codec.decode_tensors(envelope.payload, envelope.codec)
-        )
-        self.state = init_outer(self.optimizer, params, version=version)
-        self.ledger.tokens_applied = envelope.tokens
-        log.info("continuing job %s from published version %d", self.settings.job, version)
+            if fetched is None:
+                await self._publish(js, fragment)
+                continue
+            version, blob = fetched
+            envelope = wire.unpack_envelope(blob, max_size=self.max_params_bytes)
+            if envelope.model != self.settings.model:
+                raise SystemExit(
+                    f"job {self.settings.job} already has params for model {envelope.model!r}, "
+                    f"not {self.settings.model!r}: use another --job or the same --model"
+                )
+            pieces = codec.decode_tensors(envelope.payload, envelope.codec)
+            self.core.restore(fragment, version, pieces)
+            self.ledger.tokens_applied = max(self.ledger.tokens_applied, envelope.tokens)
+            log.info("fragment %d continues from published version %d", fragment, version)
 
-    async def _subscribe(self, js: Any) -> Any:
+    async def subscribe(self, js: Any) -> Any:
+        """Create or update the durable consumer and bind to it."""
         durable = subjects.outer_consumer(self.settings.job)
         config = ConsumerConfig(
             durable_name=durable,
@@ -159,7 +157,7 @@ class OuterService:
 
     async def run(self) -> dict[str, Any]:
         """Serve until ``stop`` is set; returns the final status record."""
-        await asyncio.get_running_loop().run_in_executor(None, self._build_math)
+        await asyncio.get_running_loop().run_in_executor(None, self.build_math)
         nc = await self._connect()
         if nc is None:
             return self.status_record()
@@ -169,7 +167,7 @@ class OuterService:
         await self._restore_or_publish_initial(js)
         self.eval_init = await self._evaluate()
         self.eval_last = self.eval_init
-        sub = await self._subscribe(js)
+        sub = await self.subscribe(js)
         self.state_name = "running"
         heartbeat = asyncio.create_task(self._heartbeat(status_kv))
         reassembler = wire.Reassembler(
@@ -180,20 +178,23 @@ class OuterService:
         last_eval = time.monotonic()
         try:
             while not self.stop.is_set():
+                deadline = self.core.next_deadline()
+                wait_s = (
+                    1.0 if deadline is None else min(1.0, max(0.05, deadline - time.monotonic()))
+                )
                 try:
-                    msgs = await sub.fetch(self.settings.fetch_batch, timeout=1.0)
+                    msgs = await sub.fetch(self.settings.fetch_batch, timeout=wait_s)
                 except (TimeoutError, nats.errors.TimeoutError):
                     msgs = []
                 except nats.errors.Error as err:
                     log.info("fetch: %r", err)
                     await asyncio.sleep(0.5)
                     continue
-                ready = await self._process(js, msgs, reassembler, chunk_msgs)
-                if ready:
-                    await self._commit(js, ready)
+                await self.process(js, msgs, reassembler, chunk_msgs)
+                await self.merge_due(js, time.monotonic())
                 idle = not msgs
                 due = time.monotonic() - last_eval >= self.settings.eval_every_s
-                if self.eval_last["version"] != self.state.version and (idle or due):
+                if self.eval_last["version"] != self.core.total_version and (idle or due):
                     self.eval_last = await self._evaluate()
                     last_eval = time.monotonic()
         finally:
@@ -209,15 +210,14 @@ class OuterService:
                 log.warning("closing NATS: %s", err)
         return self.status_record()
 
-    async def _process(
+    async def process(
         self,
         js: Any,
         msgs: list[Any],
         reassembler: wire.Reassembler,
         chunk_msgs: dict[str, list[Any]],
-    ) -> list[list[Any]]:
-        """Reassemble, validate and apply; return the chunk messages of applied uploads."""
-        ready: list[list[Any]] = []
+    ) -> None:
+        """Reassemble chunk messages, validate complete uploads and offer them to the core."""
         for msg in msgs:
             try:
                 info = wire.parse_chunk_headers(msg.headers)
@@ -228,6 +228,8 @@ class OuterService:
                 self.ledger.deduplicated += 1
                 await msg.ack()
                 continue
+            if info.upload in self.accepted_uploads:
+                continue  # a redelivery of an upload still buffered: acked when it is merged
             if info.upload in self.rejected_uploads:
                 await msg.term()
                 continue
@@ -249,13 +251,10 @@ class OuterService:
                 continue
             upload_msgs = chunk_msgs.pop(info.upload)
             try:
-                self._apply(info.upload, msg.subject, blob)
+                self._accept(info.upload, msg.subject, blob, upload_msgs)
             except Rejected as rejected:
                 self.rejected_uploads.add(info.upload)
                 await self._reject(js, upload_msgs, rejected)
-                continue
-            ready.append(upload_msgs)
-        return ready
 
     def _drain_evicted(self, reassembler: wire.Reassembler) -> list[str]:
         """Uploads the reassembler evicted since the last call (to terminate their chunks)."""
@@ -263,8 +262,8 @@ class OuterService:
         self._evictions_seen = reassembler.evicted
         return list(reassembler.recently_evicted[-new:]) if new else []
 
-    def _apply(self, upload: str, subject: str, blob: bytes) -> None:
-        """Validate one complete upload and apply it to the global params."""
+    def _accept(self, upload: str, subject: str, blob: bytes, upload_msgs: list[Any]) -> None:
+        """Validate one complete upload and hand it to the core."""
         try:
             envelope = wire.unpack_envelope(blob, max_size=self.settings.max_upload_bytes)
         except wire.WireError as err:
@@ -282,74 +281,93 @@ class OuterService:
             job, envelope.unit, envelope.round, envelope.fragment
         ):
             raise Rejected("inconsistent_ids", f"{upload} on {subject} says unit {envelope.unit}")
-        staleness = self.state.version - envelope.base_version
-        if staleness < 0:
+        if not 0 <= envelope.fragment < self.core.plan.count:
             raise Rejected(
-                "future_base_version",
-                f"base_version {envelope.base_version} > current {self.state.version}",
+                "wrong_fragment", f"fragment {envelope.fragment} of {self.core.plan.count}"
             )
         try:
             tensors = codec.decode_tensors(
-                envelope.payload, envelope.codec, max_raw_size=2 * self.param_bytes + (1 << 20)
+                envelope.payload, envelope.codec, max_raw_size=self.max_params_bytes
             )
         except codec.CodecError as err:
             raise Rejected("bad_payload", str(err)) from err
+        expected = self.piece_shapes[envelope.fragment]
+        shapes = {k: v.shape for k, v in tensors.items()}
+        if shapes != expected:
+            raise Rejected(
+                "shape_mismatch",
+                f"fragment {envelope.fragment}: expected {len(expected)} pieces with the model's "
+                f"shapes, got {sorted(shapes)[:3]}...",
+            )
         if not all(np.isfinite(t).all() for t in tensors.values()):
             raise Rejected("non_finite", "pseudo-gradient contains NaN or Inf")
-        try:
-            pseudo_grad = pytree.unflatten_named(self.template, tensors)
-        except pytree.PytreeMismatchError as err:
-            raise Rejected("shape_mismatch", str(err)) from err
-
-        # Synchronous DiLoCo averages K pseudo-gradients before one outer step; applying each
-        # arrival alone, the 1/K factor moves the params about as far per cycle of K arrivals.
-        weight = (
-            staleness_weight(staleness, self.settings.staleness_exponent) / self.settings.num_units
+        arrival = Arrival(
+            unit=envelope.unit,
+            round=envelope.round,
+            base_version=envelope.base_version,
+            inner_steps=envelope.inner_steps,
+            tokens=envelope.tokens,
+            pseudo_grad=tensors,
+            arrived_at=time.monotonic(),
+            upload=upload,
+            context=(upload_msgs, envelope.train_loss),
         )
-        params, opt_state = self.outer_step(
-            self.state.params, self.state.opt_state, pseudo_grad, np.float32(weight)
-        )
-        self.state = OuterState(params, opt_state, self.state.version + 1)
-        self.applied_uploads.add(upload)
-        self.ledger.applied += 1
-        self.ledger.tokens_applied += envelope.tokens
-        unit = self.ledger.units.setdefault(envelope.unit, UnitLedger())
-        unit.applied += 1
-        unit.last_round = envelope.round
-        unit.last_staleness = staleness
-        unit.tokens += envelope.tokens
-        unit.last_train_loss = envelope.train_loss
-        log.debug("applied %s (staleness %d, weight %.3f)", upload, staleness, weight)
+        self.core.offer(envelope.fragment, arrival)
+        self.accepted_uploads.add(upload)
 
-    async def _commit(self, js: Any, ready: list[list[Any]]) -> None:
-        """Publish the new version, then ack what it contains (ack only after it is durable)."""
+    async def merge_due(self, js: Any, now: float) -> list[MergeResult]:
+        """Merge every fragment whose policy says so, publish, then ack what went in."""
+        results = []
+        while due := self.core.due(now):
+            results += [self.core.merge(fragment) for fragment in due]
+        for result in results:
+            self._record(result)
+            if not await self._publish_until_done(js, result.fragment):
+                return results  # stopping: not acked, so JetStream redelivers to the next outer
+            for arrival in result.arrivals:
+                for msg in arrival.context[0]:
+                    await msg.ack()
+        return results
+
+    def _record(self, result: MergeResult) -> None:
+        self.ledger.merges += 1
+        for arrival, staleness in zip(result.arrivals, result.staleness, strict=True):
+            self.applied_uploads.add(arrival.upload)
+            self.accepted_uploads.discard(arrival.upload)
+            self.ledger.applied += 1
+            self.ledger.tokens_applied += arrival.tokens
+            self.ledger.staleness[staleness] += 1
+            unit = self.ledger.units.setdefault(arrival.unit, UnitLedger())
+            unit.applied += 1
+            unit.last_round = arrival.round
+            unit.last_staleness = staleness
+            unit.tokens += arrival.tokens
+            unit.last_train_loss = arrival.context[1]
+
+    async def _publish_until_done(self, js: Any, fragment: int) -> bool:
         while True:
             try:
-                await self._publish(js)
-                break
-            except (TimeoutError, TransportError, nats.errors.Error) as err:
+                await self._publish(js, fragment)
+                return True
+            except (TransportError, TimeoutError, nats.errors.Error) as err:
                 if self.stop.is_set():
-                    # Not acked, so JetStream redelivers these uploads to the next outer.
-                    log.warning("stopping before version %d was published", self.state.version)
-                    return
-                log.warning("publishing version %d failed (%s); retrying", self.state.version, err)
+                    log.warning("stopping before fragment %d was published", fragment)
+                    return False
+                log.warning("publishing fragment %d failed (%s); retrying", fragment, err)
                 await asyncio.sleep(0.5)
-        for upload_msgs in ready:
-            for msg in upload_msgs:
-                await msg.ack()
 
-    async def _publish(self, js: Any) -> None:
-        params = jax.device_get(self.state.params)
+    async def _publish(self, js: Any, fragment: int) -> None:
         payload, description = codec.encode_tensors(
-            pytree.flatten_named(params), codec="fp32", zstd_level=1
+            self.core.fragment_params(fragment), codec="fp32", zstd_level=1
         )
+        version = self.core.version(fragment)
         envelope = wire.Envelope(
             kind="params",
             job=self.settings.job,
             unit=-1,
-            round=self.state.version,
-            fragment=0,
-            base_version=self.state.version,
+            round=version,
+            fragment=fragment,
+            base_version=version,
             inner_steps=0,
             tokens=self.ledger.tokens_applied,
             train_loss=0.0,
@@ -358,13 +376,13 @@ class OuterService:
             payload=payload,
             model=self.settings.model,
         )
-        nc = js._nc
         await transport.publish_params(
             js,
             self.settings.job,
-            self.state.version,
+            fragment,
+            version,
             wire.pack_envelope(envelope),
-            transport.chunk_size_for(nc),
+            transport.chunk_size_for(js._nc),
         )
 
     async def _reject(self, js: Any, msgs: list[Any], rejected: Rejected) -> None:
@@ -376,13 +394,12 @@ class OuterService:
             js, self.settings.job, str(rejected), headers, sum(len(m.data) for m in msgs)
         )
         for msg in msgs:
-            try:
+            with contextlib.suppress(nats.errors.Error):
                 await msg.term()
-            except nats.errors.Error as err:
-                log.info("term: %r", err)
 
     async def _evaluate(self) -> dict[str, Any]:
-        params, version = self.state.params, self.state.version
+        params = pytree.unflatten_named(self.template, self.core.full_params())
+        version = self.core.total_version
         result = await asyncio.get_running_loop().run_in_executor(None, self.evaluate, params)
         record = {
             "version": version,
@@ -405,14 +422,19 @@ class OuterService:
 
     def status_record(self) -> dict[str, Any]:
         """The outer's heartbeat/status record as stored in KV."""
+        core = getattr(self, "core", None)
         return {
             "state": self.state_name,
             "model": self.settings.model,
-            "version": self.state.version,
+            "version": core.total_version if core else 0,
+            "versions": [core.version(p) for p in range(core.plan.count)] if core else [],
             "applied": self.ledger.applied,
+            "merges": self.ledger.merges,
+            "buffered": len(self.accepted_uploads),
             "deduplicated": self.ledger.deduplicated,
             "tokens_applied": self.ledger.tokens_applied,
             "rejected": dict(self.ledger.rejected),
+            "staleness": {str(k): v for k, v in sorted(self.ledger.staleness.items())},
             "units": {str(u): vars(stats) for u, stats in self.ledger.units.items()},
             "eval_init": self.eval_init,
             "eval": self.eval_last,

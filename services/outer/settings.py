@@ -2,24 +2,85 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.settings import JobSettings
+from services.outer.core import OuterAlgorithm
+from services.outer.staleness import StalenessRule
+from shared.settings import ENV_PREFIX, JobSettings
 
 
-class OuterSettings(JobSettings):
+class OuterAlgorithmSettings(BaseSettings):
+    """How the outer merges pseudo-gradients (docs/ALGORITHMS.md explains each choice)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    outer_optimizer: str = Field(
+        "nesterov", description="outer optimizer: sgd, nesterov or delayed_nesterov"
+    )
+    outer_lr: float = Field(0.7, gt=0, le=10, description="outer learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer (Nesterov) momentum")
+    dn_period: int = Field(
+        4, ge=1, le=1024, description="Delayed Nesterov: arrivals per momentum update (N)"
+    )
+    merge_policy: str = Field(
+        "quorum", description="each (apply every arrival alone) or quorum (quorum + grace window)"
+    )
+    min_quorum: int = Field(1, ge=1, le=1024, description="arrivals needed before a merge (K)")
+    grace_factor: float = Field(
+        0.5, ge=0, le=10, description="grace window as a share of the median upload interval"
+    )
+    grace_min_s: float = Field(0.0, ge=0, description="shortest grace window, seconds")
+    grace_max_s: float = Field(30.0, ge=0, description="longest grace window, seconds")
+    combine: str = Field("weighted", description="merge: weighted (average) or rda")
+    token_weighting: str = Field(
+        "tokens2_per_step", description="update weight by work: uniform, tokens or tokens2_per_step"
+    )
+    staleness_rule: str = Field(
+        "polynomial", description="staleness weight: constant, polynomial, hinge or exponential"
+    )
+    staleness_a: float = Field(0.5, ge=0, le=100, description="staleness exponent/slope/rate a")
+    staleness_b: float = Field(0.0, ge=0, le=1e6, description="hinge point b (full weight up to b)")
+    max_staleness: int | None = Field(
+        None, ge=0, description="drop updates staler than this (default: keep all)"
+    )
+    participation_scale: bool = Field(
+        True, description="scale a merge of m of K units by m/K (off for Delayed Nesterov)"
+    )
+
+    def algorithm(self, num_units: int = 1, fragments: int = 1) -> OuterAlgorithm:
+        """The validated algorithm these settings describe."""
+        return OuterAlgorithm(
+            optimizer=self.outer_optimizer,
+            lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            dn_period=self.dn_period,
+            policy=self.merge_policy,
+            min_quorum=self.min_quorum,
+            grace_factor=self.grace_factor,
+            grace_min_s=self.grace_min_s,
+            grace_max_s=self.grace_max_s,
+            combine=self.combine,
+            token_weighting=self.token_weighting,
+            staleness=StalenessRule(
+                self.staleness_rule, self.staleness_a, self.staleness_b, self.max_staleness
+            ),
+            num_units=num_units,
+            participation_scale=self.participation_scale,
+            fragments=fragments,
+        )
+
+    @model_validator(mode="after")
+    def _check_algorithm(self) -> OuterAlgorithmSettings:
+        self.algorithm()  # raises ValueError with the reason
+        return self
+
+
+class OuterSettings(JobSettings, OuterAlgorithmSettings):
     """The outer optimizer of one job: how it merges pseudo-gradients and reports progress."""
 
-    outer_lr: float = Field(0.7, gt=0, le=10, description="outer SGD learning rate")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer Nesterov momentum")
     num_units: int = Field(
-        1,
-        ge=1,
-        le=1024,
-        description="units contributing; each arrival is scaled by 1/num-units (see docs)",
-    )
-    staleness_exponent: float = Field(
-        0.5, ge=0, le=4, description="update weight (1 + staleness)^-a; 0 disables it"
+        1, ge=1, le=1024, description="units in the job (K: participation share, quorum checks)"
     )
     eval_every_s: float = Field(
         5.0, gt=0, description="seconds between held-out evaluations of the global params"
@@ -34,3 +95,9 @@ class OuterSettings(JobSettings):
         64, ge=1, description="incomplete uploads kept in memory before the oldest is dropped"
     )
     status_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
+
+    @model_validator(mode="after")
+    def _check_quorum(self) -> OuterSettings:
+        if self.min_quorum > self.num_units:
+            raise ValueError(f"min-quorum {self.min_quorum} > num-units {self.num_units}")
+        return self

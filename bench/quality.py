@@ -1,0 +1,340 @@
+"""Quality benchmark: does asynchronous merging match synchronous DiLoCo?
+
+Protocol (as in the DiLoCo papers): every method starts from the same briefly pretrained
+checkpoint (single-unit steps on unit 0's shard), then trains the same model on the same corpus
+with K units and the same total token budget. Methods run on a simulated clock in one process
+(``services/simulation.py``, driving the very ``LearnerCore``/``OuterCore`` the services run),
+with unit speeds homogeneous or heterogeneous (slowdowns 1, 1, 2, 4). Headline rows are repeated
+over several data-order seeds and reported as mean ± standard deviation.
+
+The default configuration is also run once on the real system (``diloco up``: nats-server,
+outer, gateway and learner processes) from scratch, beside a simulated twin of that same run.
+
+    .venv/bin/python bench/quality.py --write          # ≈ 15-20 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from services import simulation as sim  # noqa: E402
+from services.learner.core import SyncSchedule  # noqa: E402
+from services.learner.settings import InnerSettings  # noqa: E402
+from services.outer.core import OuterAlgorithm  # noqa: E402
+from services.outer.settings import OuterAlgorithmSettings  # noqa: E402
+from services.outer.staleness import StalenessRule  # noqa: E402
+from shared import data, evaluation, model  # noqa: E402
+from shared.runtime import configure_jax  # noqa: E402
+
+SECTION = "## Quality: asynchronous merging vs synchronous DiLoCo"
+HETEROGENEOUS = [1.0, 1.0, 2.0, 4.0]
+HOMOGENEOUS = [1.0, 1.0, 1.0, 1.0]
+
+
+@dataclass
+class Method:
+    """One row of the benchmark."""
+
+    name: str
+    kind: str  # "dp", "sync" or "async"
+    speeds: list[float] | None = None
+    algorithm: OuterAlgorithm | None = None
+    schedule: SyncSchedule | None = None
+    dynamic: bool = False
+    headline: bool = False
+
+
+def default_method(speeds: list[float], units: int, h_steps: int, **changes) -> Method:
+    """The shipped defaults: what ``diloco up`` runs with no algorithm flags."""
+    inner, outer = InnerSettings(), OuterAlgorithmSettings()
+    algorithm = outer.algorithm(num_units=units, fragments=changes.pop("fragments", 1))
+    schedule = SyncSchedule(h_steps, algorithm.fragments, inner.overlap_tau, inner.mix_alpha)
+    dynamic = changes.pop("dynamic", inner.dynamic_h)
+    if "overlap_tau" in changes or "mix_alpha" in changes:
+        schedule = SyncSchedule(
+            h_steps,
+            algorithm.fragments,
+            changes.pop("overlap_tau", 0),
+            changes.pop("mix_alpha", 0.0),
+        )
+    if changes:
+        from dataclasses import replace
+
+        algorithm = replace(algorithm, **changes)
+    return Method("", "async", speeds, algorithm, schedule, dynamic)
+
+
+def methods(units: int, h: int) -> list[Method]:
+    """Every row: baselines, naive async, the fixes one by one, and the default."""
+    naive = OuterAlgorithm(
+        optimizer="nesterov", policy="each", num_units=units, staleness=StalenessRule("constant")
+    )
+    dn = OuterAlgorithm(
+        optimizer="delayed_nesterov",
+        dn_period=units,
+        policy="each",
+        participation_scale=False,
+        num_units=units,
+        staleness=StalenessRule("polynomial", 0.5),
+    )
+    plain = SyncSchedule(h)
+    rows = [
+        Method("data-parallel", "dp"),
+        Method("synchronous DiLoCo", "sync", headline=True),
+        Method("naive async (each arrival, Nesterov)", "async", HOMOGENEOUS, naive, plain),
+        Method(
+            "naive async (each arrival, Nesterov)",
+            "async",
+            HETEROGENEOUS,
+            naive,
+            plain,
+            headline=True,
+        ),
+        Method("Delayed Nesterov + 1/sqrt(1+s)", "async", HETEROGENEOUS, dn, plain),
+        Method("Delayed Nesterov + 1/sqrt(1+s) + DyLU", "async", HETEROGENEOUS, dn, plain, True),
+
+    ]
+    variants = [
+        ("default", HOMOGENEOUS, {}, False),
+        ("default", HETEROGENEOUS, {}, True),
+        ("default without DyLU", HETEROGENEOUS, {"dynamic": False}, False),
+        ("default with RDA", HETEROGENEOUS, {"combine": "rda"}, False),
+        (
+            "default with P=2 fragments, tau=1, alpha=0.5",
+            HETEROGENEOUS,
+            {"fragments": 2, "overlap_tau": 1, "mix_alpha": 0.5},
+            False,
+        ),
+    ]
+    for name, speeds, changes, headline in variants:
+        method = default_method(speeds, units, h, **changes)
+        method.name, method.headline = name, headline
+        rows.append(method)
+    return rows
+
+
+def run_method(method: Method, work: sim.Workload, start) -> sim.SimResult:
+    if method.kind == "dp":
+        return sim.data_parallel(work, start)
+    if method.kind == "sync":
+        return sim.sync_diloco(work, start)
+    return sim.async_run(
+        work, start, method.algorithm, method.speeds, method.schedule, method.dynamic, method.name
+    )
+
+
+def real_system_run(setup: sim.SimSetup, cache: Path) -> tuple[float, str]:
+    """`diloco up` with the default algorithm and heterogeneous speeds; returns its final eval."""
+    command = [
+        sys.executable,
+        "-m",
+        "services.cli",
+        "up",
+        "--model",
+        setup.model,
+        "--learners",
+        str(setup.num_units),
+        "--max-steps",
+        str(setup.steps_per_unit),
+        "--h-steps",
+        str(setup.h_steps),
+        "--batch-size",
+        str(setup.batch_size),
+        "--warmup-steps",
+        str(setup.warmup_steps),
+        "--seed",
+        str(setup.seed),
+        "--slowdowns",
+        ",".join(str(s) for s in HETEROGENEOUS),
+        "--gateway-port",
+        "0",
+    ]
+    with tempfile.TemporaryDirectory() as data_dir:
+        env = {**os.environ, "DILOCO_JAX_CACHE": str(cache)}
+        out = subprocess.run(
+            [*command, "--data-dir", data_dir],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+    match = re.search(r"-> ([\d.]+) nats/byte", out.stdout)
+    if out.returncode != 0 or not match:
+        raise SystemExit(f"real-system run failed:\n{out.stdout}\n{out.stderr}")
+    shown = " ".join(command[2:])
+    return float(match.group(1)), f"diloco {shown}"
+
+
+def fmt(values: list[float]) -> str:
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f} (n={len(values)})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--steps", type=int, default=80, help="inner steps per unit (budget)")
+    parser.add_argument("--h-steps", type=int, default=16)
+    parser.add_argument("--pretrain", type=int, default=40, help="shared pretraining steps")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of the headline rows")
+    parser.add_argument("--no-real", action="store_true", help="skip the real-system run")
+    parser.add_argument("--only", default="", help="run only rows whose name contains this")
+    parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md + plot")
+    args = parser.parse_args()
+    configure_jax()
+    started = time.time()
+    setup = sim.SimSetup(model=args.model, steps_per_unit=args.steps, h_steps=args.h_steps)
+    cfg = model.get_config(args.model)
+    corpus = data.split_corpus(data.load_corpus(None), 0.02)
+    evaluate = evaluation.make_evaluator(cfg, data.eval_batches(corpus.heldout, cfg.seq_len, 16, 8))
+    init = model.init_params(cfg, jax.random.PRNGKey(setup.seed))
+    base = sim.Workload(setup, corpus, evaluate)
+    start = sim.pretrain(base, init, args.pretrain)
+    print(f"pretrained {args.pretrain} steps: eval {base.eval_loss(start):.4f}", flush=True)
+
+    rows = [m for m in methods(setup.num_units, setup.h_steps) if args.only in m.name]
+    results: dict[int, list[sim.SimResult]] = {}
+    for index, method in enumerate(rows):
+        seeds = range(args.seeds if method.headline else 1)
+        for seed in seeds:
+            work = base.with_seed(setup.seed + seed)
+            t0 = time.time()
+            result = run_method(method, work, start)
+            results.setdefault(index, []).append(result)
+            speeds = "-" if method.speeds is None else ",".join(f"{s:g}" for s in method.speeds)
+            print(
+                f"{method.name:48s} speeds {speeds:8s} seed {seed}: {result.final_eval:.4f} "
+                f"({result.outer_steps} outer steps, {time.time() - t0:.0f}s)",
+                flush=True,
+            )
+
+    twin = real = None
+    if not args.no_real:
+        default_het = default_method(HETEROGENEOUS, setup.num_units, setup.h_steps)
+        twin = sim.async_run(
+            base,
+            init,
+            default_het.algorithm,
+            HETEROGENEOUS,
+            default_het.schedule,
+            default_het.dynamic,
+            "default (twin)",
+        )
+        print(f"simulated twin of the real run (from scratch): {twin.final_eval:.4f}", flush=True)
+        real, real_command = real_system_run(setup, Path(tempfile.mkdtemp()))
+        print(f"real system: {real:.4f}  ({real_command})", flush=True)
+
+    table = render(args, setup, rows, results, twin, real, time.time() - started)
+    print("\n" + table)
+    if args.write:
+        plot(rows, results, REPO / "bench" / "quality.png")
+        write_section(table)
+
+
+def render(args, setup, rows, results, twin, real, elapsed_s) -> str:
+    def mean(index):
+        return statistics.mean(r.final_eval for r in results[index])
+
+    names = [m.name for m in rows]
+    sync = mean(names.index("synchronous DiLoCo")) if "synchronous DiLoCo" in names else None
+    dp = mean(names.index("data-parallel")) if "data-parallel" in names else None
+    command = "python bench/quality.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
+    lines = [
+        SECTION,
+        "",
+        f"`{command.strip()}` — model `{setup.model}`, K={setup.num_units} units, "
+        f"{setup.steps_per_unit} inner steps per unit of batch {setup.batch_size} "
+        f"({setup.token_budget:,} tokens in all), H={setup.h_steps}, from a checkpoint "
+        f"pretrained for {args.pretrain} single-unit steps; simulated clock "
+        f"(step {setup.step_time_s} s × slowdown, latency {setup.latency_s} s). "
+        "Heterogeneous speeds = slowdowns "
+        f"{','.join(f'{s:g}' for s in HETEROGENEOUS)}. Eval: held-out nats/byte. "
+        f"Whole run: {elapsed_s / 60:.1f} min on {os.cpu_count()} cores.",
+        "",
+        "| method | speeds | final eval (nats/byte) | vs sync DiLoCo | vs data-parallel "
+        "| outer steps | updates per merge |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for index, method in enumerate(rows):
+        if index not in results:
+            continue
+        value = mean(index)
+        speeds = (
+            "homogeneous"
+            if method.speeds == HOMOGENEOUS
+            else "heterogeneous"
+            if method.speeds
+            else "n/a"
+        )
+        vs_sync = f"{100 * (value / sync - 1):+.2f}%" if sync else "-"
+        vs_dp = f"{100 * (value / dp - 1):+.2f}%" if dp else "-"
+        first = results[index][0]
+        merged = f"{first.merged_per_step:.2f}" if method.kind == "async" else "-"
+        lines.append(
+            f"| {method.name} | {speeds} | {fmt([r.final_eval for r in results[index]])} "
+            f"| {vs_sync} | {vs_dp} | {first.outer_steps} | {merged} |"
+        )
+    if twin is not None and real is not None:
+        lines += [
+            "",
+            "Real system (processes + NATS, `diloco up` with the default algorithm, slowdowns "
+            f"1,1,2,4, from scratch, same budget): **{real:.4f}** nats/byte; its simulated twin "
+            f"(same start, budget and algorithm): **{twin.final_eval:.4f}** "
+            f"({100 * (real / twin.final_eval - 1):+.2f}%).",
+        ]
+    lines += ["", "![eval loss vs tokens](bench/quality.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(rows, results, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for index, method in enumerate(rows):
+        if index not in results or not (method.headline or method.kind != "async"):
+            continue
+        curve = results[index][0].curve
+        label = method.name + (" (heterogeneous)" if method.speeds == HETEROGENEOUS else "")
+        ax.plot([t for t, _ in curve], [v for _, v in curve], marker="o", ms=3, label=label)
+    ax.set_xlabel("tokens processed (all units)")
+    ax.set_ylabel("held-out eval loss (nats/byte)")
+    ax.set_title("Eval loss vs tokens (seed 0)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_section(table: str) -> None:
+    path = REPO / "BENCHMARKS.md"
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    if SECTION in text:
+        start = text.index(SECTION)
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + table + (text[end + 1 :] if end != -1 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + table
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

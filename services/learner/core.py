@@ -1,0 +1,221 @@
+"""The learner's protocol core, free of I/O: inner steps, per-fragment uploads and adopting
+global fragments. The learner service (``service.py``) drives it on the wall clock with a NATS
+link; the quality benchmark's simulator drives it on a simulated clock.
+
+Per fragment p (``shared/fragments.py``) the core keeps a base version, the steps, tokens and
+loss since p's last upload, and the *anchor* pieces the unsent local progress is measured from.
+
+* **Upload.** When p's step counter reaches its target (H, or H − offset(p) the first time, so
+  fragments are staggered), Δ_p = anchor_p − θ_p goes out and anchor_p ← θ_p.
+* **Adopt.** A newer global Θ_p is held until at least τ steps have passed since this unit's
+  last upload of p (Streaming DiLoCo's overlap, arXiv 2501.18512), then mixed in with α:
+  θ_p ← θ_p + (1 − α)(Θ_p − anchor_p) and anchor_p ← anchor_p + (1 − α)(Θ_p − anchor_p).
+  With α = 0 this keeps exactly the local progress not yet uploaded on top of the new global
+  (θ_p − anchor_p is unchanged), so no local work is lost or uploaded twice; right after an
+  upload (τ = 0) it is DiLoCo's "replace local by global". α = 1 ignores the global.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from services.learner.trainer import InnerState, InnerTrainer
+from shared import pytree
+from shared.fragments import FragmentPlan, plan_fragments, sync_offset
+
+
+@dataclass(frozen=True)
+class SyncSchedule:
+    """How a unit syncs: every H steps per fragment, overlap τ, mixing α."""
+
+    h_steps: int = 30
+    fragments: int = 1
+    overlap_tau: int = 0
+    mix_alpha: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.h_steps < 1 or self.fragments < 1 or self.overlap_tau < 0:
+            raise ValueError("need h_steps >= 1, fragments >= 1 and overlap_tau >= 0")
+        if not 0.0 <= self.mix_alpha <= 1.0:
+            raise ValueError(f"mix_alpha must be in [0, 1], got {self.mix_alpha}")
+
+
+@dataclass
+class Upload:
+    """One pseudo-gradient of one fragment, ready to encode and send."""
+
+    fragment: int
+    round: int
+    base_version: int
+    inner_steps: int
+    tokens: int
+    train_loss: float
+    tensors: dict[str, np.ndarray]
+
+
+@dataclass
+class _FragmentSync:
+    base_version: int = 0
+    steps: int = 0
+    tokens: int = 0
+    loss_sum: float = 0.0
+    target: int = 1
+    pending: tuple[int, dict[str, np.ndarray]] | None = None
+
+
+def dynamic_h(h_steps: int, own_rate: float | None, rates: Mapping[int, float]) -> int:
+    """Dynamic Local Updates (arXiv 2401.09135, Eq. 6): H scaled by speed relative to the
+    fastest unit, so that slower units upload after fewer steps, with fresher bases.
+
+    Unknown speeds (no measurement yet) leave H unchanged.
+    """
+    known = [r for r in rates.values() if r and r > 0]
+    if not own_rate or own_rate <= 0 or not known:
+        return h_steps
+    return max(1, min(h_steps, int(h_steps * own_rate / max(known))))
+
+
+class LearnerCore:
+    """State and sync decisions of one learner unit."""
+
+    def __init__(
+        self,
+        trainer: InnerTrainer,
+        params: Any,
+        schedule: SyncSchedule,
+        tokens_per_step: int,
+        first_round: int = 0,
+    ) -> None:
+        self.trainer = trainer
+        self.schedule = schedule
+        self.tokens_per_step = tokens_per_step
+        self.template = params
+        self.state: InnerState = trainer.init(params)
+        named = pytree.flatten_named(params)
+        self.plan: FragmentPlan = plan_fragments(
+            {k: v.shape for k, v in named.items()}, schedule.fragments
+        )
+        self.syncs = [
+            _FragmentSync(
+                target=max(1, schedule.h_steps - sync_offset(p, self.plan.count, schedule.h_steps))
+            )
+            for p in range(self.plan.count)
+        ]
+        self.round = first_round
+        self.step = 0
+
+    def base_versions(self) -> list[int]:
+        """Global version of each fragment this unit last adopted."""
+        return [sync.base_version for sync in self.syncs]
+
+    def train_step(self, batch: Any) -> float:
+        """One inner step; returns the loss."""
+        self.state, loss = self.trainer.step(self.state, batch)
+        loss_value = float(loss)
+        self.step += 1
+        for sync in self.syncs:
+            sync.steps += 1
+            sync.tokens += self.tokens_per_step
+            sync.loss_sum += loss_value
+        return loss_value
+
+    def due_uploads(self, next_h: int | None = None) -> list[Upload]:
+        """Uploads whose time has come; ``next_h`` sets the following target (DyLU)."""
+        due = [p for p, sync in enumerate(self.syncs) if sync.steps >= sync.target]
+        return self._take(due, next_h or self.schedule.h_steps)
+
+    def flush(self) -> list[Upload]:
+        """Uploads of every fragment with unsent steps (at the end of training)."""
+        return self._take([p for p, s in enumerate(self.syncs) if s.steps > 0], 1)
+
+    def _take(self, fragments: list[int], next_h: int) -> list[Upload]:
+        if not fragments:
+            return []
+        params = pytree.flatten_named(self.state.params)
+        anchor = pytree.flatten_named(self.state.anchor)
+        uploads = []
+        for p in fragments:
+            sync = self.syncs[p]
+            local = self.plan.extract(params, p)
+            base = self.plan.extract(anchor, p)
+            delta = {k: base[k] - local[k] for k in local}
+            self.plan.insert(anchor, p, local)
+            uploads.append(
+                Upload(
+                    p,
+                    self.round,
+                    sync.base_version,
+                    sync.steps,
+                    sync.tokens,
+                    sync.loss_sum / sync.steps,
+                    delta,
+                )
+            )
+            self.round += 1
+            sync.steps = sync.tokens = 0
+            sync.loss_sum = 0.0
+            sync.target = next_h
+        self._set(params=None, anchor=anchor)
+        return uploads
+
+    def offer_global(self, fragment: int, version: int, pieces: dict[str, np.ndarray]) -> bool:
+        """Hold a newer global fragment until it may be adopted; False if it is not newer."""
+        sync = self.syncs[fragment]
+        newest = sync.pending[0] if sync.pending else sync.base_version
+        if version <= newest:
+            return False
+        if sorted(pieces) != self.plan.keys(fragment):
+            raise ValueError(f"global fragment {fragment} pieces differ from this unit's plan")
+        sync.pending = (version, pieces)
+        return True
+
+    def adopt_globals(self) -> list[int]:
+        """Mix in held global fragments whose overlap τ has passed; returns their indices."""
+        ready = [
+            p
+            for p, s in enumerate(self.syncs)
+            if s.pending is not None and s.steps >= self.schedule.overlap_tau
+        ]
+        if not ready:
+            return []
+        keep = 1.0 - self.schedule.mix_alpha
+        params = pytree.flatten_named(self.state.params)
+        anchor = pytree.flatten_named(self.state.anchor)
+        for p in ready:
+            sync = self.syncs[p]
+            version, global_pieces = sync.pending  # type: ignore[misc]
+            local = self.plan.extract(params, p)
+            base = self.plan.extract(anchor, p)
+            # New anchor first, then the unsent progress (local − old anchor) on top of it, so
+            # that with α = 0 the anchor is exactly the global and, right after an upload, so
+            # are the params (no floating-point residue).
+            new_base = (
+                {k: np.asarray(global_pieces[k], np.float32) for k in local}
+                if keep == 1.0
+                else {k: base[k] + keep * (global_pieces[k] - base[k]) for k in local}
+            )
+            self.plan.insert(params, p, {k: new_base[k] + (local[k] - base[k]) for k in local})
+            self.plan.insert(anchor, p, new_base)
+            sync.base_version = version
+            sync.pending = None
+        self._set(params=params, anchor=anchor)
+        return ready
+
+    def _set(self, params: dict | None, anchor: dict | None) -> None:
+        state = self.state
+        new_params = (
+            state.params
+            if params is None
+            else jax.device_put(pytree.unflatten_named(self.template, params))
+        )
+        new_anchor = (
+            state.anchor
+            if anchor is None
+            else jax.device_put(pytree.unflatten_named(self.template, anchor))
+        )
+        self.state = InnerState(new_params, new_anchor, state.opt_state)

@@ -1,0 +1,205 @@
+"""The outer optimizer's protocol core, free of I/O: per-fragment global params, buffering,
+merging and outer steps. The NATS service (``service.py``) and the quality benchmark's
+simulator (``services/simulation.py``) both drive this class, one on the wall clock and one on
+a simulated clock, so what the benchmark measures is what the service does.
+
+For each fragment p it keeps the global pieces Θ_p, the outer optimizer state and a version
+v_p that counts outer steps. An arrival for p computed against base version b has staleness
+s = v_p − b. At merge time each buffered arrival gets a staleness weight s(·) and a token
+weight w (``merge.token_weight``); they are combined (weighted or radial-directional average),
+optionally scaled by the share of units that took part, and applied with the outer optimizer:
+v_p += 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from services.outer import merge
+from services.outer.optimizer import make_outer_optimizer, make_outer_step
+from services.outer.policy import Arrival, MergePolicy
+from services.outer.staleness import StalenessRule
+from shared.fragments import FragmentPlan, plan_fragments
+
+
+class Rejected(Exception):
+    """An upload that is not applied; ``reason`` is the counter it is recorded under."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class OuterAlgorithm:
+    """Every choice the outer makes; see docs/ALGORITHMS.md for each one's source."""
+
+    optimizer: str = "nesterov"
+    lr: float = 0.7
+    momentum: float = 0.9
+    dn_period: int = 4
+    policy: str = "each"
+    min_quorum: int = 1
+    grace_factor: float = 0.5
+    grace_min_s: float = 0.0
+    grace_max_s: float = 30.0
+    combine: str = "weighted"
+    token_weighting: str = "uniform"
+    staleness: StalenessRule = field(default_factory=StalenessRule)
+    num_units: int = 1
+    participation_scale: bool = True
+    fragments: int = 1
+
+    def __post_init__(self) -> None:
+        # Fail at start-up, not at the first merge: build everything once to validate.
+        make_outer_optimizer(self.optimizer, self.lr, self.momentum, self.dn_period)
+        MergePolicy(
+            self.policy, self.min_quorum, self.grace_factor, self.grace_min_s, self.grace_max_s
+        )
+        if self.combine not in merge.COMBINES:
+            raise ValueError(f"combine must be one of {merge.COMBINES}, got {self.combine!r}")
+        if self.token_weighting not in merge.TOKEN_WEIGHTINGS:
+            raise ValueError(
+                f"token weighting must be one of {merge.TOKEN_WEIGHTINGS}, "
+                f"got {self.token_weighting!r}"
+            )
+        if self.num_units < 1 or self.fragments < 1:
+            raise ValueError("num_units and fragments must be >= 1")
+
+
+@dataclass
+class MergeResult:
+    """One outer step: which fragment, its new version, and what went into it."""
+
+    fragment: int
+    version: int
+    arrivals: list[Arrival]
+    staleness: list[int]
+
+
+@dataclass
+class _Fragment:
+    params: dict[str, jax.Array]
+    opt_state: Any
+    version: int
+    policy: MergePolicy
+
+
+class OuterCore:
+    """Global params and outer state of one job, fragment by fragment."""
+
+    def __init__(self, named_params: Mapping[str, np.ndarray], algorithm: OuterAlgorithm) -> None:
+        self.algorithm = algorithm
+        self.plan: FragmentPlan = plan_fragments(
+            {name: array.shape for name, array in named_params.items()}, algorithm.fragments
+        )
+        self._names = {name: np.asarray(array).shape for name, array in named_params.items()}
+        self.optimizer = make_outer_optimizer(
+            algorithm.optimizer, algorithm.lr, algorithm.momentum, algorithm.dn_period
+        )
+        self._step = make_outer_step(self.optimizer)
+        self.fragments: list[_Fragment] = []
+        for index in range(self.plan.count):
+            pieces = {k: jnp.asarray(v) for k, v in self.plan.extract(named_params, index).items()}
+            self.fragments.append(
+                _Fragment(pieces, self.optimizer.init(pieces), 0, self._new_policy())
+            )
+
+    def _new_policy(self) -> MergePolicy:
+        a = self.algorithm
+        return MergePolicy(a.policy, a.min_quorum, a.grace_factor, a.grace_min_s, a.grace_max_s)
+
+    # ---- state -------------------------------------------------------------------------------
+
+    def version(self, fragment: int) -> int:
+        """Outer steps applied to ``fragment`` so far."""
+        return self.fragments[fragment].version
+
+    @property
+    def total_version(self) -> int:
+        """Outer steps over all fragments (the job's global version for P = 1)."""
+        return sum(f.version for f in self.fragments)
+
+    def fragment_params(self, fragment: int) -> dict[str, np.ndarray]:
+        """The global pieces of one fragment as numpy arrays."""
+        return {
+            k: np.asarray(v) for k, v in jax.device_get(self.fragments[fragment].params).items()
+        }
+
+    def full_params(self) -> dict[str, np.ndarray]:
+        """All global params as ``{tensor name: array}``."""
+        named = {name: np.zeros(shape, np.float32) for name, shape in self._names.items()}
+        for index in range(self.plan.count):
+            self.plan.insert(named, index, self.fragment_params(index))
+        return named
+
+    def restore(self, fragment: int, version: int, pieces: Mapping[str, np.ndarray]) -> None:
+        """Continue a fragment from published params (momentum starts from zero)."""
+        expected = self.plan.keys(fragment)
+        if sorted(pieces) != expected:
+            raise ValueError(f"fragment {fragment} pieces differ from the plan")
+        params = {k: jnp.asarray(pieces[k]) for k in expected}
+        self.fragments[fragment] = _Fragment(
+            params, self.optimizer.init(params), version, self._new_policy()
+        )
+
+    # ---- arrivals and merges -----------------------------------------------------------------
+
+    def offer(self, fragment: int, arrival: Arrival) -> None:
+        """Buffer a validated arrival for ``fragment``.
+
+        Raises:
+            Rejected: ``future_base_version`` or ``too_stale``, or ``wrong_fragment``.
+        """
+        if not 0 <= fragment < self.plan.count:
+            raise Rejected("wrong_fragment", f"fragment {fragment} of {self.plan.count}")
+        state = self.fragments[fragment]
+        staleness = state.version - arrival.base_version
+        if staleness < 0:
+            raise Rejected(
+                "future_base_version",
+                f"base_version {arrival.base_version} > current {state.version}",
+            )
+        if not self.algorithm.staleness.accepts(staleness):
+            raise Rejected(
+                "too_stale", f"staleness {staleness} > max {self.algorithm.staleness.max_staleness}"
+            )
+        state.policy.add(arrival)
+
+    def due(self, now: float) -> list[int]:
+        """Fragments whose buffers should be merged now."""
+        return [i for i, f in enumerate(self.fragments) if f.policy.ready(now)]
+
+    def next_deadline(self) -> float | None:
+        """The earliest time a buffered fragment must be merged (None: nothing pending)."""
+        deadlines = [f.policy.deadline() for f in self.fragments]
+        pending = [d for d in deadlines if d is not None]
+        return min(pending) if pending else None
+
+    def merge(self, fragment: int) -> MergeResult:
+        """Merge the buffered arrivals of ``fragment`` and apply one outer step."""
+        state = self.fragments[fragment]
+        arrivals = state.policy.take()
+        a = self.algorithm
+        staleness = [state.version - arr.base_version for arr in arrivals]
+        scales = [float(a.staleness.weight(s)) for s in staleness]
+        weights = [
+            merge.token_weight(a.token_weighting, arr.tokens, max(1, arr.inner_steps))
+            for arr in arrivals
+        ]
+        merged = merge.combine(a.combine, [arr.pseudo_grad for arr in arrivals], weights, scales)
+        if a.participation_scale:
+            # An update from m of K units counts as m/K of a synchronous round (each unit's
+            # work enters the global params with the same total weight however it is batched).
+            share = len({arr.unit for arr in arrivals}) / a.num_units
+            merged = jax.tree_util.tree_map(lambda x: x * share, merged)
+        state.params, state.opt_state = self._step(state.params, state.opt_state, merged)
+        state.version += 1
+        return MergeResult(fragment, state.version, arrivals, staleness)

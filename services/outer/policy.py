@@ -1,0 +1,109 @@
+"""When to merge: apply every arrival alone, or wait for a minimum quorum and a grace window.
+
+Decoupled DiLoCo's syncer merges a fragment once at least K learners have reported (minimum
+quorum; K = 1 means progress never stops), then may wait a little longer inside an **adaptive
+grace window** to bring in more learners when that costs little (arXiv 2604.21428 via
+research/algorithms.md §1.2, §1.4). Our window is derived from observed arrival times:
+
+* each unit's upload interval for the fragment is tracked (exponential moving average);
+* when the quorum is reached at t_q, the policy waits for absent units whose next upload is
+  expected within ``t_q + cap``, where cap = clamp(grace_factor × median interval,
+  grace_min_s, grace_max_s), and merges as soon as they are all in or the window closes;
+* units that are not expected within the window (slow, paused or gone) are never waited for.
+
+Time is passed in (``now``), so the same policy runs on the wall clock in the outer service and
+on a simulated clock in the quality benchmark.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+POLICIES = ("each", "quorum")
+_EMA = 0.5
+
+
+@dataclass
+class Arrival:
+    """One validated pseudo-gradient waiting to be merged."""
+
+    unit: int
+    round: int
+    base_version: int
+    inner_steps: int
+    tokens: int
+    pseudo_grad: Any
+    arrived_at: float
+    upload: str = ""
+    context: Any = None  # transport handle (e.g. the NATS messages to ack); opaque here
+
+
+@dataclass
+class MergePolicy:
+    """Buffering rule of one fragment. ``add`` arrivals, ask ``ready``, then ``take``."""
+
+    kind: str = "each"
+    min_quorum: int = 1
+    grace_factor: float = 0.5
+    grace_min_s: float = 0.0
+    grace_max_s: float = 30.0
+    buffer: list[Arrival] = field(default_factory=list)
+    intervals: dict[int, float] = field(default_factory=dict)
+    last_arrival: dict[int, float] = field(default_factory=dict)
+    quorum_at: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in POLICIES:
+            raise ValueError(f"merge policy must be one of {POLICIES}, got {self.kind!r}")
+        if self.min_quorum < 1:
+            raise ValueError(f"min quorum must be >= 1, got {self.min_quorum}")
+        if self.grace_factor < 0 or not 0 <= self.grace_min_s <= self.grace_max_s:
+            raise ValueError("need grace_factor >= 0 and 0 <= grace_min_s <= grace_max_s")
+
+    def add(self, arrival: Arrival) -> None:
+        """Buffer an arrival and learn its unit's upload interval."""
+        unit, now = arrival.unit, arrival.arrived_at
+        if unit in self.last_arrival:
+            gap = max(0.0, now - self.last_arrival[unit])
+            previous = self.intervals.get(unit)
+            self.intervals[unit] = gap if previous is None else _EMA * gap + (1 - _EMA) * previous
+        self.last_arrival[unit] = now
+        self.buffer.append(arrival)
+        if self.quorum_at is None and len({a.unit for a in self.buffer}) >= self.min_quorum:
+            self.quorum_at = now
+
+    def _window_cap(self) -> float:
+        if not self.intervals:
+            return self.grace_min_s
+        median = statistics.median(self.intervals.values())
+        return min(self.grace_max_s, max(self.grace_min_s, self.grace_factor * median))
+
+    def deadline(self) -> float | None:
+        """When the buffered arrivals must be merged at the latest (None: nothing pending)."""
+        if self.kind == "each":
+            return 0.0 if self.buffer else None
+        if self.quorum_at is None:
+            return None
+        close = self.quorum_at + self._window_cap()
+        present = {a.unit for a in self.buffer}
+        expected = [
+            self.last_arrival[u] + self.intervals[u]
+            for u in self.intervals
+            if u not in present and self.last_arrival[u] + self.intervals[u] <= close
+        ]
+        return max([self.quorum_at, *expected])
+
+    def ready(self, now: float) -> bool:
+        """Whether the buffer should be merged now."""
+        deadline = self.deadline()
+        return deadline is not None and now >= deadline
+
+    def take(self) -> list[Arrival]:
+        """Remove and return what the next merge uses: the oldest arrival under ``each``,
+        everything buffered under ``quorum``."""
+        if self.kind == "each":
+            return [self.buffer.pop(0)] if self.buffer else []
+        taken, self.buffer, self.quorum_at = self.buffer, [], None
+        return taken

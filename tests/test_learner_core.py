@@ -1,0 +1,141 @@
+"""The learner's sync protocol: uploads, fragments, overlap τ and mixing α, DyLU."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from services.learner.core import LearnerCore, SyncSchedule, dynamic_h
+from services.learner.trainer import InnerTrainer, inner_optimizer
+from shared import model, pytree
+
+CFG = model.get_config("tiny")
+TOKENS = 4 * CFG.seq_len
+
+
+def make_core(schedule: SyncSchedule, seed: int = 0) -> LearnerCore:
+    trainer = InnerTrainer(CFG, inner_optimizer(3e-3, 2, 50, 0.0))
+    return LearnerCore(trainer, model.init_params(CFG, jax.random.PRNGKey(seed)), schedule, TOKENS)
+
+
+def batch(step: int):
+    return jax.random.randint(jax.random.PRNGKey(100 + step), (4, CFG.seq_len + 1), 0, 256)
+
+
+def named(tree):
+    return pytree.flatten_named(tree)
+
+
+def test_upload_every_h_steps_carries_anchor_minus_local_and_counters():
+    core = make_core(SyncSchedule(h_steps=3))
+    start = named(core.state.params)
+    uploads = []
+    for _ in range(3):
+        core.train_step(batch(core.step))
+        uploads += core.due_uploads()
+    assert len(uploads) == 1
+    upload = uploads[0]
+    assert (upload.fragment, upload.round, upload.base_version) == (0, 0, 0)
+    assert (upload.inner_steps, upload.tokens) == (3, 3 * TOKENS)
+    local = named(core.state.params)
+    for name, delta in upload.tensors.items():
+        np.testing.assert_array_equal(delta, start[name] - local[name])
+    # The anchor moved to the local params: nothing more to send right now.
+    assert core.flush() == []
+
+
+def test_adopting_a_global_keeps_exactly_the_unsent_progress():
+    core = make_core(SyncSchedule(h_steps=2))
+    for _ in range(2):
+        core.train_step(batch(core.step))
+    core.due_uploads()
+    core.train_step(batch(core.step))  # progress not yet uploaded
+    unsent = {
+        k: named(core.state.params)[k] - named(core.state.anchor)[k]
+        for k in named(core.state.params)
+    }
+    new_global = {
+        k: v + 0.25 for k, v in named(model.init_params(CFG, jax.random.PRNGKey(7))).items()
+    }
+    assert core.offer_global(0, 5, new_global)
+    assert core.adopt_globals() == [0]
+    assert core.base_versions() == [5]
+    params, anchor = named(core.state.params), named(core.state.anchor)
+    for key in params:
+        np.testing.assert_allclose(anchor[key], new_global[key], atol=1e-6)
+        np.testing.assert_allclose(params[key], new_global[key] + unsent[key], atol=1e-6)
+    # Older or equal versions are ignored.
+    assert not core.offer_global(0, 5, new_global)
+
+
+def test_mixing_alpha_keeps_a_share_of_the_local_params():
+    core = make_core(SyncSchedule(h_steps=1, mix_alpha=0.25))
+    core.train_step(batch(0))
+    core.due_uploads()  # right after an upload: params == anchor
+    before = named(core.state.params)
+    target = {k: np.zeros_like(v) for k, v in before.items()}
+    core.offer_global(0, 1, target)
+    core.adopt_globals()
+    after = named(core.state.params)
+    for key in before:  # θ ← α θ_local + (1 − α) Θ
+        np.testing.assert_allclose(after[key], 0.25 * before[key], atol=1e-6)
+
+
+def test_overlap_tau_holds_a_global_until_tau_steps_after_the_upload():
+    core = make_core(SyncSchedule(h_steps=2, overlap_tau=2))
+    for _ in range(2):
+        core.train_step(batch(core.step))
+    assert len(core.due_uploads()) == 1
+    core.offer_global(0, 1, named(core.state.params))
+    assert core.adopt_globals() == []  # 0 steps since the upload
+    core.train_step(batch(core.step))
+    assert core.adopt_globals() == []  # 1 step
+    core.train_step(batch(core.step))
+    assert core.adopt_globals() == [0]  # τ = 2 steps
+
+
+def test_fragments_are_staggered_and_partition_the_params():
+    core = make_core(SyncSchedule(h_steps=4, fragments=2))
+    first_uploads = {}
+    for _ in range(8):
+        core.train_step(batch(core.step))
+        for upload in core.due_uploads():
+            first_uploads.setdefault(upload.fragment, core.step)
+    assert first_uploads == {0: 4, 1: 2}  # fragment 1 syncs H/P = 2 steps early
+    keys = [set(core.plan.keys(p)) for p in range(2)]
+    assert not keys[0] & keys[1]
+    sizes = core.plan.sizes()
+    assert sum(sizes) == model.param_count(core.template)
+
+
+def test_one_fragment_no_overlap_no_mixing_is_the_plain_update():
+    """P = 1, τ = 0, α = 0: upload Δ = θ_global − θ_local, then the global replaces local."""
+    core = make_core(SyncSchedule(h_steps=3, fragments=1, overlap_tau=0, mix_alpha=0.0))
+    start = named(core.state.params)
+    for _ in range(3):
+        core.train_step(batch(core.step))
+    (upload,) = core.due_uploads()
+    local = named(core.state.params)
+    assert sorted(upload.tensors) == sorted(start)  # whole tensors, no pieces
+    for key in start:
+        np.testing.assert_array_equal(upload.tensors[key], start[key] - local[key])
+    new_global = {k: v * 0.5 for k, v in start.items()}
+    core.offer_global(0, 1, new_global)
+    core.adopt_globals()
+    for key, value in named(core.state.params).items():
+        np.testing.assert_array_equal(value, new_global[key])
+
+
+@pytest.mark.parametrize(
+    ("own", "rates", "expected"),
+    [
+        (10.0, {0: 10.0, 1: 40.0}, 7),
+        (40.0, {0: 10.0, 1: 40.0}, 30),
+        (None, {0: 5.0}, 30),
+        (1.0, {}, 30),
+        (0.1, {0: 1000.0}, 1),
+    ],
+)
+def test_dynamic_h_scales_h_by_relative_speed(own, rates, expected):
+    assert dynamic_h(30, own, rates) == expected

@@ -1,0 +1,155 @@
+"""The outer core: fragments, merge policies (quorum + adaptive grace), participation."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from services.outer.core import OuterAlgorithm, OuterCore, Rejected
+from services.outer.optimizer import make_outer_optimizer, make_outer_step
+from services.outer.policy import Arrival, MergePolicy
+from services.outer.staleness import StalenessRule
+from shared import fragments, model, pytree
+
+
+def tiny_named(seed=0):
+    return pytree.flatten_named(
+        model.init_params(model.get_config("tiny"), jax.random.PRNGKey(seed))
+    )
+
+
+def arrival(unit, pseudo_grad, base_version=0, at=0.0, tokens=100, steps=10, round_=0):
+    return Arrival(unit, round_, base_version, steps, tokens, pseudo_grad, at, f"u{unit}r{round_}")
+
+
+def test_fragment_sizes_of_the_small_model_are_balanced_within_10_percent():
+    abstract = jax.eval_shape(
+        lambda: model.init_params(model.get_config("small"), jax.random.PRNGKey(0))
+    )
+    shapes = {
+        jax.tree_util.keystr(path): leaf.shape
+        for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]
+    }
+    for count in (2, 3, 4):
+        sizes = fragments.plan_fragments(shapes, count).sizes()
+        assert len(sizes) == count and sum(sizes) == sum(int(np.prod(s)) for s in shapes.values())
+        assert max(sizes) <= 1.10 * min(sizes), (count, sizes)
+
+
+def test_one_fragment_reproduces_the_non_fragmented_outer_step_exactly():
+    named = tiny_named()
+    delta = {k: np.full_like(v, 0.01) * (i + 1) for i, (k, v) in enumerate(named.items())}
+    algorithm = OuterAlgorithm(
+        optimizer="nesterov", lr=0.7, momentum=0.9, fragments=1, staleness=StalenessRule("constant")
+    )
+    core = OuterCore(named, algorithm)
+    core.offer(0, arrival(0, delta))
+    core.merge(0)
+    optimizer = make_outer_optimizer("nesterov", 0.7, 0.9)
+    expected, _ = make_outer_step(optimizer)(named, optimizer.init(named), delta)
+    for key, value in core.full_params().items():
+        np.testing.assert_array_equal(value, np.asarray(expected[key]))
+
+
+def test_fragmented_updates_add_up_to_the_whole_update():
+    named = tiny_named()
+    delta = {
+        k: np.random.default_rng(1).standard_normal(v.shape).astype(np.float32) * 1e-2
+        for k, v in named.items()
+    }
+    whole = OuterCore(named, OuterAlgorithm(fragments=1, staleness=StalenessRule("constant")))
+    whole.offer(0, arrival(0, delta))
+    whole.merge(0)
+    split = OuterCore(named, OuterAlgorithm(fragments=3, staleness=StalenessRule("constant")))
+    for p in range(3):
+        split.offer(p, arrival(0, split.plan.extract(delta, p)))
+        split.merge(p)
+    assert [split.version(p) for p in range(3)] == [1, 1, 1]
+    for key, value in split.full_params().items():
+        np.testing.assert_allclose(value, whole.full_params()[key], atol=1e-7)
+
+
+def test_staleness_cut_off_and_future_versions_are_rejected_with_reasons():
+    named = tiny_named()
+    zero = {k: np.zeros_like(v) for k, v in named.items()}
+    core = OuterCore(named, OuterAlgorithm(staleness=StalenessRule("polynomial", 0.5, 0, 1)))
+    for version in range(3):
+        core.offer(0, arrival(0, zero, base_version=version))
+        core.merge(0)
+    with pytest.raises(Rejected) as err:
+        core.offer(0, arrival(1, zero, base_version=1))  # staleness 2 > 1
+    assert err.value.reason == "too_stale"
+    with pytest.raises(Rejected) as err:
+        core.offer(0, arrival(1, zero, base_version=9))
+    assert err.value.reason == "future_base_version"
+    core.offer(0, arrival(1, zero, base_version=2))  # staleness 1 is accepted
+
+
+def test_participation_scale_makes_one_of_k_arrivals_a_1_over_k_step():
+    named = {"w": np.zeros(3, np.float32)}
+    core = OuterCore(
+        named,
+        OuterAlgorithm(optimizer="sgd", lr=1.0, num_units=4, staleness=StalenessRule("constant")),
+    )
+    core.offer(0, arrival(0, {"w": np.full(3, 4.0, np.float32)}))
+    core.merge(0)
+    np.testing.assert_allclose(core.full_params()["w"], -1.0)
+
+
+def test_each_policy_merges_arrivals_one_at_a_time():
+    policy = MergePolicy("each")
+    assert policy.deadline() is None
+    policy.add(arrival(0, {}, at=1.0))
+    policy.add(arrival(1, {}, at=1.0))
+    assert policy.ready(1.0)
+    assert [a.unit for a in policy.take()] == [0]
+    assert [a.unit for a in policy.take()] == [1]
+    assert not policy.ready(2.0)
+
+
+def test_quorum_waits_for_k_then_for_units_expected_inside_the_grace_window():
+    policy = MergePolicy("quorum", min_quorum=2, grace_factor=0.5, grace_max_s=100)
+    # Learn intervals: units 0, 1, 2 upload every 10 s; unit 3 every 40 s.
+    for t in (0.0, 10.0):
+        for unit in (0, 1, 2):
+            policy.add(arrival(unit, {}, at=t))
+        policy.take()
+    policy.add(arrival(3, {}, at=0.0))
+    policy.add(arrival(3, {}, at=40.0))
+    policy.take()
+    policy.add(arrival(0, {}, at=20.0))
+    assert policy.deadline() is None  # quorum 2 not reached
+    policy.add(arrival(1, {}, at=21.0))
+    # Unit 2 is expected at 20 (overdue: no wait); window cap 0.5 * median 10 = 5 s.
+    assert policy.deadline() == pytest.approx(21.0)
+    policy.add(arrival(2, {}, at=21.5))
+    assert policy.ready(21.5)
+    assert sorted(a.unit for a in policy.take()) == [0, 1, 2]
+
+
+def test_grace_window_waits_for_an_expected_unit_but_not_for_a_slow_one():
+    policy = MergePolicy("quorum", min_quorum=1, grace_factor=0.5, grace_max_s=100)
+    for unit, times in {0: (0.0, 10.0), 1: (2.0, 12.0), 2: (0.0, 50.0)}.items():
+        for t in times:
+            policy.add(arrival(unit, {}, at=t))
+    policy.take()
+    policy.add(arrival(0, {}, at=20.0))
+    # Unit 1 expected at 22 (inside 20 + 0.5 * median(10, 10, 50) = 25); unit 2 at 100: not.
+    assert policy.deadline() == pytest.approx(22.0)
+    assert not policy.ready(21.0)
+    assert policy.ready(22.0)
+
+
+def test_invalid_algorithm_choices_are_refused():
+    for kwargs in (
+        {"optimizer": "adam"},
+        {"policy": "sometimes"},
+        {"combine": "median"},
+        {"token_weighting": "bytes"},
+        {"min_quorum": 0},
+        {"fragments": 0},
+        {"lr": -1.0},
+    ):
+        with pytest.raises(ValueError):
+            OuterAlgorithm(**kwargs)
