@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from report import write_section  # bench/ is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = [
     ("1 learner, 2 XLA threads", ["--learners", "1", "--learner-threads", "2"]),
@@ -109,19 +111,7 @@ def main() -> None:
     table = "\n".join(lines) + "\n"
     print("\n" + table)
     if args.write:
-        path = REPO / "BENCHMARKS.md"
-        text = (
-            path.read_text()
-            if path.exists()
-            else "# Benchmarks\n\nEvery figure comes from the command written above its table.\n"
-        )
-        if SECTION in text:
-            start = text.index(SECTION)
-            end = text.find("\n## ", start + 1)
-            text = text[:start] + table + (text[end + 1 :] if end != -1 else "")
-        else:
-            text = text.rstrip("\n") + "\n\n" + table
-        path.write_text(text)
+        write_section(SECTION, table)
 
 
 if __name__ == "__main__":

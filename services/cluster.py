@@ -32,6 +32,7 @@ from shared import broker, subjects, transport
 from shared.settings import ENV_PREFIX, JobSpec, NatsSettings, to_flags
 
 STOP_GRACE_S = 30.0
+READY_TIMEOUT_S = 300.0
 
 
 class UpSettings(JobSpec, InnerSettings, OuterAlgorithmSettings):
@@ -55,6 +56,11 @@ class UpSettings(JobSpec, InnerSettings, OuterAlgorithmSettings):
     progress_every_s: float = Field(5.0, gt=0, description="seconds between progress lines")
     max_duration_s: float = Field(
         1800.0, gt=0, description="stop the run after this many seconds even if not finished"
+    )
+    start_together: bool = Field(
+        True,
+        description="create the units paused and start them together once all are ready "
+        "(data loaded, step compiled), so that their speeds compare fairly",
     )
     learner_threads: int = Field(
         1, ge=1, le=64, description="CPU threads each learner's XLA may use"
@@ -139,8 +145,8 @@ class Cluster:
         """Flags every service of the job gets: NATS URL and the job definition."""
         return ["--nats-url", self.nats_url, *to_flags(self.settings, JobSpec.model_fields)]
 
-    def start(self) -> None:
-        """Start nats-server, the outer, the gateway and the learners."""
+    def start_services(self) -> None:
+        """Start nats-server, the outer and the gateway."""
         s = self.settings
         data_dir = Path(s.data_dir)
         store = data_dir / "nats"
@@ -178,6 +184,12 @@ class Cluster:
             )
         )
         self.print(f"gateway      {self.gateway_url}  (GET /jobs/{s.job}, /readyz)")
+
+    def start_learners(self) -> None:
+        """Start the learner processes (after ``start_services``)."""
+        s = self.settings
+        data_dir = Path(s.data_dir)
+        cache_env = {"DILOCO_JAX_CACHE": str((data_dir / "jax-cache").resolve())}
         threads = s.learner_threads
         learner_env = {
             **cache_env,
@@ -275,6 +287,27 @@ async def _read_statuses(kv: Any, job: str, learners: int) -> tuple[dict | None,
     return outer, units
 
 
+def _all_ready(cluster: Cluster, units: dict[int, dict], elapsed_s: float) -> bool:
+    """Every live learner waits paused (loaded and compiled), or start-up took too long."""
+    alive = [i for i, child in enumerate(cluster.learners) if child.alive()]
+    ready = all(units.get(i, {}).get("state") == "paused" for i in alive)
+    return ready or elapsed_s > READY_TIMEOUT_S
+
+
+async def pause_all(cluster: Cluster) -> None:
+    """Create every unit paused (before the learners start) so they can start together."""
+    s = cluster.settings
+    nc = await transport.connect(NatsSettings(nats_url=cluster.nats_url), "diloco-up")
+    try:
+        js = nc.jetstream()
+        await transport.ensure_streams(js)
+        desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
+        for unit in range(s.learners):
+            await transport.put_desired(desired_kv, s.job, unit, "paused")
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)
+
+
 def run_is_complete(cluster: Cluster, outer: dict | None, units: dict[int, dict]) -> bool:
     """All learners exited, the outer applied all they published and evaluated the result."""
     if any(child.alive() for child in cluster.learners) or not outer:
@@ -303,10 +336,17 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> dict[str, Any]:
     first_step_at: float | None = None
     tokens_at_first_step = 0
     tokens_seen, tokens_changed_at = 0, started
+    desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
+    released = not s.start_together
     try:
         while not stop.is_set():
             outer, units = await _read_statuses(kv, s.job, s.learners)
             elapsed = time.monotonic() - started
+            if not released and _all_ready(cluster, units, elapsed):
+                for unit in range(s.learners):
+                    await transport.put_desired(desired_kv, s.job, unit, "running")
+                released = True
+                cluster.print(f"[{elapsed:6.1f}s] all units ready: starting them together")
             tokens = sum(u.get("tokens", 0) for u in units.values())
             if tokens > tokens_seen:
                 if first_step_at is None:
@@ -388,7 +428,10 @@ def run_up(settings: UpSettings, out: TextIO = sys.stdout) -> int:
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     cluster.print(f"diloco up: job {settings.job}")
     try:
-        cluster.start()
+        cluster.start_services()
+        if settings.start_together:
+            loop.run_until_complete(pause_all(cluster))
+        cluster.start_learners()
         result = loop.run_until_complete(supervise(cluster, stop))
         for line in summary_lines(result):
             cluster.print(line)

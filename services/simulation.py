@@ -28,7 +28,7 @@ from services.learner.trainer import InnerTrainer, inner_optimizer
 from services.outer.core import OuterAlgorithm, OuterCore
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival
-from shared import data, model, pytree
+from shared import codec, data, model, pytree
 from shared.evaluation import EvalResult
 
 
@@ -188,6 +188,7 @@ def async_run(
     schedule: SyncSchedule,
     dynamic: bool = False,
     name: str = "async",
+    codec_name: str = "int8",
 ) -> SimResult:
     """Decoupled DiLoCo on a simulated clock: units never wait; the outer merges by policy.
 
@@ -238,13 +239,16 @@ def async_run(
 
     def upload_all(unit: int, uploads: list, now: float) -> None:
         for up in uploads:
+            # What the outer receives is what the codec lets through (as on the wire).
+            payload, description = codec.encode_tensors(up.tensors, codec=codec_name)
+            received = codec.decode_tensors(payload, description)
             arrival = Arrival(
                 unit,
                 up.round,
                 up.base_version,
                 up.inner_steps,
                 up.tokens,
-                up.tensors,
+                received,
                 now + s.latency_s,
                 f"u{unit}r{up.round}",
             )

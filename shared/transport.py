@@ -210,9 +210,7 @@ async def publish_params(
     )
 
 
-async def read_params_head(
-    js: JetStreamContext, job: str, fragment: int
-) -> dict[str, Any] | None:
+async def read_params_head(js: JetStreamContext, job: str, fragment: int) -> dict[str, Any] | None:
     """Return a fragment's newest params head (``{"version", "upload", "chunks", "size"}``)."""
     try:
         msg = await js.get_last_msg(
@@ -268,6 +266,14 @@ async def put_status(kv: Any, key: str, status: dict[str, Any]) -> None:
     await kv.put(key, json.dumps(status).encode())
 
 
+async def put_desired(kv: Any, job: str, unit: int, state: str) -> None:
+    """Write a unit's desired state (``running`` or ``paused``) to the desired-state bucket."""
+    if state not in ("running", "paused"):
+        raise ValueError(f"desired state must be running or paused, got {state!r}")
+    record = json.dumps({"state": state, "time": time.time()}).encode()
+    await kv.put(subjects.desired_key(job, unit), record)
+
+
 async def get_json(kv: Any, key: str) -> dict[str, Any] | None:
     """Read a JSON KV value, or None when the key is missing or deleted."""
     import nats.js.errors as js_errors
@@ -303,6 +309,7 @@ __all__ = [
     "get_json",
     "publish_blob",
     "publish_params",
+    "put_desired",
     "put_status",
     "read_latest_params",
     "read_params_head",

@@ -108,37 +108,46 @@ def test_each_policy_merges_arrivals_one_at_a_time():
     assert not policy.ready(2.0)
 
 
-def test_quorum_waits_for_k_then_for_units_expected_inside_the_grace_window():
+def test_quorum_waits_for_k_then_for_active_units_inside_the_grace_window():
     policy = MergePolicy("quorum", min_quorum=2, grace_factor=0.5, grace_max_s=100)
-    # Learn intervals: units 0, 1, 2 upload every 10 s; unit 3 every 40 s.
-    for t in (0.0, 10.0):
+    for t in (0.0, 10.0):  # units 0, 1, 2 upload every 10 s
         for unit in (0, 1, 2):
             policy.add(arrival(unit, {}, at=t))
         policy.take()
-    policy.add(arrival(3, {}, at=0.0))
-    policy.add(arrival(3, {}, at=40.0))
-    policy.take()
     policy.add(arrival(0, {}, at=20.0))
     assert policy.deadline() is None  # quorum 2 not reached
     policy.add(arrival(1, {}, at=21.0))
-    # Unit 2 is expected at 20 (overdue: no wait); window cap 0.5 * median 10 = 5 s.
-    assert policy.deadline() == pytest.approx(21.0)
-    policy.add(arrival(2, {}, at=21.5))
-    assert policy.ready(21.5)
+    # Unit 2 is active: wait for it, at most 0.5 * median interval 10 = 5 s after the quorum.
+    assert policy.deadline() == pytest.approx(26.0)
+    assert not policy.ready(25.9)
+    policy.add(arrival(2, {}, at=22.0))
+    assert policy.ready(22.0)  # every active unit is in: merge at once
     assert sorted(a.unit for a in policy.take()) == [0, 1, 2]
 
 
-def test_grace_window_waits_for_an_expected_unit_but_not_for_a_slow_one():
+def test_a_silent_unit_stops_being_waited_for():
     policy = MergePolicy("quorum", min_quorum=1, grace_factor=0.5, grace_max_s=100)
-    for unit, times in {0: (0.0, 10.0), 1: (2.0, 12.0), 2: (0.0, 50.0)}.items():
-        for t in times:
+    for t in (0.0, 10.0):
+        for unit in (0, 1):
             policy.add(arrival(unit, {}, at=t))
-    policy.take()
+        policy.take()
+    deadlines = []
+    for t in (20.0, 30.0, 40.0, 50.0):  # unit 1 went silent after t = 10
+        policy.add(arrival(0, {}, at=t))
+        deadlines.append(policy.deadline())
+        policy.take()
+    # Waited for (5 s) while recently active; not once silent for > 3 intervals (30 s).
+    assert deadlines == [pytest.approx(25.0), pytest.approx(35.0), pytest.approx(45.0), 50.0]
+
+
+def test_grace_window_is_bounded():
+    policy = MergePolicy("quorum", min_quorum=1, grace_factor=2.0, grace_min_s=1.0, grace_max_s=3.0)
+    for t in (0.0, 10.0):
+        for unit in (0, 1):
+            policy.add(arrival(unit, {}, at=t))
+        policy.take()
     policy.add(arrival(0, {}, at=20.0))
-    # Unit 1 expected at 22 (inside 20 + 0.5 * median(10, 10, 50) = 25); unit 2 at 100: not.
-    assert policy.deadline() == pytest.approx(22.0)
-    assert not policy.ready(21.0)
-    assert policy.ready(22.0)
+    assert policy.deadline() == pytest.approx(23.0)  # 2 x 10 s capped at 3 s
 
 
 def test_invalid_algorithm_choices_are_refused():

@@ -70,8 +70,17 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
             return view if view and view["units"][1]["state"] == "paused" else None
 
         paused_view = wait_for(unit1_paused, 30, "unit 1 to report paused")
-        time.sleep(1.5)  # let an upload that was already queued at the pause land
-        outer_before, units_before = read_status(nats_server.url, JOB)
+
+        def outer_caught_up_with_unit1():
+            outer, units = read_status(nats_server.url, JOB)
+            published = units[1]["counters"].get("published", 0)
+            applied = outer["units"].get("1", {}).get("applied", 0)
+            return (outer, units) if applied == published else None
+
+        # Whatever unit 1 uploaded before the pause gets applied; after that, nothing more.
+        outer_before, units_before = wait_for(
+            outer_caught_up_with_unit1, 60, "the outer to apply unit 1's uploads"
+        )
         time.sleep(6)
         outer_after, units_after = read_status(nats_server.url, JOB)
 

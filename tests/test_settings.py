@@ -34,7 +34,7 @@ def test_flags_override_environment_which_overrides_defaults(monkeypatch):
         (["--model", "huge"], "unknown model size 'huge'"),
         (["--inner-lr", "-1"], "--inner-lr"),
         (["--nats-url", "http://x"], "expected nats://host:port"),
-        (["--codec", "int3"], "codec must be int8 or fp32"),
+        (["--codec", "int3"], "codec must be one of"),
         (["--h-steps", "zero"], "--h-steps"),
     ],
 )
@@ -111,7 +111,7 @@ def test_config_file_errors_are_clear(tmp_path):
         (["--staleness-rule", "linear"], "staleness rule must be one of"),
         (["--min-quorum", "3", "--num-units", "2"], "min-quorum 3 > num-units 2"),
         (["--grace-min-s", "5", "--grace-max-s", "1"], "grace_min_s <= grace_max_s"),
-        (["--dn-period", "0"], "--dn-period"),
+        (["--dn-period", "-1"], "--dn-period"),
     ],
 )
 def test_invalid_outer_algorithm_options_are_named(argv, fragment):

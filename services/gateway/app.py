@@ -8,7 +8,6 @@ states into the ``diloco_desired`` bucket (units poll it) and reads heartbeats f
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -231,9 +230,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             raise HTTPException(
                 status_code=404, detail=f"unit {unit} of job {job!r} has never reported"
             )
-        record = json.dumps({"state": state, "time": time.time()}).encode()
         await asyncio.wait_for(
-            link.desired_kv.put(subjects.desired_key(job, unit), record), KV_TIMEOUT_S
+            transport.put_desired(link.desired_kv, job, unit, state), KV_TIMEOUT_S
         )
         return DesiredStateView(job=job, unit=unit, desired=state)
 

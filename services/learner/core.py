@@ -8,7 +8,8 @@ loss since p's last upload, and the *anchor* pieces the unsent local progress is
 * **Upload.** When p's step counter reaches its target (H, or H − offset(p) the first time, so
   fragments are staggered), Δ_p = anchor_p − θ_p goes out and anchor_p ← θ_p.
 * **Adopt.** A newer global Θ_p is held until at least τ steps have passed since this unit's
-  last upload of p (Streaming DiLoCo's overlap, arXiv 2501.18512), then mixed in with α:
+  last upload of p (Streaming DiLoCo's overlap, arXiv 2501.18512), then mixed in with α (and p's
+  next upload is due H steps later, which keeps the units' rounds in phase):
   θ_p ← θ_p + (1 − α)(Θ_p − anchor_p) and anchor_p ← anchor_p + (1 − α)(Θ_p − anchor_p).
   With α = 0 this keeps exactly the local progress not yet uploaded on top of the new global
   (θ_p − anchor_p is unchanged), so no local work is lost or uploaded twice; right after an
@@ -108,6 +109,7 @@ class LearnerCore:
         ]
         self.round = first_round
         self.step = 0
+        self.current_h = schedule.h_steps
 
     def base_versions(self) -> list[int]:
         """Global version of each fragment this unit last adopted."""
@@ -124,10 +126,17 @@ class LearnerCore:
             sync.loss_sum += loss_value
         return loss_value
 
-    def due_uploads(self, next_h: int | None = None) -> list[Upload]:
-        """Uploads whose time has come; ``next_h`` sets the following target (DyLU)."""
-        due = [p for p, sync in enumerate(self.syncs) if sync.steps >= sync.target]
-        return self._take(due, next_h or self.schedule.h_steps)
+    def due_uploads(self, current_h: int | None = None) -> list[Upload]:
+        """Uploads whose time has come.
+
+        Args:
+            current_h: the unit's H right now (DyLU: smaller for a slower unit); a fragment is
+                due when its steps reach the smaller of its target and ``current_h``, and its
+                next target becomes ``current_h``. None keeps the schedule's H.
+        """
+        h = self.current_h = current_h or self.schedule.h_steps
+        due = [p for p, sync in enumerate(self.syncs) if sync.steps >= min(sync.target, h)]
+        return self._take(due, h)
 
     def flush(self) -> list[Upload]:
         """Uploads of every fragment with unsent steps (at the end of training)."""
@@ -203,6 +212,10 @@ class LearnerCore:
             self.plan.insert(anchor, p, new_base)
             sync.base_version = version
             sync.pending = None
+            # The next round of p starts now: H more steps from the adoption. Every unit adopts a
+            # merged version at about the same time, so their next uploads arrive together and
+            # the outer's quorum/grace window merges them together (phase alignment).
+            sync.target = sync.steps + self.current_h
         self._set(params=params, anchor=anchor)
         return ready
 

@@ -51,6 +51,7 @@ class LearnerLink:
         self.settings = settings
         self.max_params_bytes = max_params_bytes
         self.desired_state = "running"
+        self.desired_known = threading.Event()  # set after the first read of the desired state
         self.connected = False
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_error = ""
@@ -332,6 +333,7 @@ class LearnerLink:
                 if state in ("running", "paused") and state != self.desired_state:
                     log.info("desired state of unit %d: %s", self.settings.unit, state)
                     self.desired_state = state
+                self.desired_known.set()
             except (TimeoutError, nats.errors.Error, ValueError) as err:
                 log.info("desired-state poll: %r", err)
             await asyncio.sleep(DESIRED_POLL_S)

@@ -24,6 +24,7 @@ from shared.runtime import configure_jax
 log = logging.getLogger(__name__)
 
 PAUSE_POLL_S = 0.1
+STARTUP_DESIRED_WAIT_S = 5.0
 
 
 def build_core(settings: LearnerSettings) -> tuple[LearnerCore, data.BatchSampler, int]:
@@ -64,6 +65,12 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
     core, sampler, param_bytes = build_core(settings)
     link = LearnerLink(settings, max_params_bytes=2 * param_bytes + (1 << 20))
     link.start()
+    # Compile the inner step now (the result is discarded), so that the first real step is as
+    # fast as the others and a unit's reported speed and slowdown are right from the start.
+    core.trainer.step(core.state, sampler.batch(0))[1].block_until_ready()
+    # Obey the desired state from the very first step (a unit created paused stays paused);
+    # if NATS cannot be reached quickly, train anyway: the loop never waits for the network.
+    link.desired_known.wait(timeout=STARTUP_DESIRED_WAIT_S)
 
     tokens_total = 0
     loss_ema = float("nan")

@@ -189,13 +189,27 @@ class OuterCore:
         arrivals = state.policy.take()
         a = self.algorithm
         staleness = [state.version - arr.base_version for arr in arrivals]
-        scales = [float(a.staleness.weight(s)) for s in staleness]
+        # Consecutive uploads of one unit compose (each is measured from where the previous one
+        # ended), so they are summed per unit first — each with its own staleness weight — and
+        # only then averaged across units. Averaging them instead would shrink a unit's progress
+        # whenever a backlog of its uploads is merged at once.
+        per_unit: dict[int, list[Any]] = {}
+        for arr, s in zip(arrivals, staleness, strict=True):
+            scale = float(a.staleness.weight(s))
+            scaled = jax.tree_util.tree_map(lambda x, c=scale: x * c, arr.pseudo_grad)
+            entry = per_unit.setdefault(arr.unit, [None, 0, 0])
+            entry[0] = (
+                scaled if entry[0] is None else jax.tree_util.tree_map(jnp.add, entry[0], scaled)
+            )
+            entry[1] += arr.tokens
+            entry[2] += max(1, arr.inner_steps)
+        updates = [entry[0] for entry in per_unit.values()]
         weights = [
-            merge.token_weight(a.token_weighting, arr.tokens, max(1, arr.inner_steps))
-            for arr in arrivals
+            merge.token_weight(a.token_weighting, tokens, steps)
+            for _, tokens, steps in per_unit.values()
         ]
-        merged = merge.combine(a.combine, [arr.pseudo_grad for arr in arrivals], weights, scales)
-        if a.participation_scale:
+        merged = merge.combine(a.combine, updates, weights, [1.0] * len(updates))
+        if a.participation_scale and a.optimizer != "delayed_nesterov":
             # An update from m of K units counts as m/K of a synchronous round (each unit's
             # work enters the global params with the same total weight however it is batched).
             share = len({arr.unit for arr in arrivals}) / a.num_units

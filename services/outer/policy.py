@@ -5,11 +5,12 @@ quorum; K = 1 means progress never stops), then may wait a little longer inside 
 grace window** to bring in more learners when that costs little (arXiv 2604.21428 via
 research/algorithms.md §1.2, §1.4). Our window is derived from observed arrival times:
 
-* each unit's upload interval for the fragment is tracked (exponential moving average);
-* when the quorum is reached at t_q, the policy waits for absent units whose next upload is
-  expected within ``t_q + cap``, where cap = clamp(grace_factor × median interval,
-  grace_min_s, grace_max_s), and merges as soon as they are all in or the window closes;
-* units that are not expected within the window (slow, paused or gone) are never waited for.
+* each unit's upload interval is tracked (exponential moving average); units that uploaded
+  within the last three median intervals are *active*;
+* when the quorum is reached at t_q, the policy merges as soon as every active unit is in, and
+  at the latest at t_q + clamp(grace_factor × median interval, grace_min_s, grace_max_s);
+* so a unit that is slow, paused or gone delays a merge by at most that window, and stops
+  being waited for once it has been silent for three intervals. Units never wait for merges.
 
 Time is passed in (``now``), so the same policy runs on the wall clock in the outer service and
 on a simulated clock in the quality benchmark.
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 POLICIES = ("each", "quorum")
+ACTIVE_INTERVALS = 3.0
 _EMA = 0.5
 
 
@@ -86,14 +88,17 @@ class MergePolicy:
             return 0.0 if self.buffer else None
         if self.quorum_at is None:
             return None
-        close = self.quorum_at + self._window_cap()
         present = {a.unit for a in self.buffer}
-        expected = [
-            self.last_arrival[u] + self.intervals[u]
-            for u in self.intervals
-            if u not in present and self.last_arrival[u] + self.intervals[u] <= close
-        ]
-        return max([self.quorum_at, *expected])
+        if self.active_units(self.quorum_at) <= present:
+            return self.quorum_at
+        return self.quorum_at + self._window_cap()
+
+    def active_units(self, now: float) -> set[int]:
+        """Units that uploaded recently (within ACTIVE_INTERVALS median upload intervals)."""
+        if not self.intervals:
+            return set(self.last_arrival)
+        horizon = ACTIVE_INTERVALS * statistics.median(self.intervals.values())
+        return {u for u, t in self.last_arrival.items() if t >= now - horizon}
 
     def ready(self, now: float) -> bool:
         """Whether the buffer should be merged now."""

@@ -16,15 +16,18 @@ class OuterAlgorithmSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     outer_optimizer: str = Field(
-        "nesterov", description="outer optimizer: sgd, nesterov or delayed_nesterov"
+        "delayed_nesterov", description="outer optimizer: sgd, nesterov or delayed_nesterov"
     )
     outer_lr: float = Field(0.7, gt=0, le=10, description="outer learning rate")
     outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer (Nesterov) momentum")
     dn_period: int = Field(
-        4, ge=1, le=1024, description="Delayed Nesterov: arrivals per momentum update (N)"
+        0,
+        ge=0,
+        le=1024,
+        description="Delayed Nesterov: arrivals per momentum update (N; 0 = number of units)",
     )
     merge_policy: str = Field(
-        "quorum", description="each (apply every arrival alone) or quorum (quorum + grace window)"
+        "each", description="each (apply every arrival alone) or quorum (quorum + grace window)"
     )
     min_quorum: int = Field(1, ge=1, le=1024, description="arrivals needed before a merge (K)")
     grace_factor: float = Field(
@@ -45,7 +48,9 @@ class OuterAlgorithmSettings(BaseSettings):
         None, ge=0, description="drop updates staler than this (default: keep all)"
     )
     participation_scale: bool = Field(
-        True, description="scale a merge of m of K units by m/K (off for Delayed Nesterov)"
+        True,
+        description="scale a merge of m of K units by m/K (not with delayed_nesterov, which "
+        "already averages N arrivals)",
     )
 
     def algorithm(self, num_units: int = 1, fragments: int = 1) -> OuterAlgorithm:
@@ -54,7 +59,7 @@ class OuterAlgorithmSettings(BaseSettings):
             optimizer=self.outer_optimizer,
             lr=self.outer_lr,
             momentum=self.outer_momentum,
-            dn_period=self.dn_period,
+            dn_period=self.dn_period or num_units,
             policy=self.merge_policy,
             min_quorum=self.min_quorum,
             grace_factor=self.grace_factor,

@@ -1,0 +1,20 @@
+"""Writing benchmark tables into BENCHMARKS.md, one ``## section`` per benchmark."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+HEADER = "# Benchmarks\n\nEvery figure comes from the command written above its table.\n"
+
+
+def write_section(section: str, table: str, path: Path = BENCHMARKS) -> None:
+    """Replace (or append) the section that starts with the heading ``section``."""
+    text = path.read_text() if path.exists() else HEADER
+    if section in text:
+        start = text.index(section)
+        end = text.find("\n## ", start + 1)
+        text = text[:start] + table + (text[end + 1 :] if end != -1 else "")
+    else:
+        text = text.rstrip("\n") + "\n\n" + table
+    path.write_text(text)
