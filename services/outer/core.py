@@ -112,6 +112,13 @@ class OuterCore:
                 _Fragment(pieces, self.optimizer.init(pieces), 0, self._new_policy())
             )
 
+    def warm_up(self) -> None:
+        """Compile the outer step of every fragment now (state unchanged), so that the first
+        merge is as fast as the others and no backlog builds up behind a compilation."""
+        for fragment in self.fragments:
+            zeros = jax.tree_util.tree_map(jnp.zeros_like, fragment.params)
+            jax.block_until_ready(self._step(fragment.params, fragment.opt_state, zeros))
+
     def _new_policy(self) -> MergePolicy:
         a = self.algorithm
         return MergePolicy(a.policy, a.min_quorum, a.grace_factor, a.grace_min_s, a.grace_max_s)

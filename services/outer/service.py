@@ -96,6 +96,7 @@ class OuterService:
         self.param_bytes = 4 * model.param_count(self.template)
         named = pytree.flatten_named(self.template)
         self.core = OuterCore(named, s.algorithm(s.num_units, s.fragments))
+        self.core.warm_up()
         self.piece_shapes = [
             {k: v.shape for k, v in self.core.plan.extract(named, p).items()}
             for p in range(self.core.plan.count)
