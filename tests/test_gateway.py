@@ -8,6 +8,8 @@ import pytest
 from shared.broker import free_port
 from tests.conftest import wait_for
 
+pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
+
 
 def start_gateway(services, nats_url: str) -> httpx.Client:
     port = free_port()

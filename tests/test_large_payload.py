@@ -12,6 +12,8 @@ from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
 from shared import codec, model, pytree, subjects, transport, wire
 
+pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
+
 
 @pytest.mark.timeout(300)
 def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_server, tmp_path):

@@ -10,6 +10,8 @@ import pytest
 from shared.broker import free_port
 from tests.conftest import read_status, wait_for
 
+pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
+
 JOB = "pause"
 
 

@@ -6,6 +6,8 @@ import pytest
 
 from tests.conftest import read_status, wait_for
 
+pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
+
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("fragments", [1, 2])

@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import REPO, wait_for
 
+pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
+
 
 def processes_mentioning(marker: str) -> list[str]:
     """Command lines of live processes that mention ``marker`` (our data dir), except us."""
