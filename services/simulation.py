@@ -225,10 +225,8 @@ def async_run(
     def publish(now: float) -> None:
         for fragment in outer.due(now):
             result = outer.merge(fragment)
-            for arrival, staleness in zip(result.arrivals, result.staleness, strict=True):
-                stats.setdefault(staleness, 0)
-                stats[staleness] += 1
-                del arrival
+            for staleness in result.staleness:
+                stats[staleness] = stats.get(staleness, 0) + 1
             merged_sizes.append(len(result.arrivals))
             pieces = outer.fragment_params(fragment)
             for unit in range(s.num_units):

@@ -276,11 +276,9 @@ async def put_desired(kv: Any, job: str, unit: int, state: str) -> None:
 
 async def get_json(kv: Any, key: str) -> dict[str, Any] | None:
     """Read a JSON KV value, or None when the key is missing or deleted."""
-    import nats.js.errors as js_errors
-
     try:
         entry = await kv.get(key)
-    except js_errors.KeyNotFoundError:
+    except nats.js.errors.KeyNotFoundError:
         return None
     if entry.value is None or not entry.value:
         return None
