@@ -70,12 +70,17 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
 
     outer, units = wait_for(outer_caught_up, 120, "the outer to apply and evaluate every upload")
     assert set(units) == {0, 1}
-    # 150 steps at H=10: 15 uploads per fragment; with P=2 fragment 1 syncs 5 steps early and
-    # sends its last 5 steps at the end (16). Every upload is applied once, none rejected.
-    per_unit = 15 if fragments == 1 else 31
-    assert [units[u]["counters"]["published"] for u in (0, 1)] == [per_unit, per_unit]
-    assert outer["applied"] == 2 * per_unit and outer["rejected"] == {}
-    assert {u: s["applied"] for u, s in outer["units"].items()} == {"0": per_unit, "1": per_unit}
+    # Every upload is applied exactly once and none is rejected; together a unit's uploads carry
+    # every one of its 150 steps once per fragment (rounds restart when a unit adopts a new
+    # version, so the number of uploads depends on timing, the work they carry does not).
+    tokens_per_fragment = 150 * 16 * 64  # steps x batch x seq_len of the tiny model
+    for unit in (0, 1):
+        published = units[unit]["counters"]["published"]
+        assert published >= fragments * 150 // 20  # about one upload per H = 10 steps
+        assert outer["units"][str(unit)]["applied"] == published
+        assert outer["units"][str(unit)]["tokens"] == fragments * tokens_per_fragment
+    assert outer["applied"] == sum(units[u]["counters"]["published"] for u in (0, 1))
+    assert outer["rejected"] == {}
     assert len(outer["versions"]) == fragments and outer["version"] == sum(outer["versions"])
     assert outer["merges"] >= fragments  # each merge: one outer step on one fragment
     init_loss = outer["eval_init"]["nats_per_byte"]
