@@ -50,6 +50,7 @@ STATUS_TTL_S = 24 * 3600.0  # status keys of long-gone units eventually disappea
 PUBLISH_TIMEOUT_S = 10.0
 PUBLISH_RETRIES = 6
 RETRYABLE_API_CODES = {429, 503}
+RECONNECT_BACKOFF_MAX_S = 5.0
 
 
 class TransportError(RuntimeError):
@@ -85,6 +86,31 @@ async def connect(settings: NatsSettings, name: str, **callbacks: Callable[..., 
         )
     except (TimeoutError, OSError, nats.errors.Error) as err:
         raise TransportError(f"cannot connect to NATS at {settings.nats_url}: {err}") from err
+
+
+async def connect_with_retry(
+    settings: NatsSettings,
+    name: str,
+    stopping: Callable[[], bool],
+    on_error: Callable[[str], None] | None = None,
+    **callbacks: Callable[..., Any],
+) -> NatsClient | None:
+    """``connect``, retried with backoff (0.5 s doubling to 5 s) until it works or ``stopping()``.
+
+    Returns:
+        The connection, or None if ``stopping()`` became true first.
+    """
+    backoff = 0.5
+    while not stopping():
+        try:
+            return await connect(settings, name, **callbacks)
+        except TransportError as err:
+            if on_error is not None:
+                on_error(str(err))
+            log.warning("%s; retrying in %.1fs", err, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(RECONNECT_BACKOFF_MAX_S, backoff * 2)
+    return None
 
 
 def chunk_size_for(nc: NatsClient) -> int:
@@ -302,6 +328,7 @@ __all__ = [
     "WireError",
     "chunk_size_for",
     "connect",
+    "connect_with_retry",
     "dead_letter",
     "ensure_streams",
     "get_json",

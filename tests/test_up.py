@@ -79,7 +79,15 @@ def start_up(tmp_path: Path, jax_cache: Path, *extra: str) -> tuple[subprocess.P
 @pytest.mark.timeout(400)
 def test_up_trains_to_the_end_and_prints_a_summary(tmp_path, jax_cache):
     process, data_dir, out_path = start_up(
-        tmp_path, jax_cache, "--max-steps", "120", "--h-steps", "10"
+        # Paced (slowdown 3) like the e2e test: unpaced tiny units outrun the outer's first merges.
+        tmp_path,
+        jax_cache,
+        "--max-steps",
+        "120",
+        "--h-steps",
+        "10",
+        "--slowdowns",
+        "3,3",
     )
     try:
         assert process.wait(timeout=360) == 0, out_path.read_text()

@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 PARAMS_POLL_S = 2.0  # fallback poll in case a head notification was missed while reconnecting
 DESIRED_POLL_S = 0.5
 RATES_POLL_S = 2.0
-RECONNECT_BACKOFF_MAX_S = 5.0
 
 
 @dataclass
@@ -120,21 +119,14 @@ class LearnerLink:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue_changed = asyncio.Event()
-        backoff = 0.5
-        nc = None
-        while nc is None and not self._stopping.is_set():
-            try:
-                nc = await transport.connect(
-                    self.settings,
-                    f"learner-{self.settings.job}-{self.settings.unit}",
-                    disconnected_cb=self._on_disconnect,
-                    reconnected_cb=self._on_reconnect,
-                )
-            except TransportError as err:
-                self.last_error = str(err)
-                log.warning("%s; retrying in %.1fs", err, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(RECONNECT_BACKOFF_MAX_S, backoff * 2)
+        nc = await transport.connect_with_retry(
+            self.settings,
+            f"learner-{self.settings.job}-{self.settings.unit}",
+            stopping=self._stopping.is_set,
+            on_error=self._record_error,
+            disconnected_cb=self._on_disconnect,
+            reconnected_cb=self._on_reconnect,
+        )
         if nc is None:
             return
         self.connected = True
@@ -172,6 +164,9 @@ class LearnerLink:
         except (TimeoutError, nats.errors.Error) as err:
             log.warning("closing NATS: %s", err)
 
+    def _record_error(self, error: str) -> None:
+        self.last_error = error
+
     async def _on_disconnect(self) -> None:
         self.connected = False
 
@@ -187,7 +182,7 @@ class LearnerLink:
                 self.last_error = f"{what}: {err}"
                 log.warning("%s failed (%s); retrying in %.1fs", what, err, backoff)
                 await asyncio.sleep(backoff)
-                backoff = min(RECONNECT_BACKOFF_MAX_S, backoff * 2)
+                backoff = min(transport.RECONNECT_BACKOFF_MAX_S, backoff * 2)
 
     def _status_record(self) -> dict[str, Any]:
         with self._lock:
@@ -239,7 +234,7 @@ class LearnerLink:
                 self.last_error = f"publish round {upload.round}: {err}"
                 log.warning("%s; retrying in %.1fs", self.last_error, backoff)
                 await asyncio.sleep(backoff)
-                backoff = min(RECONNECT_BACKOFF_MAX_S, backoff * 2)
+                backoff = min(transport.RECONNECT_BACKOFF_MAX_S, backoff * 2)
                 continue
             backoff = 0.5
             self.counters["bytes_sent"] += len(blob)

@@ -106,17 +106,6 @@ class OuterService:
     def max_params_bytes(self) -> int:
         return 2 * self.param_bytes + (1 << 20)
 
-    async def _connect(self) -> Any:
-        backoff = 0.5
-        while not self.stop.is_set():
-            try:
-                return await transport.connect(self.settings, f"outer-{self.settings.job}")
-            except TransportError as err:
-                log.warning("%s; retrying in %.1fs", err, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
-        return None
-
     async def _restore_or_publish_initial(self, js: Any) -> None:
         """Continue each fragment from its newest published version (versions only go up)."""
         for fragment in range(self.core.plan.count):
@@ -159,7 +148,9 @@ class OuterService:
     async def run(self) -> dict[str, Any]:
         """Serve until ``stop`` is set; returns the final status record."""
         await asyncio.get_running_loop().run_in_executor(None, self.build_math)
-        nc = await self._connect()
+        nc = await transport.connect_with_retry(
+            self.settings, f"outer-{self.settings.job}", stopping=self.stop.is_set
+        )
         if nc is None:
             return self.status_record()
         js = nc.jetstream()
