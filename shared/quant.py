@@ -1,0 +1,407 @@
+"""Compiled kernels that quantise float32 blocks into packed codes and back.
+
+These are the inner loops of :mod:`shared.codec`; they know nothing about tensors, names,
+zstd or payload layout. Each kernel works on one contiguous run of blocks and is compiled by
+Numba (``nogil``, so a caller may run it beside zstd or JAX in another thread). The loops are
+written so that LLVM vectorises them: no Python objects, no per-element branches that depend
+on data, and slices instead of offset arithmetic so indices are provably in range.
+
+Schemes (``bits`` selects one):
+
+* ``8`` / ``4`` — symmetric absmax: ``scale = absmax / qmax`` with ``qmax`` 127 or 7, codes
+  ``round(x / scale)`` in ``[-qmax, qmax]``, so ``|x - x̂| <= scale / 2`` per element.
+* ``2`` — ternary ("TWN", Li et al. 2016): threshold ``t = 0.7 * mean|x|``, codes
+  ``sign(x)`` where ``|x| > t`` else 0, scale = mean ``|x|`` over the kept elements. This
+  is the least-squares scale for the kept set, so ``‖x - x̂‖ < ‖x‖`` for every non-zero
+  block: the quantiser is a contraction, which is what error feedback needs.
+
+Codes of a block are packed *planar*: for ``c = 8 / bits`` codes per byte, byte ``j`` holds
+codes ``j, j + bs/c, j + 2 bs/c, …`` in its low-to-high bit fields (two's complement for int4;
+``00`` = 0, ``01`` = +1, ``11`` = -1 for int2). Planar packing reads and writes whole
+contiguous rows, so it vectorises where interleaved packing would not.
+
+Error feedback is fused in: with ``use_res`` the kernel quantises ``v = x + r`` and writes
+``r ← v - x̂`` back into ``r`` in the same pass over the block.
+
+Every encode kernel returns -1, or the index of the first block holding NaN/Inf (detected
+from the float bits, which cannot be optimised away). Every decode kernel returns -1, or the
+index of the first block with an invalid scale or code; blocks before it may already have
+been written.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = [
+    "bytes_per_block",
+    "decode_bf16",
+    "decode_blocks",
+    "decode_fp32",
+    "encode_bf16",
+    "encode_blocks",
+    "encode_fp32",
+]
+
+# Reassociation lets LLVM vectorise the reductions; NaN/Inf semantics stay IEEE (no nnan/ninf)
+# because finiteness is checked in the kernels themselves.
+_FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
+_JIT = {"nogil": True, "cache": True, "boundscheck": False, "fastmath": _FASTMATH}
+
+_ABS_MASK = np.uint32(0x7FFFFFFF)
+_EXP_MASK = np.uint32(0x7F800000)  # |bits| >= this: Inf or NaN
+# Below this absmax, qmax / absmax overflows float32; such blocks take an exact float64 path.
+_TINY_ABSMAX = np.float32(2.0**-100)
+# Above this, qmax * (absmax / qmax) may round past float32 max; such blocks take the checked path.
+_HUGE_ABSMAX = np.float32(2.0**120)
+_F32_MAX = float(np.finfo(np.float32).max)
+_TWN_THRESHOLD = np.float32(0.7)
+
+
+def bytes_per_block(bits: int, block_size: int) -> int:
+    """Packed code bytes of one block (scales not included)."""
+    return block_size * bits // 8
+
+
+@njit(**_JIT)
+def _load(x, res, use_res, buf):  # pragma: no cover - compiled
+    """Copy x (+ r) into the block scratch, zero-pad it, return max |bits| (NaN/Inf >= EXP)."""
+    k = x.size
+    if use_res:
+        for i in range(k):
+            buf[i] = x[i] + res[i]
+    else:
+        for i in range(k):
+            buf[i] = x[i]
+    for i in range(k, buf.size):
+        buf[i] = 0
+    return _absmax_bits(buf)
+
+
+@njit(**_JIT)
+def _absmax_scale(absmax, qmax):  # pragma: no cover - compiled
+    """Float32 scale with qmax * scale >= absmax (no code overflow) and finite qmax * scale."""
+    scale = np.float32(absmax / np.float32(qmax))
+    if float(scale) * qmax < float(absmax):  # only subnormal scales round this far
+        scale = np.nextafter(scale, np.float32(np.inf))
+    if float(scale) * qmax > _F32_MAX:  # would decode to Inf
+        scale = np.nextafter(scale, np.float32(0))
+    return scale
+
+
+@njit(**{**_JIT, "fastmath": False})
+def _quantize_exact(buf, scale, qmax, q):  # pragma: no cover - compiled
+    """Codes of a block with a (near-)subnormal or a huge scale, in exact float64.
+
+    Not fastmath: ``arcp``/``reassoc`` let LLVM turn ``x * (qmax / absmax)`` into
+    ``(x * qmax) / absmax``, which overflows to Inf for values near float32 max, and compute
+    ``x / scale`` as ``x * (1 / scale)``, where ``1 / scale`` overflows for subnormal scales;
+    either way every code would clip to qmax.
+    """
+    for i in range(buf.size):
+        v = min(max(float(buf[i]) / float(scale), -float(qmax)), float(qmax))
+        q[i] = np.int8(np.int32(np.rint(v)))
+
+
+@njit(**_JIT)
+def _quantize_absmax(buf, absmax, qmax, q):  # pragma: no cover - compiled
+    """Codes round(v / scale) clipped to [-qmax, qmax] into int8 ``q``; returns the scale."""
+    # Ordinary magnitudes need none of _absmax_scale's ulp corrections and are safe to
+    # compute with fastmath (|x| * qmax stays finite); this branch is most of the encoder's
+    # time. Tiny and huge blocks take the exact path.
+    if _TINY_ABSMAX <= absmax <= _HUGE_ABSMAX:
+        fq = np.float32(qmax)
+        scale = absmax / fq
+        inv = fq / absmax
+        for i in range(buf.size):
+            v = min(max(buf[i] * inv, -fq), fq)
+            # Round half away from zero; vectorises where rint does not.
+            q[i] = np.int8(np.int32(v + np.float32(0.5) if v >= 0 else v - np.float32(0.5)))
+        return scale
+    scale = _absmax_scale(absmax, qmax)
+    if scale > 0:
+        _quantize_exact(buf, scale, qmax, q)
+    else:
+        for i in range(buf.size):
+            q[i] = 0
+    return scale
+
+
+@njit(**_JIT)
+def _quantize_ternary(buf, q):  # pragma: no cover - compiled
+    """Ternary codes {-1, 0, 1} into ``q``; returns the least-squares scale of the kept set."""
+    total = np.float32(0)
+    for i in range(buf.size):
+        total += abs(buf[i])
+    threshold = _TWN_THRESHOLD * total / np.float32(buf.size)
+    kept_sum = np.float32(0)
+    kept = np.int32(0)
+    for i in range(buf.size):
+        a = abs(buf[i])
+        big = a > threshold
+        kept_sum += a * np.float32(big)
+        kept += np.int32(big)
+    if kept > 0 and kept_sum <= _F32_MAX:
+        for i in range(buf.size):
+            v = buf[i]
+            q[i] = np.int8(v > threshold) - np.int8(v < -threshold)
+        return kept_sum / np.float32(kept)
+    # Nothing kept: a zero block, or float32 failed (the sum of large values overflowed and
+    # made the threshold Inf, or the threshold of subnormals rounded up to the values
+    # themselves). Redo it in float64, where a non-zero block always keeps its largest value.
+    total64 = 0.0
+    for i in range(buf.size):
+        total64 += abs(float(buf[i]))
+    threshold64 = float(_TWN_THRESHOLD) * total64 / buf.size
+    sum64 = 0.0
+    kept = np.int32(0)
+    for i in range(buf.size):
+        v64 = float(buf[i])
+        q[i] = np.int8(v64 > threshold64) - np.int8(v64 < -threshold64)
+        if abs(v64) > threshold64:
+            sum64 += abs(v64)
+            kept += np.int32(1)
+    return np.float32(sum64 / kept) if kept > 0 else np.float32(0)
+
+
+@njit(**_JIT)
+def _pack(q, bits, out):  # pragma: no cover - compiled
+    """Planar-pack int4 or int2 codes ``q`` (one block) into ``out`` (bytes_per_block bytes)."""
+    if bits == 4:
+        h = q.size // 2
+        lo = q[:h]
+        hi = q[h:]
+        for j in range(h):
+            out[j] = np.uint8((lo[j] & 15) | ((hi[j] & 15) << 4))
+    else:
+        h = q.size // 4
+        q0 = q[:h]
+        q1 = q[h : 2 * h]
+        q2 = q[2 * h : 3 * h]
+        q3 = q[3 * h :]
+        for j in range(h):
+            out[j] = np.uint8(
+                (q0[j] & 3) | ((q1[j] & 3) << 2) | ((q2[j] & 3) << 4) | ((q3[j] & 3) << 6)
+            )
+
+
+@njit(**_JIT)
+def _residual(buf, q, scale, res):  # pragma: no cover - compiled
+    """New error-feedback residual: what quantisation left out of this block."""
+    for i in range(res.size):
+        res[i] = buf[i] - np.float32(q[i]) * scale
+
+
+@njit(**_JIT)
+def _absmax_bits(x):  # pragma: no cover - compiled
+    """max |bits| of float32 ``x``: the bits of max |x|, or >= _EXP_MASK if any NaN/Inf."""
+    bits = x.view(np.uint32)
+    m = np.uint32(0)
+    for i in range(x.size):
+        m = max(m, bits[i] & _ABS_MASK)
+    return m
+
+
+@njit(**_JIT)
+def _encode_block(src, absmax, bits, qmax, scratch, packed):  # pragma: no cover - compiled
+    """Quantise one whole block ``src`` into ``packed``; returns its scale.
+
+    int8 codes are quantised straight into the output; narrower ones go through ``scratch``
+    and are packed after (separate call sites keep each array's layout static, which
+    vectorisation needs).
+    """
+    if bits == 8:
+        return _quantize_absmax(src, absmax, qmax, packed.view(np.int8))
+    if bits == 2:
+        scale = _quantize_ternary(src, scratch)
+    else:
+        scale = _quantize_absmax(src, absmax, qmax, scratch)
+    _pack(scratch, bits, packed)
+    return scale
+
+
+@njit(**_JIT)
+def encode_blocks(x, res, use_res, bits, block_size, scales, codes):  # pragma: no cover
+    """Quantise 1-D float32 ``x`` (last block zero-padded) into ``scales`` and packed ``codes``.
+
+    Args:
+        x: Values; ``len(scales) == ceil(len(x) / block_size)``.
+        res: Error-feedback residual, same length as ``x``; read and updated if ``use_res``.
+        use_res: Quantise ``x + res`` and store the new residual.
+        bits: 8, 4 or 2.
+        block_size: Elements per block (a multiple of 16).
+        scales: float32 output, one per block.
+        codes: uint8 output, ``len(scales) * bytes_per_block(bits, block_size)``.
+
+    Returns:
+        -1, or the index of the first block holding NaN/Inf; with ``use_res`` the residual is
+        then partly updated and must be discarded by the caller.
+    """
+    n = x.size
+    bpb = block_size * bits // 8
+    qmax = 127 if bits == 8 else 7
+    buf = np.empty(block_size, np.float32)
+    scratch = np.empty(block_size, np.int8)
+    one = np.zeros(1, np.uint32)
+    one_f32 = one.view(np.float32)
+    for b in range(scales.size):
+        lo = b * block_size
+        hi = min(lo + block_size, n)
+        xb = x[lo:hi]
+        rb = res[lo:hi]
+        packed = codes[b * bpb : (b + 1) * bpb]
+        # A whole block without error feedback is read in place; otherwise the block is
+        # first summed with its residual (or zero-padded) into ``buf``.
+        if not use_res and hi - lo == block_size:
+            m = _absmax_bits(xb)
+            if m >= _EXP_MASK:
+                return b
+            one[0] = m
+            scales[b] = _encode_block(xb, one_f32[0], bits, qmax, scratch, packed)
+        else:
+            m = _load(xb, rb, use_res, buf)
+            if m >= _EXP_MASK:
+                return b
+            one[0] = m
+            scale = _encode_block(buf, one_f32[0], bits, qmax, scratch, packed)
+            scales[b] = scale
+            if use_res:
+                if bits == 8:
+                    _residual(buf, packed.view(np.int8), scale, rb)
+                else:
+                    _residual(buf, scratch, scale, rb)
+    return -1
+
+
+@njit(**_JIT)
+def decode_blocks(codes, scales, bits, block_size, out):  # pragma: no cover - compiled
+    """Invert :func:`encode_blocks` into ``out`` (``len(scales) * block_size`` float32).
+
+    Returns -1, or the index of the first block whose scale is negative/NaN/Inf or so large
+    that ``qmax * scale`` overflows (the encoder never writes one; see :func:`_absmax_scale`),
+    or whose codes are outside the scheme (-128 for int8, -8 for int4, the unused ``10`` for
+    int2).
+    """
+    bpb = block_size * bits // 8
+    qmax = 127 if bits == 8 else (7 if bits == 4 else 1)
+    sbits = scales.view(np.uint32)
+    for b in range(scales.size):
+        if sbits[b] >= _EXP_MASK:  # NaN/Inf, or the sign bit set (the encoder writes +0.0)
+            return b
+        if float(scales[b]) * qmax > _F32_MAX:  # a finite scale whose largest code is Inf
+            return b
+        scale = scales[b]
+        cb = codes[b * bpb : (b + 1) * bpb]
+        ob = out[b * block_size : (b + 1) * block_size]
+        bad = np.uint8(0)
+        if bits == 8:
+            c8 = cb.view(np.int8)
+            for i in range(block_size):
+                bad |= np.uint8(1) if c8[i] == -128 else np.uint8(0)
+                ob[i] = np.float32(c8[i]) * scale
+        elif bits == 4:
+            h = block_size // 2
+            lo = ob[:h]
+            hi = ob[h:]
+            for j in range(h):
+                byte = cb[j]
+                a = np.int32(byte & 15)
+                c = np.int32(byte >> 4)
+                bad |= np.uint8(1) if (a == 8) or (c == 8) else np.uint8(0)
+                lo[j] = np.float32(a - ((a & 8) << 1)) * scale
+                hi[j] = np.float32(c - ((c & 8) << 1)) * scale
+        else:
+            h = block_size // 4
+            o0 = ob[:h]
+            o1 = ob[h : 2 * h]
+            o2 = ob[2 * h : 3 * h]
+            o3 = ob[3 * h :]
+            for j in range(h):
+                byte = np.int32(cb[j])
+                # A field is 10 (invalid) where its high bit is set and its low bit is not.
+                bad |= np.uint8((byte >> 1) & ~byte & 0x55)
+                o0[j] = np.float32((byte & 1) - (byte & 2)) * scale
+                o1[j] = np.float32(((byte >> 2) & 1) - ((byte >> 2) & 2)) * scale
+                o2[j] = np.float32(((byte >> 4) & 1) - ((byte >> 4) & 2)) * scale
+                o3[j] = np.float32(((byte >> 6) & 1) - ((byte >> 6) & 2)) * scale
+        if bad:
+            return b
+    return -1
+
+
+@njit(**_JIT)
+def encode_fp32(x, out):  # pragma: no cover - compiled
+    """Copy float32 ``x`` into ``out``; returns -1, or 0 if any value is NaN/Inf."""
+    bits = x.view(np.uint32)
+    m = np.uint32(0)
+    for i in range(x.size):
+        out[i] = x[i]
+        m = max(m, bits[i] & _ABS_MASK)
+    return 0 if m >= _EXP_MASK else -1
+
+
+@njit(**_JIT)
+def decode_fp32(raw, out):  # pragma: no cover - compiled
+    """Copy float32 ``raw`` into ``out``; returns -1, or 0 if any value is NaN/Inf."""
+    return encode_fp32(raw, out)
+
+
+@njit(**_JIT)
+def _round_bf16(src, out):  # pragma: no cover - compiled
+    """bfloat16 bits of float32 ``src`` (nearest, ties to even); -1, or 0 on NaN/Inf."""
+    sbits = src.view(np.uint32)
+    m = np.uint32(0)
+    for i in range(src.size):
+        m = max(m, sbits[i] & _ABS_MASK)
+    if m >= _EXP_MASK:
+        return 0
+    bad = np.uint16(0)
+    for i in range(src.size):
+        u = sbits[i]
+        r = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> 16)
+        out[i] = r
+        # Values within half a bf16 ulp of float32 max round up to Inf.
+        bad |= np.uint16(1) if (r & np.uint16(0x7F80)) == np.uint16(0x7F80) else np.uint16(0)
+    return 0 if bad else -1
+
+
+@njit(**_JIT)
+def encode_bf16(x, res, use_res, out):  # pragma: no cover - compiled
+    """Round float32 ``x`` (+ residual) to bfloat16 bits in ``out`` (uint16).
+
+    Returns -1, or 0 if a value is (or rounds to) NaN/Inf; with ``use_res`` the residual is
+    then left holding ``x + r`` and must be discarded by the caller.
+    """
+    if not use_res:
+        return _round_bf16(x, out)
+    n = x.size
+    for i in range(n):
+        res[i] = x[i] + res[i]
+    bad = _round_bf16(res, out)
+    if bad >= 0:
+        return bad
+    chunk = 4096
+    tmp = np.empty(min(n, chunk), np.float32)
+    tbits = tmp.view(np.uint32)
+    for lo in range(0, n, chunk):
+        hi = min(lo + chunk, n)
+        ob = out[lo:hi]
+        rb = res[lo:hi]
+        for i in range(hi - lo):
+            tbits[i] = np.uint32(ob[i]) << np.uint32(16)
+        for i in range(hi - lo):
+            rb[i] = rb[i] - tmp[i]
+    return -1
+
+
+@njit(**_JIT)
+def decode_bf16(raw, out):  # pragma: no cover - compiled
+    """Widen bfloat16 bits ``raw`` (uint16) to float32 ``out``; -1, or 0 on NaN/Inf."""
+    ob = out.view(np.uint32)
+    bad = np.uint16(0)
+    for i in range(raw.size):
+        u = raw[i]
+        bad |= np.uint16(1) if (u & np.uint16(0x7F80)) == np.uint16(0x7F80) else np.uint16(0)
+        ob[i] = np.uint32(u) << np.uint32(16)
+    return 0 if bad else -1
