@@ -188,13 +188,16 @@ def async_run(
     schedule: SyncSchedule,
     dynamic: bool = False,
     name: str = "async",
-    codec_name: str = "int8",
+    codec_config: codec.CodecConfig | None = None,
 ) -> SimResult:
     """Decoupled DiLoCo on a simulated clock: units never wait; the outer merges by policy.
 
     Units step until the job has processed the token budget (fast units take more of it); then
     every unit uploads what it has left and the outer merges everything still buffered.
+    Uploads go through ``codec_config`` (default: int8) as on the wire, each unit with its own
+    error-feedback state.
     """
+    wire_codec = codec_config or codec.CodecConfig()
     s = work.setup
     speeds = [1.0 / f for f in slowdowns]
     share = [v / sum(speeds) for v in speeds]
@@ -235,10 +238,14 @@ def async_run(
         if deadline is not None:
             push(max(deadline, now), "wake", None)
 
+    codec_states = [codec.CodecState() for _ in range(s.num_units)]
+
     def upload_all(unit: int, uploads: list, now: float) -> None:
         for up in uploads:
             # What the outer receives is what the codec lets through (as on the wire).
-            payload, description = codec.encode_tensors(up.tensors, codec=codec_name)
+            shapes = {k: np.shape(v) for k, v in up.tensors.items()}
+            state = codec.extend_state(wire_codec, codec_states[unit], shapes)
+            payload, description, codec_states[unit] = codec.encode(up.tensors, wire_codec, state)
             received = codec.decode_tensors(payload, description)
             arrival = Arrival(
                 unit,

@@ -34,7 +34,11 @@ def test_flags_override_environment_which_overrides_defaults(monkeypatch):
         (["--model", "huge"], "unknown model size 'huge'"),
         (["--inner-lr", "-1"], "--inner-lr"),
         (["--nats-url", "http://x"], "expected nats://host:port"),
-        (["--codec", "int3"], "codec must be one of"),
+        (["--codec", "int3"], "unknown codec 'int3'"),
+        (["--block-size", "100"], "multiple of 16"),
+        (["--codec", "fp32", "--error-feedback", "on"], "fp32 loses nothing"),
+        (["--error-feedback", "maybe"], "--error-feedback"),
+        (["--codec-threads", "-2"], "--codec-threads"),
         (["--h-steps", "zero"], "--h-steps"),
     ],
 )
@@ -42,6 +46,21 @@ def test_invalid_values_name_the_flag(argv, fragment):
     with pytest.raises(SettingsError, match=None) as err:
         parse(LearnerSettings, argv)
     assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "codec", "feedback"),
+    [
+        ([], "int8", False),
+        (["--codec", "int2"], "int2", True),  # auto: error feedback for 2-bit uploads
+        (["--codec", "int2", "--error-feedback", "off"], "int2", False),
+        (["--codec", "int4", "--error-feedback", "on"], "int4", True),
+        (["--codec", "bf16"], "bf16", False),
+    ],
+)
+def test_codec_flags_build_the_codec_config(argv, codec, feedback):
+    config = parse(LearnerSettings, argv).codec_config()
+    assert (config.codec, config.error_feedback) == (codec, feedback)
 
 
 def test_cli_reports_invalid_settings_with_exit_code_2(capsys):

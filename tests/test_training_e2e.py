@@ -10,11 +10,20 @@ pytestmark = pytest.mark.slow  # real processes and nats-server (run by make tes
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("fragments", [1, 2])
+@pytest.mark.parametrize(
+    ("fragments", "codecs"),
+    [
+        (1, ("int8", "int8")),
+        (2, ("int8", "int8")),
+        # Units may use different codecs: the outer decodes what each message's header says.
+        (1, ("int4", "int2")),
+    ],
+    ids=["P1", "P2", "P1-int4-int2"],
+)
 def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
-    nats_server, services, fragments
+    nats_server, services, fragments, codecs
 ):
-    job = f"e2e{fragments}"
+    job = f"e2e{fragments}{codecs[0]}{codecs[1]}"
     job_flags = [
         "--nats-url",
         nats_server.url,
@@ -51,6 +60,8 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
             "--batch-size",
             "16",
             "--no-dynamic-h",
+            "--codec",
+            codecs[unit],
         )
         for unit in range(2)
     ]
@@ -81,6 +92,16 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
         assert outer["units"][str(unit)]["tokens"] == fragments * tokens_per_fragment
     assert outer["applied"] == sum(units[u]["counters"]["published"] for u in (0, 1))
     assert outer["rejected"] == {}
+    expected_codecs: dict[str, int] = {}
+    for unit in (0, 1):
+        expected_codecs[codecs[unit]] = (
+            expected_codecs.get(codecs[unit], 0) + units[unit]["counters"]["published"]
+        )
+    assert outer["codecs"] == expected_codecs
+    for unit in (0, 1):  # int8 ~4x smaller than fp32, int4 ~8x, int2 ~15x (zstd adds more)
+        counters = units[unit]["counters"]
+        ratio = counters["fp32_bytes_encoded"] / counters["payload_bytes_encoded"]
+        assert ratio > {"int8": 3.9, "int4": 7.5, "int2": 14}[codecs[unit]], ratio
     assert len(outer["versions"]) == fragments and outer["version"] == sum(outer["versions"])
     assert outer["merges"] >= fragments  # each merge: one outer step on one fragment
     init_loss = outer["eval_init"]["nats_per_byte"]

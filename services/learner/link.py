@@ -56,6 +56,9 @@ class LearnerLink:
         self.last_error = ""
         self._lock = threading.Lock()
         self._queue: collections.deque[Upload] = collections.deque()
+        self._codec = settings.codec_config()
+        self._codec_state = codec.CodecState()
+        self._encoded: tuple[Upload, bytes] | None = None  # the queue head, encoded once
         self._queue_changed: asyncio.Event | None = None
         self._newest: dict[int, GlobalFragment] = {}
         self._known_versions = [-1] * settings.fragments
@@ -213,7 +216,7 @@ class LearnerLink:
                 log.warning("flush deadline passed with %d uploads unsent", self.unsent())
                 return
             try:
-                blob = await asyncio.get_running_loop().run_in_executor(None, self._encode, upload)
+                blob = await self._encoded_blob(upload)
                 upload_id = wire.upload_id(
                     self.settings.job, self.settings.unit, upload.round, upload.fragment
                 )
@@ -228,6 +231,7 @@ class LearnerLink:
                 # A pseudo-gradient with NaN/Inf must never be sent: record and skip it.
                 log.error("round %d not sent: %s", upload.round, err)
                 self.last_error = f"round {upload.round} not sent: {err}"
+                self._encoded = None
                 self._finish(upload, "rejected_local")
                 continue
             except (TimeoutError, TransportError, nats.errors.Error) as err:
@@ -248,13 +252,35 @@ class LearnerLink:
             if counter == "published":
                 self._status["last_published_round"] = upload.round
 
+    async def _encoded_blob(self, upload: Upload) -> bytes:
+        """The envelope of ``upload``, encoded once however often publishing is retried.
+
+        Encoding advances the error-feedback state, so a retry must resend the same bytes
+        (which also keeps the Nats-Msg-Id deduplication exact).
+        """
+        if self._encoded is None or self._encoded[0] is not upload:
+            loop = asyncio.get_running_loop()
+            blob = await loop.run_in_executor(None, self._encode, upload)
+            self._encoded = (upload, blob)
+        return self._encoded[1]
+
     def _encode(self, upload: Upload) -> bytes:
-        payload, description = codec.encode_tensors(
-            upload.tensors,
-            codec=self.settings.codec,
-            block_size=self.settings.block_size,
-            zstd_level=self.settings.zstd_level,
-        )
+        # A fragment's residuals start at zero the first time it is sent.
+        shapes = {name: np.shape(t) for name, t in upload.tensors.items()}
+        state = codec.extend_state(self._codec, self._codec_state, shapes)
+        try:
+            payload, description, self._codec_state = codec.encode(
+                upload.tensors, self._codec, state
+            )
+        except codec.CodecError:
+            # The state was consumed; residuals restart from zero.
+            self._codec_state = codec.CodecState()
+            raise
+        with self._lock:
+            self.counters["fp32_bytes_encoded"] += 4 * sum(
+                np.size(t) for t in upload.tensors.values()
+            )
+            self.counters["payload_bytes_encoded"] += len(payload)
         envelope = wire.Envelope(
             kind="pseudo_grad",
             job=self.settings.job,

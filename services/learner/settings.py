@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.codec import CODECS, CodecConfig, CodecError
 from shared.settings import ENV_PREFIX, JobSettings
 
-CODECS = ("int8", "fp32")
+# Error feedback is what makes 2-bit uploads train well (MuLoCo, SparseLoCo); at 4 bits and
+# above the papers see no loss without it, so "auto" spends the residual's memory only on int2.
+AUTO_ERROR_FEEDBACK = ("int2",)
 
 
 class InnerSettings(BaseSettings):
@@ -30,15 +35,39 @@ class InnerSettings(BaseSettings):
     dynamic_h: bool = Field(
         True, description="scale H by the unit's speed relative to the fastest (DyLU)"
     )
-    codec: str = Field("int8", description="pseudo-gradient codec: int8 or fp32")
-    block_size: int = Field(256, ge=8, le=1 << 20, description="quantization block size")
-    zstd_level: int = Field(1, ge=-7, le=22, description="zstd level of uploads")
+    codec: str = Field("int8", description=f"pseudo-gradient codec, one of {', '.join(CODECS)}")
+    block_size: int = Field(
+        256, ge=16, le=1 << 20, description="quantization block size (a multiple of 16)"
+    )
+    zstd_level: int = Field(
+        1, ge=-7, le=22, description="zstd level of uploads (negative: faster, larger)"
+    )
+    error_feedback: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="carry each upload's quantization error into the next one "
+        f"(auto: on for {', '.join(AUTO_ERROR_FEEDBACK)})",
+    )
+    codec_threads: int = Field(
+        0, ge=-1, le=256, description="threads encoding uploads of 8 MiB or more (-1: one per CPU)"
+    )
 
     @model_validator(mode="after")
     def _check_codec(self) -> InnerSettings:
-        if self.codec not in CODECS:
-            raise ValueError(f"codec must be one of {CODECS}, got {self.codec!r}")
+        try:
+            self.codec_config()
+        except CodecError as err:
+            raise ValueError(str(err)) from err
         return self
+
+    def codec_config(self) -> CodecConfig:
+        """The upload codec these settings describe."""
+        if self.error_feedback == "auto":
+            feedback = self.codec in AUTO_ERROR_FEEDBACK
+        else:
+            feedback = self.error_feedback == "on"
+        return CodecConfig(
+            self.codec, self.block_size, self.zstd_level, self.codec_threads, feedback
+        )
 
 
 class LearnerSettings(JobSettings, InnerSettings):

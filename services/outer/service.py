@@ -62,6 +62,9 @@ class OuterLedger:
     rejected: collections.Counter[str] = field(default_factory=collections.Counter)
     units: dict[int, UnitLedger] = field(default_factory=dict)
     staleness: collections.Counter[int] = field(default_factory=collections.Counter)
+    # Accepted uploads by the codec named in their description, and their compressed bytes.
+    codecs: collections.Counter[str] = field(default_factory=collections.Counter)
+    payload_bytes: int = 0
 
 
 class OuterService:
@@ -279,7 +282,11 @@ class OuterService:
             )
         try:
             tensors = codec.decode_tensors(
-                envelope.payload, envelope.codec, max_raw_size=self.max_params_bytes
+                envelope.payload,
+                envelope.codec,
+                max_raw_size=self.max_params_bytes,
+                threads=self.settings.decode_threads,
+                max_output_bytes=self.max_params_bytes,
             )
         except codec.CodecError as err:
             raise Rejected("bad_payload", str(err)) from err
@@ -293,6 +300,8 @@ class OuterService:
             )
         if not all(np.isfinite(t).all() for t in tensors.values()):
             raise Rejected("non_finite", "pseudo-gradient contains NaN or Inf")
+        self.ledger.codecs[envelope.codec["codec"]] += 1
+        self.ledger.payload_bytes += len(envelope.payload)
         arrival = Arrival(
             unit=envelope.unit,
             round=envelope.round,
@@ -427,6 +436,8 @@ class OuterService:
             "tokens_applied": self.ledger.tokens_applied,
             "rejected": dict(self.ledger.rejected),
             "staleness": {str(k): v for k, v in sorted(self.ledger.staleness.items())},
+            "codecs": dict(self.ledger.codecs),
+            "payload_bytes": self.ledger.payload_bytes,
             "units": {str(u): vars(stats) for u, stats in self.ledger.units.items()},
             "eval_init": self.eval_init,
             "eval": self.eval_last,

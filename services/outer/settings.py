@@ -100,6 +100,9 @@ class OuterSettings(JobSettings, OuterAlgorithmSettings):
         64, ge=1, description="incomplete uploads kept in memory before the oldest is dropped"
     )
     status_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
+    decode_threads: int = Field(
+        -1, ge=-1, le=256, description="threads decoding uploads of 8 MiB or more (-1: one per CPU)"
+    )
 
     @model_validator(mode="after")
     def _check_quorum(self) -> OuterSettings:
