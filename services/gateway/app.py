@@ -80,6 +80,10 @@ class NatsLink:
         self.nc: Any = None
         self.desired_kv: Any = None
         self.status_kv: Any = None
+        # Unit status keys seen per job. Listing a bucket's keys (nats-py's kv.keys(), an
+        # ordered replay) can miss a key that is being rewritten at that moment, and units
+        # heartbeat every second; keys seen once are therefore always read directly.
+        self.seen_unit_keys: dict[str, set[str]] = {}
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -134,11 +138,12 @@ async def _read_status(link: NatsLink, job: str) -> tuple[dict[str, Any] | None,
     except nats.js.errors.NoKeysError:
         keys = []
     prefix = subjects.unit_status_key(job, 0)[:-1]
-    for key in keys:
-        if key.startswith(prefix) and key[len(prefix) :].isdigit():
-            status = await transport.get_json(link.status_kv, key)
-            if status is not None:
-                units[int(key[len(prefix) :])] = status
+    seen = link.seen_unit_keys.setdefault(job, set())
+    seen.update(k for k in keys if k.startswith(prefix) and k[len(prefix) :].isdigit())
+    for key in sorted(seen):
+        status = await transport.get_json(link.status_kv, key)
+        if status is not None:
+            units[int(key[len(prefix) :])] = status
     return outer, units
 
 
