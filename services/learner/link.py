@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -58,7 +59,10 @@ class LearnerLink:
         self._queue: collections.deque[Upload] = collections.deque()
         self._codec = settings.codec_config()
         self._codec_state = codec.CodecState()
-        self._encoded: tuple[Upload, bytes] | None = None  # the queue head, encoded once
+        # Uploads are encoded once, in queue order, on one worker thread (the error-feedback
+        # state is sequential); keyed by (round, fragment).
+        self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
+        self._encodings: dict[tuple[int, int], asyncio.Future[bytes]] = {}
         self._queue_changed: asyncio.Event | None = None
         self._newest: dict[int, GlobalFragment] = {}
         self._known_versions = [-1] * settings.fragments
@@ -156,6 +160,7 @@ class LearnerLink:
         for task in tasks[1:]:
             task.cancel()
         await asyncio.gather(*tasks[1:], return_exceptions=True)
+        self._encoder.shutdown(wait=False, cancel_futures=True)
         try:
             await transport.put_status(
                 status_kv,
@@ -216,7 +221,11 @@ class LearnerLink:
                 log.warning("flush deadline passed with %d uploads unsent", self.unsent())
                 return
             try:
-                blob = await self._encoded_blob(upload)
+                blob = await self._encoding(upload)
+                with self._lock:
+                    following = self._queue[1] if len(self._queue) > 1 else None
+                if following is not None:
+                    self._encoding(following)  # encoded while this one is being sent
                 upload_id = wire.upload_id(
                     self.settings.job, self.settings.unit, upload.round, upload.fragment
                 )
@@ -231,7 +240,6 @@ class LearnerLink:
                 # A pseudo-gradient with NaN/Inf must never be sent: record and skip it.
                 log.error("round %d not sent: %s", upload.round, err)
                 self.last_error = f"round {upload.round} not sent: {err}"
-                self._encoded = None
                 self._finish(upload, "rejected_local")
                 continue
             except (TimeoutError, TransportError, nats.errors.Error) as err:
@@ -251,18 +259,27 @@ class LearnerLink:
             self.counters[counter] += 1
             if counter == "published":
                 self._status["last_published_round"] = upload.round
+            live = {(u.round, u.fragment) for u in self._queue}
+        # Forget this upload's envelope and those of uploads dropped from a full queue.
+        for key in [k for k in self._encodings if k not in live]:
+            del self._encodings[key]
 
-    async def _encoded_blob(self, upload: Upload) -> bytes:
-        """The envelope of ``upload``, encoded once however often publishing is retried.
+    def _encoding(self, upload: Upload) -> asyncio.Future[bytes]:
+        """The (future) envelope of ``upload``, encoded once however often it is resent.
 
         Encoding advances the error-feedback state, so a retry must resend the same bytes
         (which also keeps the Nats-Msg-Id deduplication exact).
         """
-        if self._encoded is None or self._encoded[0] is not upload:
+        key = (upload.round, upload.fragment)
+        future = self._encodings.get(key)
+        if future is None:
             loop = asyncio.get_running_loop()
-            blob = await loop.run_in_executor(None, self._encode, upload)
-            self._encoded = (upload, blob)
-        return self._encoded[1]
+            future = loop.run_in_executor(self._encoder, self._encode, upload)
+            # A failed encoding of an upload that is dropped before it is awaited is not an
+            # unhandled error: mark its exception as retrieved.
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._encodings[key] = future
+        return future
 
     def _encode(self, upload: Upload) -> bytes:
         # A fragment's residuals start at zero the first time it is sent.
