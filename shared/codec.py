@@ -93,6 +93,7 @@ __all__ = [
     "encode",
     "encode_tensors",
     "extend_state",
+    "warm_up",
     "init_state",
     "make_codec",
 ]
@@ -233,6 +234,24 @@ def extend_state(
             if name not in state.residual:
                 state.residual[name] = np.zeros(tuple(shape), np.float32)
     return state
+
+
+def warm_up() -> None:
+    """Compile every kernel, or load it from Numba's on-disk cache (``__pycache__``).
+
+    The first compile takes several seconds; services call this at start-up, off their
+    critical path, so the first upload is not delayed by it.
+    """
+    values = np.linspace(-1, 1, 3 * BLOCK_MULTIPLE, dtype=np.float32)
+    read_only = values.copy()
+    read_only.setflags(write=False)  # e.g. arrays handed over from JAX
+    for name in CODECS:
+        config = CodecConfig(name, BLOCK_MULTIPLE, error_feedback=name != "fp32")
+        for sample in ({"w": values}, {"w": read_only}):
+            state = init_state(config, {"w": values.shape})
+            payload, description, _ = encode(sample, config, state)
+            decode_tensors(payload, description)
+            encode(sample, CodecConfig(name, BLOCK_MULTIPLE))
 
 
 # --------------------------------------------------------------------------- validation

@@ -1071,3 +1071,9 @@ def test_hostile_tensors_raise_codec_error_or_round_trip(
         return
     with pytest.raises(CodecError, match=match):
         encode_tensors(tensors, codec, block_size=16)
+
+
+def test_warm_up_compiles_every_kernel() -> None:
+    from shared.codec import warm_up
+
+    warm_up()  # encodes and decodes a sample with every codec, with and without feedback
