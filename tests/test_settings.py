@@ -36,8 +36,7 @@ def test_flags_override_environment_which_overrides_defaults(monkeypatch):
         (["--nats-url", "http://x"], "expected nats://host:port"),
         (["--codec", "int3"], "unknown codec 'int3'"),
         (["--block-size", "100"], "multiple of 16"),
-        (["--codec", "fp32", "--error-feedback", "on"], "fp32 loses nothing"),
-        (["--error-feedback", "maybe"], "--error-feedback"),
+        (["--codec", "fp32", "--error-feedback"], "fp32 loses nothing"),
         (["--codec-threads", "-2"], "--codec-threads"),
         (["--h-steps", "zero"], "--h-steps"),
     ],
@@ -52,10 +51,10 @@ def test_invalid_values_name_the_flag(argv, fragment):
     ("argv", "codec", "feedback"),
     [
         ([], "int8", False),
-        (["--codec", "int2"], "int2", True),  # auto: error feedback for 2-bit uploads
-        (["--codec", "int2", "--error-feedback", "off"], "int2", False),
-        (["--codec", "int4", "--error-feedback", "on"], "int4", True),
-        (["--codec", "bf16"], "bf16", False),
+        (["--codec", "int2"], "int2", False),
+        (["--codec", "int2", "--error-feedback"], "int2", True),
+        (["--codec", "int4", "--error-feedback"], "int4", True),
+        (["--codec", "bf16", "--no-error-feedback"], "bf16", False),
     ],
 )
 def test_codec_flags_build_the_codec_config(argv, codec, feedback):

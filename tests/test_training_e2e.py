@@ -62,6 +62,8 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
             "--no-dynamic-h",
             "--codec",
             codecs[unit],
+            # The 2-bit unit also carries its quantization error forward (error feedback).
+            *(["--error-feedback"] if codecs[unit] == "int2" else []),
         )
         for unit in range(2)
     ]

@@ -126,6 +126,8 @@ class LearnerLink:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue_changed = asyncio.Event()
+        # Compile the codec kernels on the encoder thread before the first upload needs them.
+        self._encoder.submit(codec.warm_up)
         nc = await transport.connect_with_retry(
             self.settings,
             f"learner-{self.settings.job}-{self.settings.unit}",

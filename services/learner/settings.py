@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.codec import CODECS, CodecConfig, CodecError
 from shared.settings import ENV_PREFIX, JobSettings
-
-# Error feedback is what makes 2-bit uploads train well (MuLoCo, SparseLoCo); at 4 bits and
-# above the papers see no loss without it, so "auto" spends the residual's memory only on int2.
-AUTO_ERROR_FEEDBACK = ("int2",)
 
 
 class InnerSettings(BaseSettings):
@@ -42,10 +36,10 @@ class InnerSettings(BaseSettings):
     zstd_level: int = Field(
         1, ge=-7, le=22, description="zstd level of uploads (negative: faster, larger)"
     )
-    error_feedback: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="carry each upload's quantization error into the next one "
-        f"(auto: on for {', '.join(AUTO_ERROR_FEEDBACK)})",
+    # Off by default: in bench/quality.py --codecs it made int2 worse, not better (see
+    # docs/CODEC.md, "Error feedback").
+    error_feedback: bool = Field(
+        False, description="carry each upload's quantization error into the next upload"
     )
     codec_threads: int = Field(
         0, ge=-1, le=256, description="threads encoding uploads of 8 MiB or more (-1: one per CPU)"
@@ -61,12 +55,8 @@ class InnerSettings(BaseSettings):
 
     def codec_config(self) -> CodecConfig:
         """The upload codec these settings describe."""
-        if self.error_feedback == "auto":
-            feedback = self.codec in AUTO_ERROR_FEEDBACK
-        else:
-            feedback = self.error_feedback == "on"
         return CodecConfig(
-            self.codec, self.block_size, self.zstd_level, self.codec_threads, feedback
+            self.codec, self.block_size, self.zstd_level, self.codec_threads, self.error_feedback
         )
 
 

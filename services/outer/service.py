@@ -18,6 +18,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,7 +100,11 @@ class OuterService:
         self.param_bytes = 4 * model.param_count(self.template)
         named = pytree.flatten_named(self.template)
         self.core = OuterCore(named, s.algorithm(s.num_units, s.fragments))
+        # Compile the codec kernels beside the outer step (Numba releases the GIL).
+        codec_warm_up = threading.Thread(target=codec.warm_up, name="codec-warm-up")
+        codec_warm_up.start()
         self.core.warm_up()
+        codec_warm_up.join()
         self.piece_shapes = [
             {k: v.shape for k, v in self.core.plan.extract(named, p).items()}
             for p in range(self.core.plan.count)
