@@ -23,9 +23,11 @@ test: $(STAMP)  ## the whole test suite (unit, integration and slow tiers)
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
-bench: $(STAMP)  ## the benchmarks that write BENCHMARKS.md (quality: ~20 min on 2 cores)
+bench: $(STAMP)  ## the benchmarks that write BENCHMARKS.md (~1 h on 2 cores in all)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python bench/codec.py --write
 	$(BIN)/python bench/quality.py --write
+	$(BIN)/python bench/quality.py --codecs --write
 	$(BIN)/python bench/throughput.py --write
 
 lint: $(STAMP)

@@ -10,7 +10,12 @@ over several data-order seeds and reported as mean ± standard deviation.
 The default configuration is also run once on the real system (``diloco up``: nats-server,
 outer, gateway and learner processes) from scratch, beside a simulated twin of that same run.
 
+With ``--codecs`` it instead runs the default configuration (heterogeneous speeds) once per
+upload codec — fp32, int8, int4, int2 without and with error feedback — over the same seeds,
+and reports each against fp32 (its own BENCHMARKS.md section).
+
     .venv/bin/python bench/quality.py --write          # ≈ 15-20 min on 2 cores
+    .venv/bin/python bench/quality.py --codecs --write # ≈ 15 min on 2 cores
 """
 
 from __future__ import annotations
@@ -40,9 +45,25 @@ from services.outer.core import OuterAlgorithm  # noqa: E402
 from services.outer.settings import OuterAlgorithmSettings  # noqa: E402
 from services.outer.staleness import StalenessRule  # noqa: E402
 from shared import data, evaluation, model  # noqa: E402
+from shared.codec import CodecConfig  # noqa: E402
 from shared.runtime import configure_jax  # noqa: E402
 
 SECTION = "## Quality: asynchronous merging vs synchronous DiLoCo"
+CODEC_SECTION = "## Quality: upload codecs"
+CODECS = [
+    ("fp32", CodecConfig("fp32")),
+    ("int8 (default)", CodecConfig("int8")),
+    ("int4", CodecConfig("int4")),
+    ("int2 without error feedback", CodecConfig("int2", error_feedback=False)),
+    ("int2 with error feedback", CodecConfig("int2", error_feedback=True)),
+]
+# Ternary int2 without error feedback delivers only part of each update along its direction
+# (its least-squares scale shrinks it): <Q(x), x> / |x|^2 measured 0.87-0.92 on the small
+# model's real pseudo-gradients (bench/codec.py's captured rounds) and 0.81 on Gaussian data.
+# That acts like a smaller outer learning rate, so this control row runs fp32 with the outer
+# LR scaled by the same factor.
+INT2_SHRINK = 0.87
+LR_CONTROL = f"fp32 with outer lr x {INT2_SHRINK} (control for int2's shrinkage)"
 HETEROGENEOUS = [1.0, 1.0, 2.0, 4.0]
 HOMOGENEOUS = [1.0, 1.0, 1.0, 1.0]
 
@@ -58,6 +79,7 @@ class Method:
     schedule: SyncSchedule | None = None
     dynamic: bool = False
     headline: bool = False
+    codec: CodecConfig | None = None
 
 
 def default_method(speeds: list[float], units: int, h_steps: int, **changes) -> Method:
@@ -126,8 +148,29 @@ def run_method(method: Method, work: sim.Workload, start) -> sim.SimResult:
     if method.kind == "sync":
         return sim.sync_diloco(work, start)
     return sim.async_run(
-        work, start, method.algorithm, method.speeds, method.schedule, method.dynamic, method.name
+        work,
+        start,
+        method.algorithm,
+        method.speeds,
+        method.schedule,
+        method.dynamic,
+        method.name,
+        method.codec,
     )
+
+
+def codec_methods(units: int, h: int) -> list[Method]:
+    """The default configuration (heterogeneous speeds) once per upload codec."""
+    rows = []
+    for name, config in CODECS:
+        method = default_method(HETEROGENEOUS, units, h)
+        method.name, method.headline, method.codec = name, True, config
+        rows.append(method)
+    lr = OuterAlgorithmSettings().outer_lr * INT2_SHRINK
+    method = default_method(HETEROGENEOUS, units, h, lr=lr)
+    method.name, method.headline, method.codec = LR_CONTROL, True, CodecConfig("fp32")
+    rows.append(method)
+    return rows
 
 
 def real_system_run(setup: sim.SimSetup, cache: Path) -> tuple[float, str]:
@@ -187,7 +230,13 @@ def main() -> None:
     parser.add_argument("--pretrain", type=int, default=40, help="shared pretraining steps")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the headline rows")
     parser.add_argument("--no-real", action="store_true", help="skip the real-system run")
-    parser.add_argument("--only", default="", help="run only rows whose name contains this")
+    parser.add_argument("--codecs", action="store_true", help="compare upload codecs instead")
+    parser.add_argument(
+        "--only", default="", help="run only rows whose name contains this (a|b: either)"
+    )
+    parser.add_argument(
+        "--section", default=CODEC_SECTION, help="BENCHMARKS.md heading of the --codecs table"
+    )
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md + plot")
     args = parser.parse_args()
     configure_jax()
@@ -201,7 +250,11 @@ def main() -> None:
     start = sim.pretrain(base, init, args.pretrain)
     print(f"pretrained {args.pretrain} steps: eval {base.eval_loss(start):.4f}", flush=True)
 
-    rows = [m for m in methods(setup.num_units, setup.h_steps) if args.only in m.name]
+    make_rows = codec_methods if args.codecs else methods
+    wanted = args.only.split("|")
+    rows = [
+        m for m in make_rows(setup.num_units, setup.h_steps) if any(w in m.name for w in wanted)
+    ]
     results: dict[int, list[sim.SimResult]] = {}
     for index, method in enumerate(rows):
         seeds = range(args.seeds if method.headline else 1)
@@ -217,6 +270,12 @@ def main() -> None:
                 flush=True,
             )
 
+    if args.codecs:
+        table = render_codecs(args, setup, rows, results, time.time() - started)
+        print("\n" + table)
+        if args.write:
+            write_section(args.section, table)
+        return
     twin = real = None
     if not args.no_real:
         default_het = default_method(HETEROGENEOUS, setup.num_units, setup.h_steps)
@@ -292,6 +351,50 @@ def render(args, setup, rows, results, twin, real, elapsed_s) -> str:
             f"({100 * (real / twin.final_eval - 1):+.2f}%).",
         ]
     lines += ["", "![eval loss vs tokens](bench/quality.png)", ""]
+    return "\n".join(lines)
+
+
+def render_codecs(args, setup, rows, results, elapsed_s) -> str:
+    """Codec rows against fp32, paired by seed (same data order and arrival sequence)."""
+    names = [m.name for m in rows]
+    fp32 = results.get(names.index("fp32")) if "fp32" in names else None
+    command = "python bench/quality.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
+    lines = [
+        args.section,
+        "",
+        f"`{command.strip()}` — the default configuration (Delayed Nesterov, (1+s)^-0.5, "
+        f"DyLU; slowdowns {','.join(f'{s:g}' for s in HETEROGENEOUS)}) with model "
+        f"`{setup.model}`, K={setup.num_units}, {setup.steps_per_unit} inner steps per unit, "
+        f"H={setup.h_steps}, {args.pretrain} pretraining steps, block size 256; only the "
+        "upload codec changes. Every codec runs the same seeds, so each seed's data order and "
+        "arrival sequence are the same across rows; the last column is the mean over seeds of "
+        "the per-seed difference to fp32. Eval: held-out nats/byte. "
+        f"Whole run: {elapsed_s / 60:.1f} min on {os.cpu_count()} cores.",
+        "",
+        "| upload codec | bits/value (with scales) | final eval (nats/byte) | vs fp32 (paired) |",
+        "|---|---|---|---|",
+    ]
+    for index, method in enumerate(rows):
+        if index not in results:
+            continue
+        finals = [r.final_eval for r in results[index]]
+        if fp32 is not None:
+            diffs = [
+                100 * (r.final_eval / f.final_eval - 1)
+                for r, f in zip(results[index], fp32, strict=True)
+            ]
+            spread = f" ± {statistics.stdev(diffs):.2f}" if len(diffs) > 1 else ""
+            vs = f"{statistics.mean(diffs):+.2f}%{spread}"
+        else:
+            vs = "-"
+        config = method.codec or CodecConfig()
+        bits = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}[config.codec]
+        if config.codec.startswith("int"):
+            bits_shown = f"{bits + 32 / config.block_size:.3g}"
+        else:
+            bits_shown = str(bits)
+        lines.append(f"| {method.name} | {bits_shown} | {fmt(finals)} | {vs} |")
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -38,7 +38,7 @@ checkpointed.
 
 The description (a plain msgpack-able dict) says everything needed to decode::
 
-    {"version": 2, "codec": "int4", "bits": 4, "block_size": 256, "segment": 1024,
+    {"version": 2, "codec": "int4", "bits": 4, "block_size": 256, "segment": 4096,
      "zstd_level": 1, "raw_size": 264, "frames": [38],
      "tensors": [["layer/b", [3], "float32"], ["layer/w", [2, 3], "float32"]]}
 
@@ -46,7 +46,7 @@ Raw (uncompressed) layout, tensors in sorted-name order, little-endian throughou
 is one value for ``fp32`` / ``bf16`` and one block of ``block_size`` values for the block
 codecs (each tensor is cut into its own blocks, the last one zero-padded, so a block never
 mixes two tensors). The units of all tensors, in order, are cut into *segments* of
-``segment`` units (about 1 MiB of float32 input each), and each segment is one zstd frame:
+``segment`` units (about 4 MiB of float32 input each), and each segment is one zstd frame:
 
 * ``fp32`` / ``bf16``: the segment's values, 4 or 2 bytes each.
 * ``int8`` / ``int4`` / ``int2``: the segment's ``m`` float32 scales, then its ``m`` packed
@@ -55,7 +55,7 @@ mixes two tensors). The units of all tensors, in order, are cut into *segments* 
 ``frames`` lists the compressed size of every frame; the payload is the frames back to back.
 Each frame records its content size and a checksum, so corruption is detected and the
 decoder knows each frame's exact output size before decompressing it. Segments keep the
-encoder's working set in cache (quantise 1 MiB, compress it while it is still there), let
+encoder's working set in cache (quantise 4 MiB, compress it while it is still there), let
 large payloads be coded on several threads (``threads``), and bound every allocation the
 decoder makes to one segment plus the output.
 
@@ -114,9 +114,11 @@ MIN_ZSTD_LEVEL = -(1 << 17)
 MAX_ZSTD_LEVEL = zstandard.MAX_COMPRESSION_LEVEL
 DEFAULT_MAX_RAW_SIZE = 2**31
 DEFAULT_MAX_OUTPUT_BYTES = 2**34
-# Elements per segment (one zstd frame): 1 MiB of float32, so a segment's raw bytes are
-# still in cache when zstd reads them.
-SEGMENT_ELEMENTS = 1 << 18
+# Elements per segment (one zstd frame): 4 MiB of float32. A segment's raw bytes (1 MiB for
+# int8) are still in cache when zstd reads them, and there are few enough frames that the
+# per-frame output buffers cost little (2^18 measured slower for int8 in bench/codec.py:
+# each frame's fresh output allocation page-faults).
+SEGMENT_ELEMENTS = 1 << 20
 MAX_SEGMENT_UNITS = 1 << 26
 # Payloads below this many raw bytes are coded on the calling thread whatever threads says.
 THREADS_MIN_BYTES = 8 << 20

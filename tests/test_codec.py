@@ -245,7 +245,7 @@ def test_description_is_plain_and_self_describing() -> None:
 @pytest.mark.parametrize("codec", CODECS)
 def test_description_survives_msgpack(codec: str) -> None:
     rng = np.random.default_rng(3)
-    tensors = {"b": rng.standard_normal(3), "a": rng.standard_normal((600, 700))}
+    tensors = {"b": rng.standard_normal(3), "a": rng.standard_normal(SEGMENT_ELEMENTS + 1000)}
     payload, description = encode_tensors(tensors, codec, block_size=16)
     assert len(description["frames"]) > 1
     packed = msgpack.packb(description)
