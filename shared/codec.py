@@ -129,6 +129,8 @@ _F32 = np.dtype("<f4")
 _F32_MAX = float(np.finfo(np.float32).max)
 _EMPTY = np.zeros(0, np.float32)
 _LOCAL = threading.local()
+# Format 1 (no "version" key; int8/fp32 only) is recognised only to say so clearly.
+_V1_DESCRIPTION_KEYS = frozenset({"codec", "block_size", "zstd_level", "raw_size", "tensors"})
 _DESCRIPTION_KEYS = frozenset(
     {"version", "codec", "bits", "block_size", "segment", "zstd_level", "raw_size", "frames",
      "tensors"}
@@ -520,6 +522,11 @@ def _parse_description(description: Any, max_raw_size: int) -> _Layout:
     if not isinstance(description, Mapping):
         raise CodecError(f"description must be a mapping, got {type(description).__name__}")
     keys = set(description)
+    if keys == _V1_DESCRIPTION_KEYS:
+        raise CodecError(
+            f"payload uses codec format 1 (an older release); this decoder reads format "
+            f"{FORMAT_VERSION} only: run the same release on every service"
+        )
     if keys != _DESCRIPTION_KEYS:
         missing = sorted(map(str, _DESCRIPTION_KEYS - keys))
         unknown = sorted(map(repr, keys - _DESCRIPTION_KEYS))

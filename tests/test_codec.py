@@ -751,6 +751,13 @@ def test_bad_description_is_rejected(changes: dict, match: str) -> None:
         decode_tensors(payload, _with(description, **changes))
 
 
+def test_format_1_description_is_named() -> None:
+    payload, description = _corruptible()
+    old = {k: description[k] for k in ("codec", "block_size", "zstd_level", "raw_size", "tensors")}
+    with pytest.raises(CodecError, match="codec format 1"):
+        decode_tensors(payload, old)
+
+
 def test_missing_or_unknown_description_keys() -> None:
     payload, description = _corruptible()
     for key in description:
