@@ -21,8 +21,10 @@ and reports each against fp32 (its own BENCHMARKS.md section).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
+import shlex
 import statistics
 import subprocess
 import sys
@@ -159,15 +161,19 @@ def run_method(method: Method, work: sim.Workload, start) -> sim.SimResult:
     )
 
 
-def codec_methods(units: int, h: int) -> list[Method]:
-    """The default configuration (heterogeneous speeds) once per upload codec."""
+def codec_methods(units: int, h: int, momentum: float | None = None) -> list[Method]:
+    """The default configuration (heterogeneous speeds) once per upload codec.
+
+    ``momentum`` overrides the outer momentum of every row (None: the default).
+    """
+    changes = {} if momentum is None else {"momentum": momentum}
     rows = []
     for name, config in CODECS:
-        method = default_method(HETEROGENEOUS, units, h)
+        method = default_method(HETEROGENEOUS, units, h, **changes)
         method.name, method.headline, method.codec = name, True, config
         rows.append(method)
     lr = OuterAlgorithmSettings().outer_lr * INT2_SHRINK
-    method = default_method(HETEROGENEOUS, units, h, lr=lr)
+    method = default_method(HETEROGENEOUS, units, h, lr=lr, **changes)
     method.name, method.headline, method.codec = LR_CONTROL, True, CodecConfig("fp32")
     rows.append(method)
     return rows
@@ -232,6 +238,9 @@ def main() -> None:
     parser.add_argument("--no-real", action="store_true", help="skip the real-system run")
     parser.add_argument("--codecs", action="store_true", help="compare upload codecs instead")
     parser.add_argument(
+        "--outer-momentum", type=float, default=None, help="--codecs: override outer momentum"
+    )
+    parser.add_argument(
         "--only", default="", help="run only rows whose name contains this (a|b: either)"
     )
     parser.add_argument(
@@ -250,7 +259,10 @@ def main() -> None:
     start = sim.pretrain(base, init, args.pretrain)
     print(f"pretrained {args.pretrain} steps: eval {base.eval_loss(start):.4f}", flush=True)
 
-    make_rows = codec_methods if args.codecs else methods
+    if args.codecs:
+        make_rows = functools.partial(codec_methods, momentum=args.outer_momentum)
+    else:
+        make_rows = methods
     wanted = args.only.split("|")
     rows = [
         m for m in make_rows(setup.num_units, setup.h_steps) if any(w in m.name for w in wanted)
@@ -306,7 +318,8 @@ def render(args, setup, rows, results, twin, real, elapsed_s) -> str:
     names = [m.name for m in rows]
     sync = mean(names.index("synchronous DiLoCo")) if "synchronous DiLoCo" in names else None
     dp = mean(names.index("data-parallel")) if "data-parallel" in names else None
-    command = "python bench/quality.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
+    shown = [a for a in sys.argv[1:] if a != "--write"]
+    command = shlex.join(["python", "bench/quality.py", *shown])
     lines = [
         SECTION,
         "",
@@ -358,12 +371,15 @@ def render_codecs(args, setup, rows, results, elapsed_s) -> str:
     """Codec rows against fp32, paired by seed (same data order and arrival sequence)."""
     names = [m.name for m in rows]
     fp32 = results.get(names.index("fp32")) if "fp32" in names else None
-    command = "python bench/quality.py " + " ".join(a for a in sys.argv[1:] if a != "--write")
+    shown = [a for a in sys.argv[1:] if a != "--write"]
+    command = shlex.join(["python", "bench/quality.py", *shown])
     lines = [
         args.section,
         "",
         f"`{command.strip()}` — the default configuration (Delayed Nesterov, (1+s)^-0.5, "
-        f"DyLU; slowdowns {','.join(f'{s:g}' for s in HETEROGENEOUS)}) with model "
+        f"DyLU; slowdowns {','.join(f'{s:g}' for s in HETEROGENEOUS)}"
+        + ("" if args.outer_momentum is None else f"; outer momentum {args.outer_momentum:g}")
+        + ") with model "
         f"`{setup.model}`, K={setup.num_units}, {setup.steps_per_unit} inner steps per unit, "
         f"H={setup.h_steps}, {args.pretrain} pretraining steps, block size 256; only the "
         "upload codec changes. Every codec runs the same seeds, so each seed's data order and "

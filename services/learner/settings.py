@@ -36,8 +36,8 @@ class InnerSettings(BaseSettings):
     zstd_level: int = Field(
         1, ge=-7, le=22, description="zstd level of uploads (negative: faster, larger)"
     )
-    # Off by default: in bench/quality.py --codecs it made int2 worse, not better (see
-    # docs/CODEC.md, "Error feedback").
+    # Off by default: with the default (Nesterov) outer step it made int2 worse in
+    # bench/quality.py --codecs; it helps with --outer-momentum 0 (docs/CODEC.md).
     error_feedback: bool = Field(
         False, description="carry each upload's quantization error into the next upload"
     )
