@@ -47,7 +47,7 @@ from services.outer.core import OuterAlgorithm  # noqa: E402
 from services.outer.settings import OuterAlgorithmSettings  # noqa: E402
 from services.outer.staleness import StalenessRule  # noqa: E402
 from shared import data, evaluation, model  # noqa: E402
-from shared.codec import CodecConfig  # noqa: E402
+from shared.codec import BITS, CodecConfig  # noqa: E402
 from shared.runtime import configure_jax  # noqa: E402
 
 SECTION = "## Quality: asynchronous merging vs synchronous DiLoCo"
@@ -404,7 +404,7 @@ def render_codecs(args, setup, rows, results, elapsed_s) -> str:
         else:
             vs = "-"
         config = method.codec or CodecConfig()
-        bits = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}[config.codec]
+        bits = BITS[config.codec]
         if config.codec.startswith("int"):
             bits_shown = f"{bits + 32 / config.block_size:.3g}"
         else:
