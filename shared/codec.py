@@ -52,7 +52,8 @@ mixes two tensors). The units of all tensors, in order, are cut into *segments* 
 * ``int8`` / ``int4`` / ``int2``: the segment's ``m`` float32 scales, then its ``m`` packed
   code blocks (planar packing, see :mod:`shared.quant`).
 
-``frames`` lists the compressed size of every frame; the payload is the frames back to back.
+``frames`` lists the compressed size of every frame; the payload is the frames back to back,
+compressed straight into one buffer (see :mod:`shared.zstd`).
 Each frame records its content size and a checksum, so corruption is detected and the
 decoder knows each frame's exact output size before decompressing it. Segments keep the
 encoder's working set in cache (quantise 4 MiB, compress it while it is still there), let
@@ -78,7 +79,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import zstandard
 
-from shared import quant
+from shared import quant, zstd
 
 __all__ = [
     "BLOCK_CODECS",
@@ -110,8 +111,8 @@ MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 1 << 20
 MAX_NDIM = 32
 # zstd accepts negative "fast" levels down to ZSTD_minCLevel() == -(1 << 17).
-MIN_ZSTD_LEVEL = -(1 << 17)
-MAX_ZSTD_LEVEL = zstandard.MAX_COMPRESSION_LEVEL
+MIN_ZSTD_LEVEL = zstd.MIN_LEVEL
+MAX_ZSTD_LEVEL = zstd.MAX_LEVEL
 DEFAULT_MAX_RAW_SIZE = 2**31
 DEFAULT_MAX_OUTPUT_BYTES = 2**34
 # Elements per segment (one zstd frame): 4 MiB of float32. A segment's raw bytes (1 MiB for
@@ -129,6 +130,7 @@ _F32 = np.dtype("<f4")
 _F32_MAX = float(np.finfo(np.float32).max)
 _EMPTY = np.zeros(0, np.float32)
 _LOCAL = threading.local()
+_MAX_SCRATCH_BYTES = 64 << 20
 # Format 1 (no "version" key; int8/fp32 only) is recognised only to say so clearly.
 _V1_DESCRIPTION_KEYS = frozenset({"codec", "block_size", "zstd_level", "raw_size", "tensors"})
 _DESCRIPTION_KEYS = frozenset(
@@ -208,7 +210,7 @@ class Codec(NamedTuple):
     """The three functions of one codec configuration (see :func:`make_codec`)."""
 
     init: Callable[[Mapping[str, Iterable[int]]], CodecState]
-    encode: Callable[[Mapping[str, Any], CodecState], tuple[bytes, dict, CodecState]]
+    encode: Callable[[Mapping[str, Any], CodecState], tuple[memoryview, dict, CodecState]]
     decode: Callable[[bytes, Mapping], dict[str, np.ndarray]]
 
 
@@ -330,7 +332,7 @@ def _plan_segments(sizes: list[int], unit: int, segment: int) -> list[list[_Piec
 
 def encode(
     tensors: Mapping[str, Any], config: CodecConfig, state: CodecState | None = None
-) -> tuple[bytes, dict, CodecState]:
+) -> tuple[memoryview, dict, CodecState]:
     """Encode named tensors into one payload (a run of zstd frames) and its description.
 
     Args:
@@ -340,7 +342,10 @@ def encode(
             with ``error_feedback``; ignored otherwise).
 
     Returns:
-        ``(payload, description, new_state)``.
+        ``(payload, description, new_state)``. ``payload`` is a read-only ``memoryview`` of
+        the buffer the frames were compressed into (no copy is made; ``bytes(payload)``
+        makes one). Anything that takes bytes-like objects (msgpack, zlib, sockets,
+        :func:`decode_tensors`) takes it as it is.
 
     Raises:
         CodecError: non-str name, non-real dtype, any NaN/Inf value, a tensor the state does
@@ -353,7 +358,24 @@ def encode(
     plan = _plan_segments(sizes, _unit(config.codec, config.block_size), segment)
     raw_size = _raw_size(config.codec, config.block_size, sizes)
     encoder = _SegmentEncoder(names, arrays, residual, config, segment)
-    frames = _map(encoder, plan, _threads(config.threads, raw_size))
+    bounds = [zstd.compress_bound(encoder.raw_bytes(pieces)) for pieces in plan]
+    # One buffer for the whole payload, allocated by NumPy (huge pages where the kernel
+    # offers them); each frame is compressed straight into it.
+    out = np.empty(sum(bounds), np.uint8)
+    threads = _threads(config.threads, raw_size)
+    if threads <= 1 or len(plan) <= 1:
+        frames, end = [], 0
+        for pieces, bound in zip(plan, bounds, strict=True):
+            frames.append(encoder(pieces, out[end : end + bound]))
+            end += frames[-1]
+    else:  # each frame into its own slot, then moved down to close the gaps
+        slots = list(accumulate(bounds, initial=0))
+        jobs = [(p, out[a:b]) for p, a, b in zip(plan, slots, slots[1:], strict=False)]
+        frames = _map(lambda job: encoder(*job), jobs, threads)
+        end = 0
+        for slot, size in zip(slots, frames, strict=False):
+            out[end : end + size] = out[slot : slot + size]  # overlap-safe; slot >= end
+            end += size
     description = {
         "version": FORMAT_VERSION,
         "codec": config.codec,
@@ -362,17 +384,19 @@ def encode(
         "segment": segment,
         "zstd_level": config.zstd_level,
         "raw_size": raw_size,
-        "frames": [len(f) for f in frames],
+        "frames": frames,
         "tensors": [
             [n, [int(d) for d in a.shape], _DTYPE] for n, a in zip(names, arrays, strict=True)
         ],
     }
-    return b"".join(frames), description, CodecState(residual if config.error_feedback else {})
+    out.setflags(write=False)
+    payload = memoryview(out)[:end]
+    return payload, description, CodecState(residual if config.error_feedback else {})
 
 
 def encode_tensors(
     tensors: Mapping[str, Any], codec: str = "int8", block_size: int = 256, zstd_level: int = 1
-) -> tuple[bytes, dict]:
+) -> tuple[memoryview, dict]:
     """Encode without error feedback; returns ``(payload, description)``. See :func:`encode`."""
     payload, description, _ = encode(tensors, CodecConfig(codec, block_size, zstd_level))
     return payload, description
@@ -414,21 +438,15 @@ class _SegmentEncoder:
         self.bits = BITS[config.codec]
         self.unit_bytes = _unit_bytes(config.codec, config.block_size)
         self.segment = segment
-        self.local = threading.local()
 
-    def _scratch(self) -> tuple[np.ndarray, zstandard.ZstdCompressor]:
-        local = self.local
-        if not hasattr(local, "raw"):
-            local.raw = np.empty(self.segment * self.unit_bytes, np.uint8)
-            local.zstd = zstandard.ZstdCompressor(
-                level=self.config.zstd_level, write_content_size=True, write_checksum=True
-            )
-        return local.raw, local.zstd
+    def raw_bytes(self, pieces: list[_Piece]) -> int:
+        """Uncompressed size of the segment made of ``pieces``."""
+        return (pieces[-1].first + pieces[-1].units) * self.unit_bytes
 
-    def __call__(self, pieces: list[_Piece]) -> bytes:
-        scratch, compressor = self._scratch()
+    def __call__(self, pieces: list[_Piece], dst: np.ndarray) -> int:
+        """Quantise the segment into scratch, compress it into ``dst``; return the size."""
+        raw = _scratch(self.raw_bytes(pieces))
         units = pieces[-1].first + pieces[-1].units
-        raw = scratch[: units * self.unit_bytes]
         codec, bs = self.config.codec, self.config.block_size
         if codec in BLOCK_CODECS:
             scales = raw[: 4 * units].view(_F32)
@@ -464,7 +482,7 @@ class _SegmentEncoder:
                     )
                 # The input was finite, so its sum with the error-feedback residual overflowed.
                 raise CodecError(f"tensor {name!r} plus its error-feedback residual overflows")
-        return compressor.compress(raw)
+        return zstd.Compressor.for_thread(self.config.zstd_level).compress_into(raw, dst)
 
 
 def _prepare(tensors: Any) -> tuple[list[str], list[np.ndarray]]:
@@ -673,7 +691,7 @@ class _SegmentDecoder:
         layout = self.layout
         first = index * layout.segment
         units = min(layout.segment, self.total_units - first)
-        raw = np.frombuffer(_decompress(frame, units * self.unit_bytes), np.uint8)
+        raw = _decompress(frame, _scratch(units * self.unit_bytes))
         out = self.values[first * self.unit : (first + units) * self.unit]
         if layout.codec == "fp32":
             bad = quant.decode_fp32(raw.view(_F32), out)
@@ -762,31 +780,35 @@ def _parse_tensor_entry(index: int, entry: Any) -> TensorSpec:
     return TensorSpec(name, tuple(int(d) for d in shape), dtype)
 
 
-def _decompressor() -> zstandard.ZstdDecompressor:
-    """This thread's zstd decompression context (contexts are not thread-safe)."""
-    context = getattr(_LOCAL, "dctx", None)
-    if context is None:
-        context = _LOCAL.dctx = zstandard.ZstdDecompressor()
-    return context
+def _scratch(nbytes: int) -> np.ndarray:
+    """``nbytes`` of this thread's reusable scratch (one segment's raw bytes).
+
+    Reusing it keeps its pages mapped and in cache; a segment larger than
+    ``_MAX_SCRATCH_BYTES`` (only a hostile description asks for one) gets its own buffer.
+    """
+    if nbytes > _MAX_SCRATCH_BYTES:
+        return np.empty(nbytes, np.uint8)
+    scratch = getattr(_LOCAL, "scratch", None)
+    if scratch is None or scratch.size < nbytes:
+        scratch = _LOCAL.scratch = np.empty(max(nbytes, 1 << 20), np.uint8)
+    return scratch[:nbytes]
 
 
-def _decompress(frame: memoryview, raw_size: int) -> bytes:
-    """Decompress exactly one zstd frame that must declare and hold ``raw_size`` bytes."""
+def _decompress(frame: memoryview, raw: np.ndarray) -> np.ndarray:
+    """Decompress exactly one zstd frame that must declare and hold ``raw.size`` bytes."""
     try:
-        declared = zstandard.frame_content_size(frame)
-    except zstandard.ZstdError as exc:
+        declared = zstd.frame_content_size(frame)
+    except zstd.ZstdError as exc:
         raise CodecError(f"payload frame is not a zstd frame: {exc}") from exc
-    # python-zstandard allocates whatever the frame header declares (ignoring
-    # max_output_size), so the header must be checked against the expected size first.
-    if declared != raw_size:
-        found = "no content size" if declared == -1 else f"{declared} bytes"
-        raise CodecError(f"zstd frame declares {found}; the description implies {raw_size}")
+    if declared != raw.size:
+        found = "no content size" if declared is None else f"{declared} bytes"
+        raise CodecError(f"zstd frame declares {found}; the description implies {raw.size}")
     if not zstandard.get_frame_parameters(frame).has_checksum:
         raise CodecError("zstd frame has no checksum; the encoder always writes one")
     try:
-        raw = _decompressor().decompress(frame, max_output_size=raw_size, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
+        size = zstd.decompress_into(frame, raw)
+    except zstd.ZstdError as exc:
         raise CodecError(f"payload frame failed to decompress: {exc}") from exc
-    if len(raw) != raw_size:
-        raise CodecError(f"payload frame decompressed to {len(raw)} bytes, expected {raw_size}")
+    if size != raw.size:
+        raise CodecError(f"payload frame decompressed to {size} bytes, expected {raw.size}")
     return raw

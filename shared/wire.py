@@ -98,7 +98,8 @@ class Envelope:
         train_loss: Mean training loss over those steps.
         codec: The description returned by :func:`shared.codec.encode_tensors`.
         sent_at: Unix time in seconds at which the message was sent.
-        payload: The compressed tensors.
+        payload: The compressed tensors (``bytes``, or the read-only ``memoryview`` that
+            :func:`shared.codec.encode` returns; unpacking always gives ``bytes``).
         model: Model size name, so the receiver can reject a mismatch.
     """
 
@@ -113,7 +114,7 @@ class Envelope:
     train_loss: float
     codec: dict
     sent_at: float
-    payload: bytes
+    payload: bytes | memoryview
     model: str = ""
 
 
@@ -175,8 +176,12 @@ def _validate(env: Envelope) -> None:
         )
     if not isinstance(env.codec, dict) or not all(isinstance(k, str) for k in env.codec):
         raise WireError(f"codec must be a dict with str keys, got {type(env.codec).__name__}")
-    if not isinstance(env.payload, bytes):
-        raise WireError(f"payload must be bytes, got {type(env.payload).__name__}")
+    if not isinstance(env.payload, bytes | memoryview):
+        raise WireError(f"payload must be bytes or memoryview, got {type(env.payload).__name__}")
+    if isinstance(env.payload, memoryview) and not (
+        env.payload.c_contiguous and env.payload.itemsize == 1
+    ):
+        raise WireError("a memoryview payload must be contiguous bytes (itemsize 1)")
     if not isinstance(env.model, str) or len(env.model) > _MAX_MODEL_LEN:
         raise WireError(f"model must be a str of at most {_MAX_MODEL_LEN} chars")
 

@@ -105,9 +105,11 @@ def _round_trip(codec: str, tensors: dict, block_size: int = 256) -> dict[str, n
 
 
 def _corruptible(codec: str = "int8") -> tuple[bytes, dict]:
+    """A small payload, as ``bytes`` so that tests can cut and splice it."""
     rng = np.random.default_rng(1)
     tensors = {"a": rng.standard_normal((7, 9)).astype(np.float32), "b": np.arange(5.0)}
-    return encode_tensors(tensors, codec, block_size=16)
+    payload, description = encode_tensors(tensors, codec, block_size=16)
+    return bytes(payload), description
 
 
 # --------------------------------------------------------------------------- round trips
@@ -238,8 +240,9 @@ def test_description_is_plain_and_self_describing() -> None:
         "raw_size": 2 * (4 + 128),
         "tensors": [["layer/b", [3], "float32"], ["layer/w", [2, 3], "float32"]],
     }
-    assert isinstance(payload, bytes)
+    assert isinstance(payload, memoryview) and payload.readonly and payload.c_contiguous
     assert len(frames) == 1 and frames == [len(payload)]
+    assert zstandard.ZstdDecompressor().decompress(bytes(payload))  # a standard zstd frame
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -630,7 +633,16 @@ def test_truncated_or_extended_payload_is_rejected(codec: str) -> None:
 def test_empty_payload_with_trailing_garbage_is_rejected() -> None:
     payload, description = encode_tensors({}, "int8")
     with pytest.raises(CodecError, match="payload has 4 bytes"):
-        decode_tensors(payload + b"junk", description)
+        decode_tensors(bytes(payload) + b"junk", description)
+
+
+def test_frame_with_a_second_frame_appended_is_rejected() -> None:
+    """One described frame must be exactly one zstd frame, not a valid one plus more."""
+    payload, description = _corruptible()
+    extra = zstandard.ZstdCompressor(write_checksum=True).compress(b"")
+    frames = description["frames"]
+    with pytest.raises(CodecError, match="follow the zstd frame"):
+        decode_tensors(payload + extra, _with(description, frames=[frames[0] + len(extra)]))
 
 
 def _with(description: dict, **changes: object) -> dict:

@@ -83,6 +83,19 @@ def test_round_trip_and_payload_decodes() -> None:
     assert decoded["w"].shape == (20, 30)
 
 
+def test_memoryview_payload_packs_like_bytes() -> None:
+    """The codec hands over a read-only memoryview; it goes on the wire as the same bin."""
+    view = make_envelope()
+    assert isinstance(view.payload, memoryview)
+    env = dataclasses.replace(view, payload=bytes(view.payload))
+    assert pack_envelope(view) == pack_envelope(env)
+    assert unpack_envelope(pack_envelope(view)).payload == env.payload
+    with pytest.raises(WireError, match="contiguous"):
+        pack_envelope(dataclasses.replace(env, payload=memoryview(env.payload * 2)[::2]))
+    with pytest.raises(WireError, match="contiguous"):
+        pack_envelope(dataclasses.replace(env, payload=memoryview(np.zeros(4, np.float32))))
+
+
 def test_params_envelope_and_default_model() -> None:
     env = make_envelope(kind="params", unit=-1, round=9, base_version=9, model="")
     assert unpack_envelope(pack_envelope(env)) == env
