@@ -1,0 +1,97 @@
+"""Sets of round numbers kept as sorted, merged ranges, for ledgers that must balance.
+
+A unit numbers its uploads 0, 1, 2, ... (per unit, never reused), so the rounds it has
+published, and those the outer has applied or rejected, are almost always a few contiguous
+runs. :class:`RoundSet` stores them as ``[[first, last], ...]`` (inclusive), which is small
+enough to go into every status record and checkpoint, and lets a test balance the books
+exactly: every round a unit published is applied once or rejected with a reason.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Iterator
+
+__all__ = ["RoundSet"]
+
+
+class RoundSet:
+    """A set of non-negative ints stored as disjoint, sorted, inclusive ranges."""
+
+    def __init__(self, ranges: Iterable[Iterable[int]] = ()) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        for pair in ranges:
+            first, last = (int(v) for v in pair)
+            self.add_range(first, last)
+
+    def add_range(self, first: int, last: int) -> None:
+        """Add every int in ``[first, last]``."""
+        if not 0 <= first <= last:
+            raise ValueError(
+                f"a range must be [first, last] with 0 <= first <= last, got {[first, last]}"
+            )
+        # Drop every range the new one overlaps or touches, and put their union in its place.
+        lo = bisect.bisect_left(self._ends, first - 1)
+        hi = bisect.bisect_right(self._starts, last + 1)
+        if lo < hi:
+            first = min(first, self._starts[lo])
+            last = max(last, self._ends[hi - 1])
+        self._starts[lo:hi] = [first]
+        self._ends[lo:hi] = [last]
+
+    def add(self, value: int) -> bool:
+        """Add ``value``; returns False if it was already there."""
+        if value < 0:
+            raise ValueError(f"rounds are non-negative, got {value}")
+        i = bisect.bisect_right(self._starts, value) - 1
+        if i >= 0 and self._ends[i] >= value:
+            return False
+        joins_left = i >= 0 and self._ends[i] == value - 1
+        joins_right = i + 1 < len(self._starts) and self._starts[i + 1] == value + 1
+        if joins_left and joins_right:
+            self._ends[i] = self._ends[i + 1]
+            del self._starts[i + 1], self._ends[i + 1]
+        elif joins_left:
+            self._ends[i] = value
+        elif joins_right:
+            self._starts[i + 1] = value
+        else:
+            self._starts.insert(i + 1, value)
+            self._ends.insert(i + 1, value)
+        return True
+
+    def __contains__(self, value: object) -> bool:
+        if not isinstance(value, int):
+            return False
+        i = bisect.bisect_right(self._starts, value) - 1
+        return i >= 0 and self._ends[i] >= value
+
+    def __len__(self) -> int:
+        return sum(e - s + 1 for s, e in zip(self._starts, self._ends, strict=True))
+
+    def __iter__(self) -> Iterator[int]:
+        for s, e in zip(self._starts, self._ends, strict=True):
+            yield from range(s, e + 1)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RoundSet) and self.ranges() == other.ranges()
+
+    def __repr__(self) -> str:
+        return f"RoundSet({self.ranges()})"
+
+    def max(self) -> int:
+        """The largest member, or -1 when empty."""
+        return self._ends[-1] if self._ends else -1
+
+    def ranges(self) -> list[list[int]]:
+        """``[[first, last], ...]``, sorted and merged (JSON-ready)."""
+        return [[s, e] for s, e in zip(self._starts, self._ends, strict=True)]
+
+    def issubset(self, other: RoundSet) -> bool:
+        """Whether every member is also in ``other``."""
+        for s, e in zip(self._starts, self._ends, strict=True):
+            i = bisect.bisect_right(other._starts, s) - 1
+            if i < 0 or other._ends[i] < e:
+                return False
+        return True

@@ -1,0 +1,47 @@
+"""shared.ledger.RoundSet against a plain set."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shared.ledger import RoundSet
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 200)),
+        st.tuples(st.just("range"), st.integers(0, 200), st.integers(0, 40)),
+    ),
+    max_size=80,
+)
+
+
+@given(ops)
+def test_behaves_like_a_set_and_stays_merged(operations) -> None:
+    reference: set[int] = set()
+    rounds = RoundSet()
+    for op in operations:
+        if op[0] == "add":
+            assert rounds.add(op[1]) == (op[1] not in reference)
+            reference.add(op[1])
+        else:
+            rounds.add_range(op[1], op[1] + op[2])
+            reference |= set(range(op[1], op[1] + op[2] + 1))
+    assert list(rounds) == sorted(reference) and len(rounds) == len(reference)
+    assert all((v in rounds) == (v in reference) for v in range(-1, 250))
+    assert rounds.max() == max(reference, default=-1)
+    ranges = rounds.ranges()
+    assert all(a[1] + 1 < b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert RoundSet(ranges) == rounds
+    odd = RoundSet([[v, v] for v in reference if v % 2])
+    assert odd.issubset(rounds)
+    assert not RoundSet([[300, 300]]).issubset(rounds)
+
+
+def test_bad_ranges_are_refused() -> None:
+    for bad in ([-1, 3], [5, 4]):
+        with pytest.raises(ValueError, match="range"):
+            RoundSet([bad])
+    with pytest.raises(ValueError, match="non-negative"):
+        RoundSet().add(-1)
