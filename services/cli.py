@@ -30,6 +30,9 @@ from shared.settings import (
 
 log = logging.getLogger("diloco")
 
+# Exit status of an outer that lost its lease to another outer (EX_TEMPFAIL: start it again).
+EXIT_LEASE_LOST = 75
+
 
 def _settings(cls, args: argparse.Namespace):
     """Settings of one command from its flags, the environment and the config file."""
@@ -64,6 +67,7 @@ def _cmd_learner(args: argparse.Namespace) -> int:
 
 
 def _cmd_outer(args: argparse.Namespace) -> int:
+    from services.outer.lease import LeaseLost
     from services.outer.service import OuterService
     from services.outer.settings import OuterSettings
 
@@ -77,7 +81,12 @@ def _cmd_outer(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await OuterService(settings, stop).run()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except LeaseLost as lost:
+        # Another outer leads the job now; exit so a supervisor restarts this one as a standby.
+        print(f"outer: {lost}", file=sys.stderr)
+        return EXIT_LEASE_LOST
     return 0
 
 

@@ -9,9 +9,12 @@ Layout for a job ``J``::
     diloco.J.params.<p>.head       stream DILOCO_PARAMS  pointer to fragment p's newest version
     diloco.J.params.<p>.chunk.<i>  stream DILOCO_PARAMS  chunk i of fragment p's newest params
     diloco.J.dead                  stream DILOCO_DEAD    rejected messages with the reason
+    diloco.J.ckpt.e<E>.<s>.chunk.<i>  stream DILOCO_CKPT  chunk i of the outer's checkpoint in
+                                   slot s (0/1) of leadership epoch E
     KV diloco_desired  J.<unit>    desired unit state, written by the gateway
     KV diloco_status   J.unit.<u>  heartbeat + status of a learner unit
     KV diloco_status   J.outer     heartbeat + status of the outer optimizer
+    KV diloco_outer    J           the outer's leader lease + committed checkpoint pointer
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ from __future__ import annotations
 GRADS_STREAM = "DILOCO_GRADS"
 PARAMS_STREAM = "DILOCO_PARAMS"
 DEAD_STREAM = "DILOCO_DEAD"
+CKPT_STREAM = "DILOCO_CKPT"
 DESIRED_BUCKET = "diloco_desired"
 STATUS_BUCKET = "diloco_status"
+OUTER_BUCKET = "diloco_outer"
 
 GRADS_ALL = "diloco.*.grads.>"
 PARAMS_ALL = "diloco.*.params.>"
 DEAD_ALL = "diloco.*.dead"
+CKPT_ALL = "diloco.*.ckpt.>"
 
 
 def grads_subject(job: str, unit: int) -> str:
@@ -71,3 +77,37 @@ def unit_status_key(job: str, unit: int) -> str:
 def outer_status_key(job: str) -> str:
     """KV key (bucket STATUS_BUCKET) of the outer optimizer's heartbeat and status."""
     return f"{job}.outer"
+
+
+def checkpoint_chunk_subject(job: str, epoch: int, slot: int, index: int) -> str:
+    """Subject of chunk ``index`` of the outer checkpoint in ``slot`` of leadership ``epoch``."""
+    return f"diloco.{job}.ckpt.e{epoch}.{slot}.chunk.{index}"
+
+
+def checkpoint_filter(job: str) -> str:
+    """Subject filter covering every checkpoint chunk of a job."""
+    return f"diloco.{job}.ckpt.>"
+
+
+def checkpoint_epoch_filter(job: str, epoch: int) -> str:
+    """Subject filter covering the checkpoint chunks of one leadership epoch."""
+    return f"diloco.{job}.ckpt.e{epoch}.>"
+
+
+def checkpoint_epoch(subject: str) -> int | None:
+    """The leadership epoch of a checkpoint chunk subject (None for any other subject)."""
+    parts = subject.split(".")
+    if len(parts) != 7 or parts[2] != "ckpt" or not parts[3].startswith("e"):
+        return None
+    return int(parts[3][1:]) if parts[3][1:].isdigit() else None
+
+
+def outer_standby_key(job: str, holder: str) -> str:
+    """KV key (bucket STATUS_BUCKET) of a standby outer's status (one per standby process)."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in holder)
+    return f"{job}.outer_standby.{safe}"
+
+
+def lease_key(job: str) -> str:
+    """KV key (bucket OUTER_BUCKET) of a job's outer lease and checkpoint pointer."""
+    return job

@@ -139,6 +139,14 @@ async def ensure_streams(js: JetStreamContext) -> None:
             discard=DiscardPolicy.OLD,
         ),
         StreamConfig(
+            name=subjects.CKPT_STREAM,
+            subjects=[subjects.CKPT_ALL],
+            storage=StorageType.FILE,
+            max_msgs_per_subject=1,
+            allow_direct=True,
+            discard=DiscardPolicy.OLD,
+        ),
+        StreamConfig(
             name=subjects.DEAD_STREAM,
             subjects=[subjects.DEAD_ALL],
             storage=StorageType.FILE,
@@ -158,6 +166,7 @@ async def ensure_streams(js: JetStreamContext) -> None:
     await js.create_key_value(
         KeyValueConfig(bucket=subjects.STATUS_BUCKET, history=1, ttl=STATUS_TTL_S, direct=True)
     )
+    await js.create_key_value(KeyValueConfig(bucket=subjects.OUTER_BUCKET, history=1, direct=True))
 
 
 async def publish_blob(
@@ -216,18 +225,34 @@ async def publish_blob(
 
 
 async def publish_params(
-    js: JetStreamContext, job: str, fragment: int, version: int, blob: bytes, chunk_size: int
+    js: JetStreamContext,
+    job: str,
+    fragment: int,
+    version: int,
+    blob: bytes,
+    chunk_size: int,
+    params_crc: int | None = None,
 ) -> None:
     """Publish a fragment's global params: chunks first, then the head that points at them.
 
     The params stream keeps one message per subject, so the newest version replaces the old one
-    and a unit that starts late reads the newest (last-value semantics).
+    and a unit that starts late reads the newest (last-value semantics). ``params_crc`` (the
+    CRC-32 of the encoded params) goes into the head, so that anyone can check that a version
+    number always stands for the same params, however often it is announced.
     """
     upload = upload_id(job, -1, version, fragment)
     count = await publish_blob(
         js, lambda i: subjects.params_chunk_subject(job, fragment, i), blob, upload, chunk_size
     )
-    head = json.dumps({"version": version, "upload": upload, "chunks": count, "size": len(blob)})
+    head = json.dumps(
+        {
+            "version": version,
+            "upload": upload,
+            "chunks": count,
+            "size": len(blob),
+            "params_crc": params_crc,
+        }
+    )
     await js.publish(
         subjects.params_head_subject(job, fragment),
         head.encode(),
@@ -312,15 +337,38 @@ async def get_json(kv: Any, key: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-async def dead_letter(
-    js: JetStreamContext, job: str, reason: str, headers: dict[str, str] | None, size: int
-) -> None:
-    """Record a rejected message on the job's dead-letter subject (best effort, never raises)."""
-    record = {"reason": reason, "headers": headers or {}, "size": size, "time": time.time()}
-    try:
-        await js.publish(subjects.dead_letter_subject(job), json.dumps(record).encode(), timeout=5)
-    except (TimeoutError, nats.errors.Error) as err:
-        log.warning("could not record dead letter (%s): %s", reason, err)
+HEADER_REASON = "Diloco-Reason"
+HEADER_SUBJECT = "Diloco-Subject"
+
+
+async def dead_letter(js: JetStreamContext, job: str, reason: str, msg: Any) -> None:
+    """Copy a rejected message to the job's dead-letter subject, with the reason in a header.
+
+    The copy keeps the original data and headers and adds ``Diloco-Reason`` and
+    ``Diloco-Subject``; its ``Nats-Msg-Id`` is derived from the original's, so a copy made
+    again after a crash is deduplicated.
+
+    Raises:
+        TimeoutError, nats.errors.Error: when it cannot be stored (the caller retries later,
+            since the original is only terminated after its copy is stored).
+    """
+    headers = {k: v for k, v in (msg.headers or {}).items() if isinstance(v, str)}
+    original_id = headers.get("Nats-Msg-Id")
+    if original_id is None:
+        try:
+            original_id = f"seq:{msg.metadata.sequence.stream}"
+        except (AttributeError, ValueError):
+            original_id = f"seq:{id(msg)}"
+    headers.update(
+        {
+            HEADER_REASON: reason[:1000].replace("\r", " ").replace("\n", " "),
+            HEADER_SUBJECT: msg.subject,
+            "Nats-Msg-Id": f"dead:{original_id}",
+        }
+    )
+    await js.publish(
+        subjects.dead_letter_subject(job), msg.data, headers=headers, timeout=PUBLISH_TIMEOUT_S
+    )
 
 
 __all__ = [

@@ -369,6 +369,27 @@ def upload_id(job: str, unit: int, round: int, fragment: int) -> str:
     return f"{job}.u{unit}.r{round}.f{fragment}"
 
 
+_UPLOAD_ID_RE = re.compile(
+    r"(?P<job>[A-Za-z0-9][A-Za-z0-9_-]{0,63})\.u(?P<unit>-1|0|[1-9][0-9]{0,18})"
+    r"\.r(?P<round>0|[1-9][0-9]{0,18})\.f(?P<fragment>0|[1-9][0-9]{0,18})"
+)
+
+
+def parse_upload_id(upload: str) -> tuple[str, int, int, int]:
+    """Invert :func:`upload_id`: ``(job, unit, round, fragment)``.
+
+    Raises:
+        WireError: if ``upload`` is not an id :func:`upload_id` could have made.
+    """
+    match = _UPLOAD_ID_RE.fullmatch(upload) if isinstance(upload, str) else None
+    if match is None:
+        raise WireError(f"not an upload id: {upload!r:.100}")
+    unit, round_, fragment = (int(match[k]) for k in ("unit", "round", "fragment"))
+    if max(unit, round_, fragment) > _MAX_COUNTER:
+        raise WireError(f"upload id counters out of range: {upload!r:.100}")
+    return match["job"], unit, round_, fragment
+
+
 @dataclass(frozen=True)
 class ChunkInfo:
     """Where one chunk belongs.

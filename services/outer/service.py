@@ -8,8 +8,15 @@ Protocol per fetched batch of chunk messages (docs/ARCHITECTURE.md, "life of a p
    and counted by reason;
 3. offer each good one to ``OuterCore``, whose merge policy decides when a fragment is merged
    (every arrival alone, or a quorum plus an adaptive grace window);
-4. for every merged fragment, publish its new global params (the durable commit point), and only
-   then ack the chunks of every upload that went into it.
+4. commit a checkpoint of the whole outer state (``checkpoint.py``; fenced by the leader lease,
+   ``lease.py``), then publish the new global params of every merged fragment, then ack the
+   chunks of every upload that went into a merge and terminate (after copying them to the
+   dead-letter subject) those of every rejected upload.
+
+So a message is acknowledged only once what it changed is durable, and a restarted outer
+resumes from the last commit: uploads applied before it are recognised by (unit, round) and
+acknowledged without being applied again; everything after it is redelivered and applied once.
+docs/RELIABILITY.md lists the guarantees and how each is tested.
 """
 
 from __future__ import annotations
@@ -20,18 +27,23 @@ import contextlib
 import logging
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import nats.errors
+import nats.js.errors
 import numpy as np
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
+from services.outer import checkpoint
 from services.outer.core import MergeResult, OuterCore, Rejected
+from services.outer.lease import Lease, LeaseLost, new_holder_id
 from services.outer.policy import Arrival
 from services.outer.settings import OuterSettings
 from shared import codec, data, evaluation, model, pytree, subjects, transport, wire
+from shared.ledger import RoundSet
 from shared.runtime import configure_jax
 from shared.transport import TransportError
 
@@ -54,11 +66,13 @@ class UnitLedger:
 
 @dataclass
 class OuterLedger:
-    """Counters for the status record (and for balancing the books)."""
+    """Counters for the status record, saved in every checkpoint, so that the books balance:
+    every upload received is applied exactly once (``applied_rounds``) or rejected with a
+    reason (``rejected``, ``rejected_rounds``)."""
 
     applied: int = 0
     merges: int = 0
-    deduplicated: int = 0
+    deduplicated: int = 0  # redelivered chunk messages of uploads applied before
     tokens_applied: int = 0
     rejected: collections.Counter[str] = field(default_factory=collections.Counter)
     units: dict[int, UnitLedger] = field(default_factory=dict)
@@ -66,23 +80,80 @@ class OuterLedger:
     # Accepted uploads by the codec named in their description, and their compressed bytes.
     codecs: collections.Counter[str] = field(default_factory=collections.Counter)
     payload_bytes: int = 0
+    # Per unit, the rounds applied and the rounds rejected (also the deduplication set).
+    applied_rounds: dict[int, RoundSet] = field(default_factory=dict)
+    rejected_rounds: dict[int, RoundSet] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (checkpoints)."""
+        return {
+            "applied": self.applied,
+            "merges": self.merges,
+            "deduplicated": self.deduplicated,
+            "tokens_applied": self.tokens_applied,
+            "rejected": dict(self.rejected),
+            "units": {str(u): vars(stats) for u, stats in self.units.items()},
+            "staleness": {str(k): v for k, v in self.staleness.items()},
+            "codecs": dict(self.codecs),
+            "payload_bytes": self.payload_bytes,
+            "applied_rounds": {str(u): r.ranges() for u, r in self.applied_rounds.items()},
+            "rejected_rounds": {str(u): r.ranges() for u, r in self.rejected_rounds.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, value: dict[str, Any]) -> OuterLedger:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            applied=int(value["applied"]),
+            merges=int(value["merges"]),
+            deduplicated=int(value["deduplicated"]),
+            tokens_applied=int(value["tokens_applied"]),
+            rejected=collections.Counter({str(k): int(v) for k, v in value["rejected"].items()}),
+            units={int(u): UnitLedger(**stats) for u, stats in value["units"].items()},
+            staleness=collections.Counter({int(k): int(v) for k, v in value["staleness"].items()}),
+            codecs=collections.Counter({str(k): int(v) for k, v in value["codecs"].items()}),
+            payload_bytes=int(value["payload_bytes"]),
+            applied_rounds={int(u): RoundSet(r) for u, r in value["applied_rounds"].items()},
+            rejected_rounds={int(u): RoundSet(r) for u, r in value["rejected_rounds"].items()},
+        )
+
+    def is_done(self, unit: int, round_: int) -> str | None:
+        """``"applied"`` or ``"rejected"`` if this upload was dealt with already, else None."""
+        if round_ in self.applied_rounds.get(unit, ()):
+            return "applied"
+        if round_ in self.rejected_rounds.get(unit, ()):
+            return "rejected"
+        return None
 
 
 class OuterService:
-    """One job's outer optimizer, run with :meth:`run` until ``stop`` is set."""
+    """One job's outer optimizer, run with :meth:`run` until ``stop`` is set.
+
+    Raises :class:`LeaseLost` from :meth:`run` if another outer took over the job.
+    """
 
     def __init__(self, settings: OuterSettings, stop: asyncio.Event) -> None:
         self.settings = settings
         self.stop = stop
         self.ledger = OuterLedger()
         self.accepted_uploads: set[str] = set()
-        self.applied_uploads: set[str] = set()
         self.rejected_uploads: set[str] = set()
         self._evictions_seen = 0
         self.eval_init: dict[str, Any] | None = None
         self.eval_last: dict[str, Any] | None = None
         self.eval_history: list[list[float]] = []
         self.state_name = "starting"
+        self.holder = new_holder_id()
+        self.lease: Lease | None = None
+        self.leader_seen = ""
+        self.lost: LeaseLost | None = None
+        self.restored_from: dict[str, Any] = {"kind": "new"}
+        self.checkpoints = 0
+        self.last_checkpoint: dict[str, Any] | None = None
+        self._checkpoint_seq = 0
+        self._dirty = False
+        # Rejected uploads whose messages are terminated once the rejection is committed.
+        self._to_terminate: list[tuple[list[Any], str]] = []
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -114,14 +185,41 @@ class OuterService:
     def max_params_bytes(self) -> int:
         return 2 * self.param_bytes + (1 << 20)
 
-    async def _restore_or_publish_initial(self, js: Any) -> None:
-        """Continue each fragment from its newest published version (versions only go up)."""
+    @property
+    def max_checkpoint_bytes(self) -> int:
+        # Params plus up to three optimizer buffers of the same size, plus the ledger.
+        return 4 * self.param_bytes + (64 << 20)
+
+    async def _restore(self, js: Any, store: checkpoint.CheckpointStore) -> None:
+        """Continue from the committed checkpoint; without one (a new job, or state written
+        by a release before checkpoints), from the newest published params, else version 0."""
+        assert self.lease is not None
+        if self.lease.pointer is not None:
+            pointer = checkpoint.Pointer.from_dict(self.lease.pointer)
+            snapshot = checkpoint.loads(await store.read(pointer))
+            if snapshot.job != self.settings.job or snapshot.model != self.settings.model:
+                raise SystemExit(
+                    f"job {self.settings.job} has a checkpoint of model {snapshot.model!r}, "
+                    f"not {self.settings.model!r}: use another --job or the same --model"
+                )
+            self.core.import_state(snapshot.versions, snapshot.params, snapshot.opt_leaves)
+            self.ledger = OuterLedger.from_dict(snapshot.ledger)
+            self.eval_init = snapshot.evaluation.get("init")
+            self.eval_last = snapshot.evaluation.get("last")
+            self.eval_history = list(snapshot.evaluation.get("history", []))
+            self._checkpoint_seq = int(pointer.id.rsplit(".s", 1)[-1])
+            self.restored_from = {
+                "kind": "checkpoint",
+                "id": pointer.id,
+                "versions": pointer.versions,
+            }
+            log.info("restored checkpoint %s (versions %s)", pointer.id, pointer.versions)
+            return
         for fragment in range(self.core.plan.count):
             fetched = await transport.read_latest_params(
                 js, self.settings.job, fragment, self.max_params_bytes
             )
             if fetched is None:
-                await self._publish(js, fragment)
                 continue
             version, blob = fetched
             envelope = wire.unpack_envelope(blob, max_size=self.max_params_bytes)
@@ -133,10 +231,25 @@ class OuterService:
             pieces = codec.decode_tensors(envelope.payload, envelope.codec)
             self.core.restore(fragment, version, pieces)
             self.ledger.tokens_applied = max(self.ledger.tokens_applied, envelope.tokens)
-            log.info("fragment %d continues from published version %d", fragment, version)
+            self.restored_from = {"kind": "params", "versions": self.core_versions()}
+            log.warning(
+                "fragment %d continues from published version %d without a checkpoint "
+                "(outer momentum restarts from zero)",
+                fragment,
+                version,
+            )
+        self._dirty = True  # the first checkpoint of this job is written right away
+
+    def core_versions(self) -> list[int]:
+        return [self.core.version(p) for p in range(self.core.plan.count)]
 
     async def subscribe(self, js: Any) -> Any:
-        """Create or update the durable consumer and bind to it."""
+        """(Re)create the durable consumer and bind to it.
+
+        The consumer is deleted first, so that everything still in the work-queue stream
+        (uploads a crashed outer had received but not acknowledged) is delivered again now,
+        not when its ack wait runs out. Only the lease holder does this.
+        """
         durable = subjects.outer_consumer(self.settings.job)
         config = ConsumerConfig(
             durable_name=durable,
@@ -147,14 +260,20 @@ class OuterService:
             max_deliver=-1,
             max_ack_pending=100_000,
         )
-        # add_consumer creates or updates (pull_subscribe would silently keep an old config).
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            await js.delete_consumer(subjects.GRADS_STREAM, durable)
         await js.add_consumer(subjects.GRADS_STREAM, config)
         return await js.pull_subscribe_bind(durable=durable, stream=subjects.GRADS_STREAM)
 
     # ---- main loop -------------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
-        """Serve until ``stop`` is set; returns the final status record."""
+        """Serve until ``stop`` is set; returns the final status record.
+
+        Raises:
+            LeaseLost: another outer took over this job (this one must exit; its supervisor
+                restarts it as a standby).
+        """
         await asyncio.get_running_loop().run_in_executor(None, self.build_math)
         nc = await transport.connect_with_retry(
             self.settings, f"outer-{self.settings.job}", stopping=self.stop.is_set
@@ -162,53 +281,178 @@ class OuterService:
         if nc is None:
             return self.status_record()
         js = nc.jetstream()
-        await transport.ensure_streams(js)
+        await self._retry(lambda: transport.ensure_streams(js), "create streams")
         status_kv = await js.key_value(subjects.STATUS_BUCKET)
-        await self._restore_or_publish_initial(js)
-        self.eval_init = await self._evaluate()
-        self.eval_last = self.eval_init
-        sub = await self.subscribe(js)
-        self.state_name = "running"
+        outer_kv = await js.key_value(subjects.OUTER_BUCKET)
+        self.state_name = "standby"
         heartbeat = asyncio.create_task(self._heartbeat(status_kv))
+        tasks = [heartbeat]
+        self.lease = Lease(
+            outer_kv, subjects.lease_key(self.settings.job), self.holder, self.settings.lease_s
+        )
+        try:
+            if not await self.lease.acquire(self.stop.is_set, self._on_standby):
+                return self.status_record()
+            log.info(
+                "outer %s leads job %s (epoch %d)", self.holder, self.settings.job, self.lease.epoch
+            )
+            self.state_name = "restoring"
+            tasks.append(asyncio.create_task(self.lease.keep_alive(self._on_lease_lost)))
+            store = checkpoint.CheckpointStore(
+                js, self.settings.job, transport.chunk_size_for(nc), self.max_checkpoint_bytes
+            )
+            await self._restore(js, store)
+            if self._dirty:
+                await self._commit(store)
+            with contextlib.suppress(TimeoutError, nats.errors.Error):
+                await store.purge_epochs_before(self.lease.epoch)
+            for fragment in range(self.core.plan.count):
+                # Announce the committed versions (a crash may have come between commit and
+                # publish); a version is always announced with the same params.
+                await self._publish_until_done(js, fragment)
+            if self.eval_init is None:
+                self.eval_init = await self._evaluate()
+                self.eval_last = self.eval_init
+            sub = await self._retry(lambda: self.subscribe(js), "subscribe")
+            self.state_name = "running"
+            await self._serve(js, sub, store)
+        finally:
+            if self.lost is None and self.state_name == "running":
+                self.state_name = "stopped"
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                if self.lost is None and self.lease is not None and self.lease.revision:
+                    await self.lease.release()
+                await transport.put_status(status_kv, self._status_key(), self.status_record())
+                await asyncio.wait_for(nc.close(), timeout=5)
+            except (TimeoutError, nats.errors.Error) as err:
+                log.warning("closing NATS: %s", err)
+        if self.lost is not None:
+            raise self.lost
+        return self.status_record()
+
+    async def _serve(self, js: Any, sub: Any, store: checkpoint.CheckpointStore) -> None:
         reassembler = wire.Reassembler(
             max_upload_bytes=self.settings.max_upload_bytes,
             max_pending_uploads=self.settings.max_pending_uploads,
         )
         chunk_msgs: dict[str, list[Any]] = collections.defaultdict(list)
         last_eval = time.monotonic()
-        try:
-            while not self.stop.is_set():
-                deadline = self.core.next_deadline()
-                wait_s = (
-                    1.0 if deadline is None else min(1.0, max(0.05, deadline - time.monotonic()))
-                )
-                try:
-                    msgs = await sub.fetch(self.settings.fetch_batch, timeout=wait_s)
-                except (TimeoutError, nats.errors.TimeoutError):
-                    msgs = []
-                except nats.errors.Error as err:
-                    log.info("fetch: %r", err)
-                    await asyncio.sleep(0.5)
-                    continue
-                await self.process(js, msgs, reassembler, chunk_msgs)
-                await self.merge_due(js, time.monotonic())
-                idle = not msgs
-                due = time.monotonic() - last_eval >= self.settings.eval_every_s
-                if self.eval_last["version"] != self.core.total_version and (idle or due):
-                    self.eval_last = await self._evaluate()
-                    last_eval = time.monotonic()
-        finally:
-            self.state_name = "stopped"
-            heartbeat.cancel()
-            await asyncio.gather(heartbeat, return_exceptions=True)
+        while not self.stop.is_set() and self.lost is None:
+            deadline = self.core.next_deadline()
+            wait_s = 1.0 if deadline is None else min(1.0, max(0.05, deadline - time.monotonic()))
             try:
-                await transport.put_status(
-                    status_kv, subjects.outer_status_key(self.settings.job), self.status_record()
+                msgs = await sub.fetch(self.settings.fetch_batch, timeout=wait_s)
+            except (TimeoutError, nats.errors.TimeoutError):
+                msgs = []
+            except nats.errors.Error as err:
+                log.info("fetch: %r", err)
+                await asyncio.sleep(0.5)
+                continue
+            await self.process(js, msgs, reassembler, chunk_msgs)
+            results = self.merge_due(time.monotonic())
+            if self._dirty and not await self._commit(store):
+                return  # stopping: nothing acknowledged, JetStream redelivers to the next outer
+            for fragment in sorted({r.fragment for r in results}):
+                if not await self._publish_until_done(js, fragment):
+                    return
+            for result in results:
+                for arrival in result.arrivals:
+                    for msg in arrival.context[0]:
+                        with contextlib.suppress(nats.errors.Error):
+                            await msg.ack()
+            await self._terminate_rejected(js)
+            idle = not msgs
+            due = time.monotonic() - last_eval >= self.settings.eval_every_s
+            if self.eval_last["version"] != self.core.total_version and (idle or due):
+                self.eval_last = await self._evaluate()
+                last_eval = time.monotonic()
+                self._dirty = True  # the evaluation record goes into the next checkpoint
+
+    async def _retry(self, make_call: Any, what: str) -> Any:
+        backoff = 0.2
+        while True:
+            try:
+                return await make_call()
+            except (TimeoutError, nats.errors.Error, TransportError) as err:
+                if self.stop.is_set():
+                    raise
+                log.warning("%s failed (%r); retrying in %.1fs", what, err, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    def _on_standby(self, holder: str) -> None:
+        if holder != self.leader_seen:
+            log.info("standing by: job %s is led by %s", self.settings.job, holder)
+        self.leader_seen = holder
+
+    def _on_lease_lost(self, lost: LeaseLost) -> None:
+        log.error("%s: stopping at once", lost)
+        self.lost = lost
+        self.state_name = "deposed"
+
+    # ---- checkpoints -----------------------------------------------------------------------
+
+    def snapshot(self) -> checkpoint.OuterSnapshot:
+        """The whole outer state as it stands (merge buffers aside: see ``checkpoint.py``)."""
+        versions, params, leaves = self.core.export_state()
+        return checkpoint.OuterSnapshot(
+            job=self.settings.job,
+            model=self.settings.model,
+            versions=versions,
+            params=params,
+            opt_leaves=leaves,
+            ledger=self.ledger.to_dict(),
+            evaluation={
+                "init": self.eval_init,
+                "last": self.eval_last,
+                "history": self.eval_history,
+            },
+        )
+
+    async def _commit(self, store: checkpoint.CheckpointStore) -> bool:
+        """Write a checkpoint and commit it through the lease; False if stopping first.
+
+        Raises:
+            LeaseLost: another outer leads the job now; nothing was committed.
+        """
+        assert self.lease is not None
+        started = time.monotonic()
+        blob = checkpoint.dumps(self.snapshot())
+        previous = self.lease.pointer
+        slot = (
+            1 - int(previous["slot"]) if previous and previous["epoch"] == self.lease.epoch else 0
+        )
+        self._checkpoint_seq += 1
+        versions = self.core_versions()
+        while True:
+            try:
+                pointer = await store.write(
+                    blob, self.lease.epoch, self._checkpoint_seq, slot, versions
                 )
-                await asyncio.wait_for(nc.close(), timeout=5)
-            except (TimeoutError, nats.errors.Error) as err:
-                log.warning("closing NATS: %s", err)
-        return self.status_record()
+                break
+            except (TransportError, TimeoutError, nats.errors.Error) as err:
+                if self.stop.is_set():
+                    log.warning("stopping before checkpoint %d was written", self._checkpoint_seq)
+                    return False
+                log.warning("writing checkpoint failed (%s); retrying", err)
+                await asyncio.sleep(0.5)
+        try:
+            await self.lease.commit(pointer.to_dict())
+        except LeaseLost as lost:
+            self._on_lease_lost(lost)
+            raise
+        self._dirty = False
+        self.checkpoints += 1
+        self.last_checkpoint = {
+            "id": pointer.id,
+            "bytes": pointer.size,
+            "versions": versions,
+            "seconds": round(time.monotonic() - started, 4),
+        }
+        return True
 
     async def process(
         self,
@@ -222,30 +466,35 @@ class OuterService:
             try:
                 info = wire.parse_chunk_headers(msg.headers)
             except wire.WireError as err:
-                await self._reject(js, [msg], Rejected("bad_chunk_header", str(err)))
+                self._reject([msg], Rejected("bad_chunk_header", str(err)), None)
                 continue
-            if info.upload in self.applied_uploads:
+            done = self._done(info.upload)
+            if done == "applied":
+                # Applied and committed before (a redelivery after a crash, or a retry).
                 self.ledger.deduplicated += 1
-                await msg.ack()
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.ack()
+                continue
+            if done == "rejected" or info.upload in self.rejected_uploads:
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.term()
                 continue
             if info.upload in self.accepted_uploads:
                 continue  # a redelivery of an upload still buffered: acked when it is merged
-            if info.upload in self.rejected_uploads:
-                await msg.term()
-                continue
             chunk_msgs[info.upload].append(msg)
             try:
                 blob = reassembler.add(info, msg.data)
             except wire.WireError as err:
                 reassembler.discard(info.upload)
-                self.rejected_uploads.add(info.upload)
-                await self._reject(js, chunk_msgs.pop(info.upload), Rejected("bad_chunk", str(err)))
+                self._reject(
+                    chunk_msgs.pop(info.upload), Rejected("bad_chunk", str(err)), info.upload
+                )
                 continue
             for evicted in self._drain_evicted(reassembler):
-                await self._reject(
-                    js,
+                self._reject(
                     chunk_msgs.pop(evicted, []),
                     Rejected("incomplete_upload", f"{evicted} evicted before completion"),
+                    evicted,
                 )
             if blob is None:
                 continue
@@ -253,8 +502,17 @@ class OuterService:
             try:
                 self._accept(info.upload, msg.subject, blob, upload_msgs)
             except Rejected as rejected:
-                self.rejected_uploads.add(info.upload)
-                await self._reject(js, upload_msgs, rejected)
+                self._reject(upload_msgs, rejected, info.upload)
+
+    def _done(self, upload: str) -> str | None:
+        """Whether an upload of this job was applied or rejected before (by id)."""
+        try:
+            job, unit, round_, _ = wire.parse_upload_id(upload)
+        except wire.WireError:
+            return None
+        if job != self.settings.job:
+            return None
+        return self.ledger.is_done(unit, round_)
 
     def _drain_evicted(self, reassembler: wire.Reassembler) -> list[str]:
         """Uploads the reassembler evicted since the last call (to terminate their chunks)."""
@@ -321,31 +579,30 @@ class OuterService:
         self.core.offer(envelope.fragment, arrival)
         self.accepted_uploads.add(upload)
 
-    async def merge_due(self, js: Any, now: float) -> list[MergeResult]:
-        """Merge every fragment whose policy says so, publish, then ack what went in."""
+    def merge_due(self, now: float) -> list[MergeResult]:
+        """Merge every fragment whose policy says so and record it in the ledger.
+
+        Nothing is published or acknowledged here: that follows the next commit.
+        """
         results = []
         while due := self.core.due(now):
             results += [self.core.merge(fragment) for fragment in due]
         for result in results:
             self._record(result)
-            if not await self._publish_until_done(js, result.fragment):
-                return results  # stopping: not acked, so JetStream redelivers to the next outer
-            for arrival in result.arrivals:
-                for msg in arrival.context[0]:
-                    await msg.ack()
         return results
 
     def _record(self, result: MergeResult) -> None:
+        self._dirty = True
         self.ledger.merges += 1
         for arrival, staleness in zip(result.arrivals, result.staleness, strict=True):
-            self.applied_uploads.add(arrival.upload)
+            self.ledger.applied_rounds.setdefault(arrival.unit, RoundSet()).add(arrival.round)
             self.accepted_uploads.discard(arrival.upload)
             self.ledger.applied += 1
             self.ledger.tokens_applied += arrival.tokens
             self.ledger.staleness[staleness] += 1
             unit = self.ledger.units.setdefault(arrival.unit, UnitLedger())
             unit.applied += 1
-            unit.last_round = arrival.round
+            unit.last_round = max(unit.last_round, arrival.round)
             unit.last_staleness = staleness
             unit.tokens += arrival.tokens
             unit.last_train_loss = arrival.context[1]
@@ -389,19 +646,37 @@ class OuterService:
             version,
             wire.pack_envelope(envelope),
             transport.chunk_size_for(js._nc),
+            params_crc=zlib.crc32(payload),
         )
 
-    async def _reject(self, js: Any, msgs: list[Any], rejected: Rejected) -> None:
-        """Terminate a bad upload's messages, record the reason, keep going."""
+    def _reject(self, msgs: list[Any], rejected: Rejected, upload: str | None) -> None:
+        """Count a bad upload (or chunk) by reason; its messages are copied to the dead-letter
+        subject and terminated (never redelivered) after the next commit."""
+        self._dirty = True
         self.ledger.rejected[rejected.reason] += 1
         log.warning("rejected upload: %s", rejected)
-        headers = dict(msgs[0].headers or {}) if msgs else {}
-        await transport.dead_letter(
-            js, self.settings.job, str(rejected), headers, sum(len(m.data) for m in msgs)
-        )
-        for msg in msgs:
-            with contextlib.suppress(nats.errors.Error):
-                await msg.term()
+        if upload is not None:
+            self.rejected_uploads.add(upload)
+            with contextlib.suppress(wire.WireError):
+                job, unit, round_, _ = wire.parse_upload_id(upload)
+                if job == self.settings.job and unit >= 0:
+                    self.ledger.rejected_rounds.setdefault(unit, RoundSet()).add(round_)
+        self._to_terminate.append((msgs, str(rejected)))
+
+    async def _terminate_rejected(self, js: Any) -> None:
+        """Copy committed rejections to the dead-letter subject, then terminate them."""
+        while self._to_terminate:
+            msgs, reason = self._to_terminate[0]
+            for msg in msgs:
+                try:
+                    await transport.dead_letter(js, self.settings.job, reason, msg)
+                except (TimeoutError, nats.errors.Error) as err:
+                    log.warning("dead-letter copy failed (%r); will retry", err)
+                    return  # not terminated: retried after the next fetch
+            for msg in msgs:
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.term()
+            self._to_terminate.pop(0)
 
     async def _evaluate(self) -> dict[str, Any]:
         params = pytree.unflatten_named(self.template, self.core.full_params())
@@ -429,9 +704,13 @@ class OuterService:
     def status_record(self) -> dict[str, Any]:
         """The outer's heartbeat/status record as stored in KV."""
         core = getattr(self, "core", None)
+        lease = self.lease
         return {
             "state": self.state_name,
             "model": self.settings.model,
+            "holder": self.holder,
+            "epoch": lease.epoch if lease is not None and lease.revision else None,
+            "leader": self.leader_seen if self.state_name == "standby" else self.holder,
             "version": core.total_version if core else 0,
             "versions": [core.version(p) for p in range(core.plan.count)] if core else [],
             "applied": self.ledger.applied,
@@ -444,16 +723,29 @@ class OuterService:
             "codecs": dict(self.ledger.codecs),
             "payload_bytes": self.ledger.payload_bytes,
             "units": {str(u): vars(stats) for u, stats in self.ledger.units.items()},
+            "applied_rounds": {
+                str(u): r.ranges() for u, r in sorted(self.ledger.applied_rounds.items())
+            },
+            "rejected_rounds": {
+                str(u): r.ranges() for u, r in sorted(self.ledger.rejected_rounds.items())
+            },
+            "checkpoints": self.checkpoints,
+            "last_checkpoint": self.last_checkpoint,
+            "restored_from": self.restored_from,
             "eval_init": self.eval_init,
             "eval": self.eval_last,
             "eval_history": self.eval_history[-50:],
         }
 
+    def _status_key(self) -> str:
+        if self.state_name == "standby":
+            return subjects.outer_standby_key(self.settings.job, self.holder)
+        return subjects.outer_status_key(self.settings.job)
+
     async def _heartbeat(self, status_kv: Any) -> None:
-        key = subjects.outer_status_key(self.settings.job)
         while True:
             try:
-                await transport.put_status(status_kv, key, self.status_record())
+                await transport.put_status(status_kv, self._status_key(), self.status_record())
             except (TimeoutError, nats.errors.Error) as err:
                 log.info("heartbeat: %r", err)
             await asyncio.sleep(self.settings.status_interval_s)

@@ -100,6 +100,12 @@ class OuterSettings(JobSettings, OuterAlgorithmSettings):
         64, ge=1, description="incomplete uploads kept in memory before the oldest is dropped"
     )
     status_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
+    lease_s: float = Field(
+        10.0,
+        ge=0.5,
+        le=600,
+        description="seconds without a lease renewal after which a standby outer takes over",
+    )
     decode_threads: int = Field(
         -1, ge=-1, le=256, description="threads decoding uploads of 8 MiB or more (-1: one per CPU)"
     )

@@ -1,0 +1,259 @@
+"""The outer's whole state as one blob, and its durable home in JetStream.
+
+**What is saved** (:class:`OuterSnapshot`): per fragment the global params, the outer
+optimizer's state (every leaf of its pytree: momentum, Delayed Nesterov's accumulator and
+counter) and the version; the ledger (counters, per-unit applied and rejected rounds, which is
+also the deduplication set); and the evaluation record. Uploads waiting in a merge buffer are
+*not* copied: their chunk messages stay unacknowledged in the work-queue stream until the merge
+that uses them is checkpointed, so JetStream holds them, and a restarted outer gets them again.
+
+**Where** (see :class:`CheckpointStore`): the blob is split into chunks on
+``diloco.J.ckpt.<epoch>.<slot>.chunk.<i>`` in the ``DILOCO_CKPT`` stream (file storage, one
+message per subject), alternating between two slots so that the slot being written is never
+the one the pointer names. The *pointer* — which slot, how many chunks, the CRC-32, the
+versions — lives in the outer's lease record (``services/outer/lease.py``) and is replaced with
+a compare-and-set on that record's revision. Writing the pointer is the commit: a crash at any
+moment leaves either the old pointer with its intact slot or the new one. A deposed leader's
+compare-and-set fails (fencing), and every leadership epoch writes its own subjects, so a
+deposed leader still writing chunks cannot tear its successor's checkpoint.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from shared import subjects
+from shared.transport import TransportError, publish_blob
+from shared.wire import Reassembler, WireError, parse_chunk_headers
+
+FORMAT = 1
+_MAX_FIELD_BYTES = 1 << 40
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read (torn, corrupt, another model or format)."""
+
+
+@dataclass
+class OuterSnapshot:
+    """Everything a restarted outer needs to continue exactly where the last one committed.
+
+    Attributes:
+        job, model: What the state belongs to; a mismatch refuses the checkpoint.
+        versions: Version of each fragment.
+        params: Per fragment, piece name -> float32 array.
+        opt_leaves: Per fragment, the leaves of the outer optimizer state pytree, in
+            ``jax.tree_util`` order (the tree structure comes from the optimizer itself).
+        ledger: The outer's counters (JSON-ready dict; see ``OuterLedger.to_dict``).
+        evaluation: ``{"init": ..., "last": ..., "history": [...]}``.
+    """
+
+    job: str
+    model: str
+    versions: list[int]
+    params: list[dict[str, np.ndarray]]
+    opt_leaves: list[list[np.ndarray]]
+    ledger: dict[str, Any] = field(default_factory=dict)
+    evaluation: dict[str, Any] = field(default_factory=dict)
+
+
+def _pack_array(array: Any) -> dict[str, Any]:
+    a = np.asarray(array)  # not np.ascontiguousarray: it turns 0-d arrays into 1-d ones
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "data": a.tobytes()}
+
+
+def _unpack_array(item: Any) -> np.ndarray:
+    try:
+        dtype = np.dtype(item["dtype"])
+        shape = tuple(int(d) for d in item["shape"])
+        array = np.frombuffer(item["data"], dtype).reshape(shape)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint holds a malformed array: {exc}") from exc
+    return array.copy()  # writable, owned
+
+
+def dumps(snapshot: OuterSnapshot) -> bytes:
+    """Serialise a snapshot (msgpack; arrays as dtype, shape and raw bytes)."""
+    body = {
+        "format": FORMAT,
+        "job": snapshot.job,
+        "model": snapshot.model,
+        "versions": [int(v) for v in snapshot.versions],
+        "params": [{k: _pack_array(v) for k, v in p.items()} for p in snapshot.params],
+        "opt_leaves": [[_pack_array(leaf) for leaf in leaves] for leaves in snapshot.opt_leaves],
+        "ledger": snapshot.ledger,
+        "evaluation": snapshot.evaluation,
+    }
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def loads(blob: bytes) -> OuterSnapshot:
+    """Parse :func:`dumps` output.
+
+    Raises:
+        CheckpointError: for anything but a well-formed checkpoint of this format.
+    """
+    try:
+        body = msgpack.unpackb(blob, raw=False, max_bin_len=_MAX_FIELD_BYTES)
+    except Exception as exc:  # msgpack raises several unrelated types for bad input
+        raise CheckpointError(f"checkpoint is not valid msgpack: {exc}") from exc
+    if not isinstance(body, dict) or body.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint format is not {FORMAT}")
+    try:
+        return OuterSnapshot(
+            job=str(body["job"]),
+            model=str(body["model"]),
+            versions=[int(v) for v in body["versions"]],
+            params=[{k: _unpack_array(v) for k, v in p.items()} for p in body["params"]],
+            opt_leaves=[[_unpack_array(leaf) for leaf in leaves] for leaves in body["opt_leaves"]],
+            ledger=dict(body["ledger"]),
+            evaluation=dict(body["evaluation"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint is missing or has a malformed field: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """Where the committed checkpoint lies (stored in the lease record)."""
+
+    id: str
+    epoch: int
+    slot: int
+    chunks: int
+    size: int
+    crc: int
+    versions: list[int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "epoch": self.epoch,
+            "slot": self.slot,
+            "chunks": self.chunks,
+            "size": self.size,
+            "crc": self.crc,
+            "versions": self.versions,
+        }
+
+    @classmethod
+    def from_dict(cls, value: Any) -> Pointer:
+        """Parse a pointer.
+
+        Raises:
+            CheckpointError: for a malformed pointer.
+        """
+        try:
+            pointer = cls(
+                id=str(value["id"]),
+                epoch=int(value["epoch"]),
+                slot=int(value["slot"]),
+                chunks=int(value["chunks"]),
+                size=int(value["size"]),
+                crc=int(value["crc"]),
+                versions=[int(v) for v in value["versions"]],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"malformed checkpoint pointer {value!r:.200}") from exc
+        if pointer.slot not in (0, 1) or pointer.chunks < 1 or pointer.size < 0:
+            raise CheckpointError(f"malformed checkpoint pointer {value!r:.200}")
+        return pointer
+
+
+class CheckpointStore:
+    """Writes checkpoint chunks to a slot and reads a committed checkpoint back."""
+
+    def __init__(self, js: Any, job: str, chunk_size: int, max_bytes: int) -> None:
+        self.js = js
+        self.job = job
+        self.chunk_size = chunk_size
+        self.max_bytes = max_bytes
+
+    async def write(
+        self, blob: bytes, epoch: int, seq: int, slot: int, versions: list[int]
+    ) -> Pointer:
+        """Store ``blob`` in ``slot`` of ``epoch``; returns the pointer that would commit it.
+
+        Raises:
+            TransportError: when the chunks cannot be stored.
+        """
+        checkpoint_id = f"{self.job}.ckpt.e{epoch}.s{seq}"
+        count = await publish_blob(
+            self.js,
+            lambda i: subjects.checkpoint_chunk_subject(self.job, epoch, slot, i),
+            blob,
+            checkpoint_id,
+            self.chunk_size,
+        )
+        return Pointer(checkpoint_id, epoch, slot, count, len(blob), zlib.crc32(blob), versions)
+
+    async def read(self, pointer: Pointer) -> bytes:
+        """The blob a pointer names, checked against its id, size and CRC.
+
+        Raises:
+            CheckpointError: torn (a chunk of another checkpoint), missing or corrupt.
+            TransportError: NATS errors.
+        """
+        if pointer.size > self.max_bytes:
+            raise CheckpointError(f"checkpoint of {pointer.size} bytes exceeds {self.max_bytes}")
+        import nats.js.errors
+
+        reassembler = Reassembler(max_upload_bytes=max(1, pointer.size), max_pending_uploads=1)
+        blob: bytes | None = b"" if pointer.size == 0 else None
+        for index in range(pointer.chunks):
+            subject = subjects.checkpoint_chunk_subject(
+                self.job, pointer.epoch, pointer.slot, index
+            )
+            try:
+                msg = await self.js.get_last_msg(subjects.CKPT_STREAM, subject, direct=True)
+            except nats.js.errors.NotFoundError as exc:
+                raise CheckpointError(f"checkpoint chunk {subject} is missing") from exc
+            try:
+                info = parse_chunk_headers(msg.headers)
+                if info.upload != pointer.id:
+                    raise CheckpointError(
+                        f"checkpoint chunk {index} belongs to {info.upload}, not {pointer.id}"
+                    )
+                blob = reassembler.add(info, msg.data)
+            except WireError as exc:
+                raise CheckpointError(f"checkpoint chunk {index}: {exc}") from exc
+        if blob is None or len(blob) != pointer.size or zlib.crc32(blob) != pointer.crc:
+            raise CheckpointError(f"checkpoint {pointer.id} is incomplete or fails its CRC")
+        return blob
+
+    async def purge_epochs_before(self, epoch: int) -> None:
+        """Delete the chunks of older leadership epochs (best effort)."""
+        import nats.errors
+
+        info = await self.js.stream_info(
+            subjects.CKPT_STREAM, subjects_filter=subjects.checkpoint_filter(self.job)
+        )
+        stale = {
+            name
+            for name in (getattr(info.state, "subjects", None) or {})
+            if subjects.checkpoint_epoch(name) is not None
+            and subjects.checkpoint_epoch(name) < epoch
+        }
+        for prefix in {
+            subjects.checkpoint_epoch_filter(self.job, subjects.checkpoint_epoch(n)) for n in stale
+        }:
+            try:
+                await self.js.purge_stream(subjects.CKPT_STREAM, subject=prefix)
+            except (TimeoutError, nats.errors.Error):
+                return
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointStore",
+    "OuterSnapshot",
+    "Pointer",
+    "TransportError",
+    "dumps",
+    "loads",
+]

@@ -1,0 +1,173 @@
+"""The outer's checkpoint and leader lease, against a real nats-server (no service processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from services.outer import checkpoint
+from services.outer.core import OuterAlgorithm, OuterCore
+from services.outer.lease import Lease, LeaseLost
+from services.outer.policy import Arrival
+from shared import model, pytree, subjects, transport
+from shared.settings import NatsSettings
+
+
+def _core(seed: int = 0, fragments: int = 1) -> OuterCore:
+    named = pytree.flatten_named(
+        model.init_params(model.get_config("tiny"), jax.random.PRNGKey(seed))
+    )
+    algorithm = OuterAlgorithm(
+        optimizer="delayed_nesterov", num_units=2, dn_period=2, fragments=fragments
+    )
+    return OuterCore(named, algorithm)
+
+
+def _step(core: OuterCore, unit: int, round_: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for fragment in range(core.plan.count):
+        grad = {
+            k: rng.standard_normal(v.shape).astype(np.float32) * 1e-3
+            for k, v in core.fragment_params(fragment).items()
+        }
+        core.offer(
+            fragment,
+            Arrival(
+                unit,
+                round_,
+                core.version(fragment),
+                10,
+                100,
+                grad,
+                time.monotonic(),
+                f"u{unit}r{round_}",
+            ),
+        )
+        core.merge(fragment)
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_snapshot_round_trip_continues_bit_identically(fragments: int) -> None:
+    """Restore into a fresh core, apply the same updates to both: identical params."""
+    original = _core(fragments=fragments)
+    for i in range(5):  # past a Delayed Nesterov momentum step (every 2 arrivals)
+        _step(original, i % 2, i, seed=i)
+    versions, params, leaves = original.export_state()
+    blob = checkpoint.dumps(
+        checkpoint.OuterSnapshot("j", "tiny", versions, params, leaves, {"x": 1})
+    )
+    snapshot = checkpoint.loads(blob)
+    restored = _core(
+        seed=7, fragments=fragments
+    )  # different init: everything must come from the blob
+    restored.import_state(snapshot.versions, snapshot.params, snapshot.opt_leaves)
+    assert snapshot.ledger == {"x": 1}
+    for i in range(5, 8):
+        _step(original, i % 2, i, seed=i)
+        _step(restored, i % 2, i, seed=i)
+    a, b = original.export_state(), restored.export_state()
+    assert a[0] == b[0]
+    for pa, pb in zip(a[1], b[1], strict=True):
+        for name in pa:
+            np.testing.assert_array_equal(pa[name], pb[name])
+    for la, lb in zip(a[2], b[2], strict=True):
+        for x, y in zip(la, lb, strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_bad_checkpoints_are_refused() -> None:
+    core = _core()
+    blob = checkpoint.dumps(checkpoint.OuterSnapshot("j", "tiny", *core.export_state()))
+    for bad in (b"", b"junk", blob[: len(blob) // 2]):
+        with pytest.raises(checkpoint.CheckpointError):
+            checkpoint.loads(bad)
+    other = _core(fragments=2)
+    snapshot = checkpoint.loads(blob)
+    with pytest.raises(ValueError, match="fragments"):
+        other.import_state(snapshot.versions, snapshot.params, snapshot.opt_leaves)
+    snapshot.opt_leaves[0] = snapshot.opt_leaves[0][:-1]
+    with pytest.raises(ValueError, match="optimizer state"):
+        core.import_state(snapshot.versions, snapshot.params, snapshot.opt_leaves)
+
+
+async def _connect(url: str):
+    nc = await transport.connect(NatsSettings(nats_url=url), "test")
+    js = nc.jetstream()
+    await transport.ensure_streams(js)
+    return nc, js
+
+
+def test_store_reads_what_it_wrote_and_detects_torn_or_corrupt(nats_server) -> None:
+    async def scenario() -> None:
+        nc, js = await _connect(nats_server.url)
+        try:
+            store = checkpoint.CheckpointStore(js, "job1", chunk_size=4096, max_bytes=1 << 20)
+            blob = np.random.default_rng(0).bytes(10_000)
+            pointer = await store.write(blob, epoch=1, seq=1, slot=0, versions=[3])
+            assert pointer.chunks == 3
+            assert await store.read(pointer) == blob
+            again = checkpoint.Pointer.from_dict(pointer.to_dict())
+            assert await store.read(again) == blob
+            # Another checkpoint overwrote the slot: the old pointer sees chunks of another id.
+            await store.write(blob[::-1], epoch=1, seq=2, slot=0, versions=[4])
+            with pytest.raises(checkpoint.CheckpointError, match="belongs to"):
+                await store.read(pointer)
+            newer = await store.write(blob, epoch=1, seq=3, slot=1, versions=[5])
+            bad_crc = checkpoint.Pointer(**{**newer.to_dict(), "crc": newer.crc ^ 1})
+            with pytest.raises(checkpoint.CheckpointError, match="CRC"):
+                await store.read(bad_crc)
+            with pytest.raises(checkpoint.CheckpointError, match="missing"):
+                await store.read(checkpoint.Pointer(**{**newer.to_dict(), "epoch": 9}))
+            with pytest.raises(checkpoint.CheckpointError):
+                checkpoint.Pointer.from_dict({"id": "x"})
+            await store.write(blob, epoch=2, seq=1, slot=0, versions=[6])
+            await store.purge_epochs_before(2)
+            with pytest.raises(checkpoint.CheckpointError, match="missing"):
+                await store.read(newer)
+        finally:
+            await nc.close()
+
+    asyncio.run(scenario())
+
+
+def test_lease_one_holder_takeover_and_fencing(nats_server) -> None:
+    async def scenario() -> None:
+        nc, js = await _connect(nats_server.url)
+        try:
+            kv = await js.key_value(subjects.OUTER_BUCKET)
+            a = Lease(kv, "jobL", "a", lease_s=1.0)
+            b = Lease(kv, "jobL", "b", lease_s=1.0)
+            assert await a.acquire(lambda: False, lambda holder: None)
+            assert a.epoch == 1 and a.pointer is None
+            await a.commit({"id": "p1"})
+            # While a renews, b only waits (and learns who leads).
+            seen: list[str] = []
+            stop_b = asyncio.Event()
+            waiter = asyncio.create_task(b.acquire(stop_b.is_set, seen.append))
+            for _ in range(8):
+                await asyncio.sleep(0.25)
+                await a.renew()
+            assert not waiter.done() and seen and seen[-1] == "a"
+            # a goes silent: b takes over after lease_s, keeping the committed pointer.
+            assert await asyncio.wait_for(waiter, timeout=5)
+            assert b.epoch == 2 and b.pointer == {"id": "p1"}
+            with pytest.raises(LeaseLost):
+                await a.commit({"id": "zombie"})
+            with pytest.raises(LeaseLost):
+                await a.renew()
+            await b.commit({"id": "p2"})
+            # A clean release is taken over at once.
+            await b.release()
+            c = Lease(kv, "jobL", "c", lease_s=60.0)
+            started = time.monotonic()
+            assert await c.acquire(lambda: False, lambda holder: None)
+            assert time.monotonic() - started < 5 and c.epoch == 3 and c.pointer == {"id": "p2"}
+            stop_b.set()
+        finally:
+            await nc.close()
+
+    asyncio.run(scenario())
