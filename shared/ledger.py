@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Iterator
+from typing import Any
 
-__all__ = ["RoundSet"]
+__all__ = ["RoundSet", "balance"]
 
 
 class RoundSet:
@@ -95,3 +96,60 @@ class RoundSet:
             if i < 0 or other._ends[i] < e:
                 return False
         return True
+
+
+def balance(outer: dict[str, Any] | None, units: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Balance the books of a job from status records (the outer's and each unit's).
+
+    Every round a unit published (JetStream accepted it) must have been applied exactly once
+    or rejected with a reason; no round may be both; the outer's ``applied`` counter must equal
+    the number of distinct applied rounds (nothing applied twice).
+
+    Args:
+        outer: The outer's status record (``applied``, ``applied_rounds``,
+            ``rejected_rounds``, ``rejected``).
+        units: Unit index -> that unit's status record (``published_rounds``).
+
+    Returns:
+        ``{"balanced": bool, "problems": [...], "per_unit": {unit: {...}}, "applied": n,
+        "published": n, "rejected": n}``.
+    """
+    outer = outer or {}
+    applied = {int(u): RoundSet(r) for u, r in (outer.get("applied_rounds") or {}).items()}
+    rejected = {int(u): RoundSet(r) for u, r in (outer.get("rejected_rounds") or {}).items()}
+    problems: list[str] = []
+    per_unit: dict[int, dict[str, Any]] = {}
+    published_total = 0
+    for unit in sorted(set(units) | set(applied) | set(rejected)):
+        published = RoundSet((units.get(unit) or {}).get("published_rounds") or [])
+        done, refused = applied.get(unit, RoundSet()), rejected.get(unit, RoundSet())
+        missing = [r for r in published if r not in done and r not in refused]
+        both = [r for r in done if r in refused]
+        published_total += len(published)
+        per_unit[unit] = {
+            "published": len(published),
+            "applied": len(done),
+            "rejected": len(refused),
+            "missing": missing[:20],
+        }
+        if missing:
+            problems.append(
+                f"unit {unit}: {len(missing)} published round(s) neither applied nor "
+                f"rejected, e.g. {missing[:5]}"
+            )
+        if both:
+            problems.append(f"unit {unit}: rounds both applied and rejected: {both[:5]}")
+    distinct = sum(len(r) for r in applied.values())
+    if outer and outer.get("applied") != distinct:
+        problems.append(
+            f"outer applied {outer.get('applied')} updates but {distinct} distinct rounds "
+            "(applied twice?)"
+        )
+    return {
+        "balanced": not problems,
+        "problems": problems,
+        "per_unit": per_unit,
+        "applied": distinct,
+        "published": published_total,
+        "rejected": sum((outer.get("rejected") or {}).values()),
+    }

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.ledger import RoundSet
+from shared.ledger import RoundSet, balance
 
 ops = st.lists(
     st.one_of(
@@ -45,3 +45,22 @@ def test_bad_ranges_are_refused() -> None:
             RoundSet([bad])
     with pytest.raises(ValueError, match="non-negative"):
         RoundSet().add(-1)
+
+
+def test_balance_finds_missing_double_and_conflicting_rounds() -> None:
+    units = {0: {"published_rounds": [[0, 9]]}, 1: {"published_rounds": [[0, 4]]}}
+    outer = {
+        "applied": 14,
+        "applied_rounds": {"0": [[0, 8]], "1": [[0, 4]]},
+        "rejected_rounds": {"0": [[9, 9]]},
+        "rejected": {"bad_payload": 1},
+    }
+    books = balance(outer, units)
+    assert books["balanced"], books["problems"]
+    assert books["published"] == 15 and books["applied"] == 14 and books["rejected"] == 1
+    missing = balance({**outer, "rejected_rounds": {}}, units)
+    assert not missing["balanced"] and "unit 0: 1 published" in missing["problems"][0]
+    double = balance({**outer, "applied": 15}, units)
+    assert any("applied twice" in p for p in double["problems"])
+    both = balance({**outer, "rejected_rounds": {"0": [[8, 9]]}}, units)
+    assert any("both applied and rejected" in p for p in both["problems"])
