@@ -165,3 +165,19 @@ def test_up_shares_the_budget_by_speed_and_validates_slowdowns():
         parse(UpSettings, ["--learners", "4", "--slowdowns", "1,2"])
     with pytest.raises(SettingsError, match="slowdowns must be numbers"):
         parse(UpSettings, ["--slowdowns", "fast,slow"])
+
+
+def test_checkpoint_dir_defaults_to_none_and_round_trips_through_flags(monkeypatch):
+    from shared.settings import to_flags
+
+    assert parse(LearnerSettings, []).checkpoint_dir is None
+    assert to_flags(parse(LearnerSettings, []), ["checkpoint_dir"]) == []
+    settings = parse(LearnerSettings, ["--checkpoint-dir", "/var/lib/diloco/ck"])
+    assert settings.checkpoint_dir == "/var/lib/diloco/ck"
+    flags = to_flags(settings, ["checkpoint_dir"])
+    assert flags == ["--checkpoint-dir", "/var/lib/diloco/ck"]
+    assert parse(LearnerSettings, flags).checkpoint_dir == "/var/lib/diloco/ck"
+    monkeypatch.setenv("DILOCO_CHECKPOINT_DIR", "")  # empty: no checkpoints
+    assert parse(LearnerSettings, []).checkpoint_dir is None
+    monkeypatch.setenv("DILOCO_CHECKPOINT_DIR", "/tmp/ck")
+    assert parse(LearnerSettings, []).checkpoint_dir == "/tmp/ck"

@@ -5,6 +5,12 @@ pseudo-gradients to :meth:`LearnerLink.submit` and polls :meth:`LearnerLink.take
 and :attr:`LearnerLink.desired_state` at step boundaries; all of those return at once. This
 thread owns the NATS connection and does the slow parts: encoding, chunked publishing with
 retries, fetching new global params, heartbeats and reading the desired state from KV.
+
+Resilience: the first connection is retried until NATS is up (the unit trains meanwhile, with a
+bounded queue of unsent uploads); after a lost connection nats-py reconnects on its own and the
+JetStream/KV handles and the params subscription keep working, while every task here retries
+its calls with backoff. The desired state starts from the one persisted in the unit's state file
+(``services/learner/unit_state.py``), so a paused unit restarted while NATS is down stays paused.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import numpy as np
 
 from services.learner.core import Upload
 from services.learner.settings import LearnerSettings
+from services.learner.unit_state import UnitState
 from shared import codec, subjects, transport, wire
 from shared.transport import TransportError
 
@@ -33,6 +40,7 @@ log = logging.getLogger(__name__)
 PARAMS_POLL_S = 2.0  # fallback poll in case a head notification was missed while reconnecting
 DESIRED_POLL_S = 0.5
 RATES_POLL_S = 2.0
+OUTER_STATUS_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -47,18 +55,40 @@ class GlobalFragment:
 class LearnerLink:
     """Owns the NATS side of one learner unit on a daemon thread with its own event loop."""
 
-    def __init__(self, settings: LearnerSettings, max_params_bytes: int) -> None:
+    def __init__(
+        self,
+        settings: LearnerSettings,
+        max_params_bytes: int,
+        unit_state: UnitState | None = None,
+    ) -> None:
+        """Args:
+        settings: the unit's settings.
+        max_params_bytes: largest global params envelope accepted.
+        unit_state: the unit's durable record (rounds, desired state, lifetime counters),
+            shared with the training thread; an in-memory one if None.
+        """
         self.settings = settings
         self.max_params_bytes = max_params_bytes
-        self.desired_state = "running"
-        self.desired_known = threading.Event()  # set after the first read of the desired state
+        self.unit_state = unit_state or UnitState(job=settings.job, unit=settings.unit)
+        self.desired_state = self.unit_state.desired
+        # Set after the first read of the desired state; by then outer_next_round is known too.
+        self.desired_known = threading.Event()
+        # 1 + the last round of this unit the outer applied (from its status record; 0 if none).
+        self.outer_next_round = 0
+        self.restored_from_step: int | None = None
         self.connected = False
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_error = ""
         self._lock = threading.Lock()
         self._queue: collections.deque[Upload] = collections.deque()
+        self._in_flight: Upload | None = None  # the head of the queue while it is being sent
+        self._reconnected: asyncio.Event | None = None
         self._codec = settings.codec_config()
         self._codec_state = codec.CodecState()
+        # With checkpoints and error feedback, a copy of the residual after each encoding, for
+        # the training thread's snapshots (the live one is updated in place while encoding).
+        self._keep_residual = settings.checkpoint_dir is not None and self._codec.error_feedback
+        self._residual_copy: dict[str, np.ndarray] | None = None
         # Uploads are encoded once, in queue order, on one worker thread (the error-feedback
         # state is sequential); keyed by (round, fragment).
         self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
@@ -79,15 +109,48 @@ class LearnerLink:
         """Start the background thread; returns at once."""
         self._thread.start()
 
+    def restore_residual(self, residual: dict[str, np.ndarray] | None) -> None:
+        """Continue error feedback from a checkpoint's residual (call before :meth:`start`)."""
+        if not residual or not self._codec.error_feedback:
+            return
+        restored = {name: np.array(value, np.float32) for name, value in residual.items()}
+        self._codec_state = codec.CodecState(residual=restored)
+        if self._keep_residual:
+            self._residual_copy = {name: value.copy() for name, value in restored.items()}
+
+    def residual_copy(self) -> dict[str, np.ndarray] | None:
+        """The error-feedback residual after the last finished encoding (a private copy that
+        is never modified; None without checkpoints or error feedback).
+
+        Uploads still queued are not in it yet: it may be an upload or so behind the core.
+        """
+        with self._lock:
+            return self._residual_copy
+
+    def count(self, name: str) -> None:
+        """Increment one of this process's counters (thread-safe)."""
+        with self._lock:
+            self.counters[name] += 1
+
     def submit(self, upload: Upload) -> None:
-        """Queue a pseudo-gradient for publishing; drops the oldest when the queue is full."""
+        """Queue a pseudo-gradient for publishing; drops the oldest when the queue is full.
+
+        The upload being sent is never dropped (it may be published anyway, and would then be
+        counted twice); with ``max_unsent`` 1 the queue briefly holds it and the new one.
+        """
+        dropped = None
         with self._lock:
             if len(self._queue) >= self.settings.max_unsent:
-                dropped = self._queue.popleft()
-                self.counters["dropped_unsent"] += 1
-                log.warning("unsent queue full: dropped round %d", dropped.round)
+                index = 1 if self._queue and self._queue[0] is self._in_flight else 0
+                if index < len(self._queue):
+                    dropped = self._queue[index]
+                    del self._queue[index]
+                    self.counters["dropped_unsent"] += 1
             self._queue.append(upload)
             self.counters["queued"] += 1
+        if dropped is not None:
+            log.warning("unsent queue full: dropped round %d", dropped.round)
+            self.unit_state.record("dropped_unsent")
         self._wake_publisher()
 
     def take_new_params(self) -> list[GlobalFragment]:
@@ -126,6 +189,7 @@ class LearnerLink:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue_changed = asyncio.Event()
+        self._reconnected = asyncio.Event()
         # Compile the codec kernels on the encoder thread before the first upload needs them.
         self._encoder.submit(codec.warm_up)
         nc = await transport.connect_with_retry(
@@ -140,20 +204,32 @@ class LearnerLink:
             return
         self.connected = True
         js = nc.jetstream()
+        # The connection may drop again at any point: every set-up call is retried.
         await self._retry_forever(lambda: transport.ensure_streams(js), "create streams")
-        status_kv = await js.key_value(subjects.STATUS_BUCKET)
-        desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
+        status_kv = await self._retry_forever(
+            lambda: js.key_value(subjects.STATUS_BUCKET), "open status bucket"
+        )
+        desired_kv = await self._retry_forever(
+            lambda: js.key_value(subjects.DESIRED_BUCKET), "open desired bucket"
+        )
+        # Before the first desired-state read (which sets desired_known), so that the training
+        # thread's start-up wait covers both.
+        self.outer_next_round = await self._read_outer_next_round(status_kv)
         head_seen = asyncio.Event()
 
         async def on_head(_msg: Any) -> None:
             head_seen.set()
 
-        sub = await nc.subscribe(subjects.params_head_subject(self.settings.job, "*"), cb=on_head)
+        sub = await self._retry_forever(
+            lambda: nc.subscribe(subjects.params_head_subject(self.settings.job, "*"), cb=on_head),
+            "subscribe to params heads",
+        )
         tasks = [
             asyncio.create_task(self._publisher(js)),
             asyncio.create_task(self._params_watcher(js, head_seen)),
             asyncio.create_task(self._desired_poller(desired_kv)),
             asyncio.create_task(self._heartbeat(status_kv)),
+            asyncio.create_task(self._stream_keeper(js)),
         ]
         if self.settings.dynamic_h:
             tasks.append(asyncio.create_task(self._rates_poller(status_kv)))
@@ -174,6 +250,33 @@ class LearnerLink:
         except (TimeoutError, nats.errors.Error) as err:
             log.warning("closing NATS: %s", err)
 
+    async def _stream_keeper(self, js: Any) -> None:
+        """After every reconnect, create the streams and buckets again (idempotent).
+
+        The JetStream and KV handles and the subscription survive nats-py's reconnects, but a
+        server that came back with an empty store has neither streams nor buckets.
+        """
+        assert self._reconnected is not None
+        while True:
+            await self._reconnected.wait()
+            self._reconnected.clear()
+            await self._retry_forever(lambda: transport.ensure_streams(js), "re-create streams")
+
+    async def _read_outer_next_round(self, status_kv: Any) -> int:
+        """1 + the last round of this unit the outer has applied, from the outer's status
+        record (0 when there is none or it cannot be read quickly)."""
+        key = subjects.outer_status_key(self.settings.job)
+        try:
+            outer = await asyncio.wait_for(
+                transport.get_json(status_kv, key), timeout=OUTER_STATUS_TIMEOUT_S
+            )
+        except (TimeoutError, nats.errors.Error, ValueError) as err:
+            log.info("outer status not read: %r", err)
+            return 0
+        unit = ((outer or {}).get("units") or {}).get(str(self.settings.unit)) or {}
+        last_round = unit.get("last_round") if isinstance(unit, dict) else None
+        return last_round + 1 if isinstance(last_round, int) and last_round >= 0 else 0
+
     def _record_error(self, error: str) -> None:
         self.last_error = error
 
@@ -182,6 +285,8 @@ class LearnerLink:
 
     async def _on_reconnect(self) -> None:
         self.connected = True
+        if self._reconnected is not None:
+            self._reconnected.set()
 
     async def _retry_forever(self, make_call: Callable[[], Any], what: str) -> Any:
         backoff = 0.5
@@ -195,13 +300,18 @@ class LearnerLink:
                 backoff = min(transport.RECONNECT_BACKOFF_MAX_S, backoff * 2)
 
     def _status_record(self) -> dict[str, Any]:
+        durable = self.unit_state.record_dict()
         with self._lock:
             return {
                 **self._status,
                 "unit": self.settings.unit,
                 "desired": self.desired_state,
                 "unsent": len(self._queue),
-                "counters": dict(self.counters),
+                "counters": dict(self.counters),  # this process
+                "lifetime": durable["lifetime"],  # across restarts (with a state file)
+                "published_rounds": durable["published"],
+                "next_round": durable["next_round"],
+                "restored_from_step": self.restored_from_step,
                 "last_error": self.last_error,
             }
 
@@ -212,6 +322,7 @@ class LearnerLink:
         while True:
             with self._lock:
                 upload = self._queue[0] if self._queue else None
+                self._in_flight = upload
             if upload is None:
                 if self._stopping.is_set():
                     return
@@ -251,17 +362,20 @@ class LearnerLink:
                 backoff = min(transport.RECONNECT_BACKOFF_MAX_S, backoff * 2)
                 continue
             backoff = 0.5
-            self.counters["bytes_sent"] += len(blob)
+            with self._lock:
+                self.counters["bytes_sent"] += len(blob)
             self._finish(upload, "published")
 
     def _finish(self, upload: Upload, counter: str) -> None:
         with self._lock:
             if self._queue and self._queue[0] is upload:
                 self._queue.popleft()
+            self._in_flight = None
             self.counters[counter] += 1
             if counter == "published":
                 self._status["last_published_round"] = upload.round
             live = {(u.round, u.fragment) for u in self._queue}
+        self.unit_state.record(counter, upload.round)
         # Forget this upload's envelope and those of uploads dropped from a full queue.
         for key in [k for k in self._encodings if k not in live]:
             del self._encodings[key]
@@ -295,7 +409,14 @@ class LearnerLink:
             # The state was consumed; residuals restart from zero.
             self._codec_state = codec.CodecState()
             raise
+        residual_copy = (
+            {name: value.copy() for name, value in self._codec_state.residual.items()}
+            if self._keep_residual
+            else None
+        )
         with self._lock:
+            if residual_copy is not None:
+                self._residual_copy = residual_copy
             self.counters["fp32_bytes_encoded"] += 4 * sum(
                 np.size(t) for t in upload.tensors.values()
             )
@@ -373,6 +494,7 @@ class LearnerLink:
                 if state in ("running", "paused") and state != self.desired_state:
                     log.info("desired state of unit %d: %s", self.settings.unit, state)
                     self.desired_state = state
+                    self.unit_state.set_desired(state)  # remembered across restarts
                 self.desired_known.set()
             except (TimeoutError, nats.errors.Error, ValueError) as err:
                 log.info("desired-state poll: %r", err)

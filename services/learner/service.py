@@ -2,6 +2,13 @@
 
 No barrier with other units, ever: every network interaction goes through :class:`LearnerLink`,
 whose methods return at once. The sync decisions themselves are ``LearnerCore``'s.
+
+Self-healing (``--checkpoint-dir``): the unit keeps a state file (rounds used and published,
+desired state, lifetime counters; ``unit_state.py``) and a checkpoint of its inner state written
+at upload time on a background thread (``checkpoint.py``). A restarted unit continues from the
+checkpoint's step (the data position is the step) and numbers its uploads from
+``max(checkpoint round, state file's next_round, 1 + the outer's last applied round)``, so no
+round number is ever used twice.
 """
 
 from __future__ import annotations
@@ -14,10 +21,18 @@ import time
 import jax
 import numpy as np
 
-from services.learner.core import LearnerCore, SyncSchedule, dynamic_h
+from services.learner.checkpoint import (
+    CHECKPOINT_FILE,
+    CheckpointWriter,
+    Restored,
+    load_checkpoint,
+    take_snapshot,
+)
+from services.learner.core import LearnerCore, SyncSchedule, Upload, dynamic_h
 from services.learner.link import LearnerLink
 from services.learner.settings import LearnerSettings
 from services.learner.trainer import InnerTrainer, inner_optimizer
+from services.learner.unit_state import UnitState, unit_dir
 from shared import data, model
 from shared.runtime import configure_jax
 
@@ -53,6 +68,52 @@ def build_core(settings: LearnerSettings) -> tuple[LearnerCore, data.BatchSample
     return core, sampler, 4 * model.param_count(params)
 
 
+def restore_core(settings: LearnerSettings, core: LearnerCore) -> Restored | None:
+    """Restore ``core`` from the unit's checkpoint, if ``--checkpoint-dir`` has one that fits."""
+    if settings.checkpoint_dir is None:
+        return None
+    path = unit_dir(settings.checkpoint_dir, settings.job, settings.unit) / CHECKPOINT_FILE
+    return load_checkpoint(path, core)
+
+
+def checkpoint_writer(settings: LearnerSettings, link: LearnerLink) -> CheckpointWriter | None:
+    """The unit's background checkpoint writer (None without ``--checkpoint-dir``)."""
+    if settings.checkpoint_dir is None:
+        return None
+    identity = {
+        "job": settings.job,
+        "unit": settings.unit,
+        "model": settings.model,
+        "fragments": settings.fragments,
+    }
+    path = unit_dir(settings.checkpoint_dir, settings.job, settings.unit) / CHECKPOINT_FILE
+    return CheckpointWriter(path, identity, on_count=link.count)
+
+
+def hand_off(
+    uploads: list[Upload],
+    core: LearnerCore,
+    link: LearnerLink,
+    unit_state: UnitState,
+    writer: CheckpointWriter | None,
+    tokens_total: int,
+) -> None:
+    """Hand uploads just taken from ``core`` to the link, durably numbered.
+
+    First the state file records that every round below ``core.round`` is used (so a restarted
+    unit can never reuse one, even if it crashes right after a publish), then a snapshot goes to
+    the checkpoint writer (taken now, the anchor matches these uploads), then the uploads are
+    queued.
+    """
+    if not uploads:
+        return
+    unit_state.reserve(core.round)
+    if writer is not None:
+        writer.submit(take_snapshot(core, tokens_total, link.residual_copy()))
+    for upload in uploads:
+        link.submit(upload)
+
+
 def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) -> dict:
     """Train one unit until ``max_steps`` (or ``stop`` is set); returns a summary dict.
 
@@ -63,18 +124,38 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
     configure_jax()
     stop = stop or threading.Event()
     core, sampler, param_bytes = build_core(settings)
-    link = LearnerLink(settings, max_params_bytes=2 * param_bytes + (1 << 20))
+    unit_state = UnitState.for_unit(settings.checkpoint_dir, settings.job, settings.unit)
+    restored = restore_core(settings, core)
+    link = LearnerLink(settings, 2 * param_bytes + (1 << 20), unit_state)
+    if restored is not None:
+        link.restore_residual(restored.residual)
+        link.restored_from_step = restored.step
+    writer = checkpoint_writer(settings, link)
+    if writer is not None:
+        writer.start()
     link.start()
     # Compile the inner step now (the result is discarded), so that the first real step is as
     # fast as the others and a unit's reported speed and slowdown are right from the start.
     core.trainer.step(core.state, sampler.batch(0))[1].block_until_ready()
     # Obey the desired state from the very first step (a unit created paused stays paused);
     # if NATS cannot be reached quickly, train anyway: the loop never waits for the network.
+    # The link reads the outer's record of this unit before it sets desired_known.
     link.desired_known.wait(timeout=STARTUP_DESIRED_WAIT_S)
+    first_round = core.round
+    core.round = max(core.round, unit_state.next_round, link.outer_next_round)
+    log.info(
+        "unit %d starts at step %d, round %d (checkpoint %s, state file %d, outer %d)",
+        settings.unit,
+        core.step,
+        core.round,
+        "none" if restored is None else f"round {first_round}",
+        unit_state.next_round,
+        link.outer_next_round,
+    )
 
-    tokens_total = 0
+    tokens_total = restored.tokens_total if restored is not None else 0
     loss_ema = float("nan")
-    rate_window: list[tuple[float, int]] = [(time.monotonic(), 0)]
+    rate_window: list[tuple[float, int]] = [(time.monotonic(), tokens_total)]
     last_status = 0.0
     state_name = "running"
 
@@ -134,18 +215,23 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         next_h = settings.h_steps
         if settings.dynamic_h:
             next_h = dynamic_h(settings.h_steps, rate(), link.unit_rates)
-        for upload in core.due_uploads(next_h):
-            link.submit(upload)
+        if link.outer_next_round > core.round:
+            # The outer's record arrived after the start-up wait (NATS was slow): skip ahead.
+            log.warning("skipping to round %d (outer's record)", link.outer_next_round)
+            core.round = link.outer_next_round
+        hand_off(core.due_uploads(next_h), core, link, unit_state, writer, tokens_total)
         report()
 
     # Send whatever is left (partial rounds), then flush the queue.
-    for upload in core.flush():
-        link.submit(upload)
+    hand_off(core.flush(), core, link, unit_state, writer, tokens_total)
     state_name = "finishing"
     report(force=True)
     deadline = time.monotonic() + settings.flush_timeout_s
     while link.unsent() and time.monotonic() < deadline:
         time.sleep(0.05)
+    if writer is not None:
+        # After the flush, so that the residual includes every upload that went out.
+        writer.close(final=take_snapshot(core, tokens_total, link.residual_copy()))
     state_name = "finished" if core.step >= settings.max_steps else "stopped"
     report(force=True)
     link.stop(flush_timeout_s=max(0.0, deadline - time.monotonic()))
@@ -156,6 +242,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         "tokens": tokens_total,
         "train_loss": loss_ema,
         "counters": dict(link.counters),
+        "restored_from_step": None if restored is None else restored.step,
     }
     log.info("unit %d done: %s", settings.unit, summary)
     return summary

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.codec import CODECS, CodecConfig, CodecError
@@ -79,6 +79,17 @@ class LearnerSettings(JobSettings, InnerSettings):
     flush_timeout_s: float = Field(
         15.0, ge=0, description="at the end, how long to wait for unsent uploads"
     )
+    checkpoint_dir: str | None = Field(
+        None,
+        description="folder for the unit's checkpoint and state file (<dir>/<job>/unit-<u>/); "
+        "a restarted unit resumes from it and never reuses a round number (default: none)",
+    )
+
+    @field_validator("checkpoint_dir")
+    @classmethod
+    def _check_checkpoint_dir(cls, value: str | None) -> str | None:
+        # An empty value (e.g. DILOCO_CHECKPOINT_DIR=) means "no checkpoints".
+        return value if value and value.strip() else None
 
     @model_validator(mode="after")
     def _check_unit(self) -> LearnerSettings:

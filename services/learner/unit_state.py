@@ -1,0 +1,187 @@
+"""The unit's small durable record (``state.json``): rounds used, rounds published, desired
+state and lifetime counters, so that a restarted unit never reuses a round number and obeys
+the desired state it last knew even when NATS is unreachable.
+
+The file lives in ``<checkpoint_dir>/<job>/unit-<u>/state.json``::
+
+    {"version": 1, "job": "J", "unit": 0,
+     "next_round": 42,                  # first round number never handed out yet
+     "desired": "running",              # last known desired state ("running" | "paused")
+     "published": [[0, 37], [39, 41]],  # rounds JetStream accepted (RoundSet ranges, lifetime)
+     "lifetime": {"published": 41, "dropped_unsent": 1, "rejected_local": 0},
+     "time": 1712345678.9}
+
+It is rewritten atomically (``services/learner/atomic.py``) by the training thread when
+uploads are taken, *before* they are handed to the link (so a round is persisted before it can
+be published), and by the link thread after each publish and when the desired state changes.
+Both threads share one :class:`UnitState`, whose lock orders the writes. Without a checkpoint
+folder the same object keeps the record in memory only (for the status record).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from services.learner.atomic import atomic_write_bytes
+from shared.ledger import RoundSet
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "state.json"
+STATE_VERSION = 1
+LIFETIME_COUNTERS = ("published", "dropped_unsent", "rejected_local")
+DESIRED_STATES = ("running", "paused")
+
+
+def unit_dir(checkpoint_dir: str | Path, job: str, unit: int) -> Path:
+    """The folder of one unit's state file and checkpoint."""
+    return Path(checkpoint_dir) / job / f"unit-{unit}"
+
+
+class UnitState:
+    """Rounds reserved and published, desired state and lifetime counters of one unit.
+
+    Thread-safe; every change is written through to the file (when there is one) at once.
+    Write failures are logged and counted (:attr:`write_errors`), never raised: the unit
+    keeps training.
+    """
+
+    def __init__(self, path: Path | None = None, job: str = "", unit: int = 0) -> None:
+        """Load ``path`` if it exists (a missing or unreadable file starts afresh).
+
+        Args:
+            path: the state file, or None to keep the record in memory only.
+            job: job name (recorded in the file).
+            unit: unit index (recorded in the file).
+        """
+        self.path = path
+        self.job = job
+        self.unit = unit
+        self.next_round = 0
+        self.desired = "running"
+        self.published = RoundSet()
+        self.lifetime: dict[str, int] = dict.fromkeys(LIFETIME_COUNTERS, 0)
+        self.loaded = False
+        self.write_errors = 0
+        self._lock = threading.Lock()
+        if path is not None:
+            self._load(path)
+
+    @classmethod
+    def for_unit(cls, checkpoint_dir: str | None, job: str, unit: int) -> UnitState:
+        """The unit's state (file-backed when ``checkpoint_dir`` is set, else in memory)."""
+        path = None if checkpoint_dir is None else unit_dir(checkpoint_dir, job, unit) / STATE_FILE
+        return cls(path, job, unit)
+
+    # ---- changes (each one is written through) -----------------------------------------------
+
+    def reserve(self, next_round: int) -> None:
+        """Record that every round below ``next_round`` has been handed out.
+
+        Called by the training thread right after it took uploads and *before* it submits them,
+        so that a restarted unit never numbers an upload with a round already used.
+        """
+        with self._lock:
+            if next_round <= self.next_round:
+                return
+            self.next_round = next_round
+            self._write()
+
+    def record(self, counter: str, round_number: int | None = None) -> None:
+        """Count one ``published``/``dropped_unsent``/``rejected_local`` upload (lifetime).
+
+        Args:
+            counter: one of ``LIFETIME_COUNTERS``.
+            round_number: the upload's round; added to the published set for ``published``.
+        """
+        if counter not in LIFETIME_COUNTERS:
+            raise ValueError(f"unknown lifetime counter {counter!r}")
+        with self._lock:
+            self.lifetime[counter] += 1
+            if counter == "published" and round_number is not None:
+                self.published.add(round_number)
+                self.next_round = max(self.next_round, round_number + 1)
+            self._write()
+
+    def set_desired(self, state: str) -> None:
+        """Remember the desired state (``running`` or ``paused``) across restarts."""
+        if state not in DESIRED_STATES:
+            raise ValueError(f"desired state must be running or paused, got {state!r}")
+        with self._lock:
+            if state == self.desired:
+                return
+            self.desired = state
+            self._write()
+
+    # ---- reading -----------------------------------------------------------------------------
+
+    def record_dict(self) -> dict[str, Any]:
+        """The record as written to the file (JSON-ready), without ``time``."""
+        with self._lock:
+            return self._record()
+
+    def _record(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "job": self.job,
+            "unit": self.unit,
+            "next_round": self.next_round,
+            "desired": self.desired,
+            "published": self.published.ranges(),
+            "lifetime": dict(self.lifetime),
+        }
+
+    # ---- the file ----------------------------------------------------------------------------
+
+    def _write(self) -> None:
+        """Write the record through (the caller holds the lock)."""
+        if self.path is None:
+            return
+        record = {**self._record(), "time": time.time()}
+        try:
+            atomic_write_bytes(self.path, json.dumps(record).encode())
+        except OSError as err:
+            self.write_errors += 1
+            log.error("cannot write unit state %s: %s", self.path, err)
+
+    def _load(self, path: Path) -> None:
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return
+        except OSError as err:
+            log.warning("cannot read unit state %s (%s); starting afresh", path, err)
+            return
+        try:
+            record = json.loads(raw)
+            if not isinstance(record, dict) or record.get("version") != STATE_VERSION:
+                raise ValueError(f"unsupported record {str(record)[:100]!r}")
+            published = RoundSet(record.get("published", []))
+            next_round = int(record.get("next_round", 0))
+            desired = record.get("desired", "running")
+            if desired not in DESIRED_STATES:
+                raise ValueError(f"bad desired state {desired!r}")
+            lifetime = dict.fromkeys(LIFETIME_COUNTERS, 0)
+            for name, value in (record.get("lifetime") or {}).items():
+                if name in lifetime:
+                    lifetime[name] = int(value)
+        except (ValueError, TypeError) as err:
+            log.warning("ignoring unreadable unit state %s: %s", path, err)
+            return
+        self.published = published
+        self.next_round = max(next_round, published.max() + 1, 0)
+        self.desired = desired
+        self.lifetime = lifetime
+        self.loaded = True
+        log.info(
+            "unit state %s: next round %d, desired %s, %d rounds published",
+            path,
+            self.next_round,
+            self.desired,
+            len(self.published),
+        )

@@ -1,0 +1,249 @@
+"""Self-healing learner units: the state file, round reservation, checkpoints and their writer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import types
+
+import jax
+import numpy as np
+import pytest
+
+from services.learner.atomic import temp_file
+from services.learner.checkpoint import (
+    CheckpointWriter,
+    load_checkpoint,
+    save_checkpoint,
+    take_snapshot,
+)
+from services.learner.core import LearnerCore, SyncSchedule
+from services.learner.link import LearnerLink
+from services.learner.service import hand_off
+from services.learner.settings import LearnerSettings
+from services.learner.trainer import InnerTrainer, inner_optimizer
+from services.learner.unit_state import STATE_FILE, UnitState
+from shared import model, pytree
+
+CFG = model.get_config("tiny")
+TOKENS = 4 * CFG.seq_len
+IDENTITY = {"job": "t", "unit": 0, "model": "tiny", "fragments": 2}
+
+
+@pytest.fixture(scope="module")
+def trainer() -> InnerTrainer:
+    """One trainer (one compilation) shared by every core of this module."""
+    return InnerTrainer(CFG, inner_optimizer(3e-3, 2, 50, 0.0))
+
+
+def make_core(trainer: InnerTrainer, params=None) -> LearnerCore:
+    params = params if params is not None else model.init_params(CFG, jax.random.PRNGKey(0))
+    return LearnerCore(trainer, params, SyncSchedule(h_steps=3, fragments=2), TOKENS)
+
+
+def batch(step: int):
+    return jax.random.randint(jax.random.PRNGKey(100 + step), (4, CFG.seq_len + 1), 0, 256)
+
+
+def test_state_file_round_trips_and_a_crash_mid_write_leaves_it_intact(tmp_path):
+    path = tmp_path / "t" / "unit-0" / STATE_FILE
+    state = UnitState(path, "t", 0)
+    state.reserve(5)
+    for round_number in (0, 1, 2, 4):
+        state.record("published", round_number)
+    state.record("dropped_unsent")
+    state.set_desired("paused")
+    # A crash in the middle of the next write leaves a torn temporary file behind.
+    temp_file(path).write_bytes(b'{"version": 1, "next_round": 99, "publ')
+
+    again = UnitState(path, "t", 0)
+    assert again.loaded
+    assert (again.next_round, again.desired) == (5, "paused")
+    assert again.published.ranges() == [[0, 2], [4, 4]]
+    assert again.lifetime == {"published": 4, "dropped_unsent": 1, "rejected_local": 0}
+    again.reserve(7)  # the next write goes through despite the leftover
+    assert json.loads(path.read_text())["next_round"] == 7
+    assert not temp_file(path).exists()
+
+
+def test_unreadable_state_file_is_ignored(tmp_path, caplog):
+    path = tmp_path / STATE_FILE
+    path.write_text("not json")
+    with caplog.at_level(logging.WARNING):
+        state = UnitState(path)
+    assert not state.loaded and state.next_round == 0
+    assert "ignoring unreadable unit state" in caplog.text
+
+
+def test_rounds_are_persisted_before_they_reach_the_link(tmp_path, trainer):
+    path = tmp_path / STATE_FILE
+    unit_state = UnitState(path)
+    core = make_core(trainer)
+    handed: list[int] = []
+
+    def submit(upload):
+        # What a restarted unit would read at this very moment.
+        assert json.loads(path.read_text())["next_round"] > upload.round
+        handed.append(upload.round)
+
+    link = types.SimpleNamespace(submit=submit, residual_copy=lambda: None)
+    for _ in range(7):
+        core.train_step(batch(core.step))
+        hand_off(core.due_uploads(), core, link, unit_state, None, 0)
+    hand_off(core.flush(), core, link, unit_state, None, 0)
+    assert handed == list(range(len(handed))) and len(handed) >= 4
+    assert UnitState(path).next_round == core.round == handed[-1] + 1
+
+
+def test_checkpoint_restores_a_core_that_continues_bit_identically(tmp_path, trainer):
+    original = make_core(trainer)
+    for _ in range(4):  # fragment 1 uploads at step 2, fragment 0 at step 3
+        original.train_step(batch(original.step))
+        original.due_uploads()
+    anchor = pytree.flatten_named(original.state.anchor)
+    original.offer_global(0, 3, {k: v + 0.01 for k, v in original.plan.extract(anchor, 0).items()})
+    assert original.adopt_globals() == [0]
+    piece = original.plan.keys(0)[0]
+    shape = np.shape(original.plan.extract(pytree.flatten_named(original.state.params), 0)[piece])
+    residual = {piece: np.full(shape, 0.25, np.float32)}
+    path = tmp_path / "checkpoint.npz"
+    save_checkpoint(path, take_snapshot(original, 1234, residual), IDENTITY)
+
+    restored_core = make_core(trainer)
+    restored = load_checkpoint(path, restored_core)
+    assert restored is not None
+    assert (restored.step, restored.round, restored.tokens_total) == (4, original.round, 1234)
+    np.testing.assert_array_equal(restored.residual[piece], residual[piece])
+    assert restored_core.base_versions() == original.base_versions() == [3, 0]
+    assert [vars(s) for s in restored_core.syncs] == [vars(s) for s in original.syncs]
+
+    losses, uploads = {}, {}
+    for name, core in (("original", original), ("restored", restored_core)):
+        losses[name], uploads[name] = [], []
+        for _ in range(5):
+            losses[name].append(core.train_step(batch(core.step)))
+            uploads[name] += core.due_uploads()
+    assert losses["restored"] == losses["original"]
+    assert [(u.round, u.fragment) for u in uploads["restored"]] == [
+        (u.round, u.fragment) for u in uploads["original"]
+    ]
+    for a, b in zip(uploads["restored"], uploads["original"], strict=True):
+        for key in a.tensors:
+            np.testing.assert_array_equal(a.tensors[key], b.tensors[key])
+    for tree in ("params", "anchor", "opt_state"):
+        for a, b in zip(
+            jax.tree_util.tree_leaves(getattr(restored_core.state, tree)),
+            jax.tree_util.tree_leaves(getattr(original.state, tree)),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_checkpoint_of_another_model_is_ignored_with_a_warning(tmp_path, trainer, caplog):
+    core = make_core(trainer)
+    core.train_step(batch(0))
+    path = tmp_path / "checkpoint.npz"
+    save_checkpoint(path, take_snapshot(core, 0), IDENTITY)
+
+    params = model.init_params(CFG, jax.random.PRNGKey(0))
+    params["wte"] = params["wte"][:-1]  # another vocabulary: a different model
+    other = make_core(trainer, params)
+    with caplog.at_level(logging.WARNING):
+        assert load_checkpoint(path, other) is None
+    assert "ignoring checkpoint" in caplog.text and "wte" in caplog.text
+    assert other.step == 0
+    # A torn or foreign file is ignored just the same.
+    path.write_bytes(b"PK\x03\x04 not a zip")
+    assert load_checkpoint(path, make_core(trainer)) is None
+    assert load_checkpoint(tmp_path / "missing.npz", make_core(trainer)) is None
+
+
+def test_writer_keeps_only_the_newest_pending_snapshot(tmp_path):
+    started, release = threading.Event(), threading.Event()
+    written: list[int] = []
+
+    def slow_save(_path, snapshot, _identity):
+        started.set()
+        assert release.wait(5)
+        if snapshot.step == 4:
+            raise OSError("disk full")
+        written.append(snapshot.step)
+
+    counted: list[str] = []
+    writer = CheckpointWriter(tmp_path / "c.npz", IDENTITY, counted.append, save=slow_save)
+    writer.start()
+
+    def snap(step):
+        return types.SimpleNamespace(step=step)
+
+    writer.submit(snap(1))
+    assert started.wait(5)
+    for step in (2, 3, 4):  # while 1 is being written: only 4 survives
+        writer.submit(snap(step))
+    release.set()
+    assert writer.wait_idle(5)
+    writer.close(final=snap(5))
+    assert written == [1, 5]
+    assert writer.counters == {
+        "checkpoints_written": 2,
+        "checkpoints_superseded": 2,
+        "checkpoint_errors": 1,
+    }
+    assert sorted(counted) == sorted(writer.counters.elements())
+    assert writer.last_written_step == 5
+
+
+def test_link_starts_from_the_persisted_desired_state_and_reports_lifetime(tmp_path):
+    settings = LearnerSettings(job="t", model="tiny", unit=1, num_units=2)
+    path = tmp_path / STATE_FILE
+    state = UnitState(path, "t", 1)
+    state.set_desired("paused")
+    state.reserve(3)
+    state.record("published", 0)
+
+    link = LearnerLink(settings, 1 << 20, UnitState(path, "t", 1))  # not started: NATS is down
+    assert link.desired_state == "paused"
+    record = link._status_record()
+    assert record["published_rounds"] == [[0, 0]]
+    assert record["next_round"] == 3
+    assert record["lifetime"] == {"published": 1, "dropped_unsent": 0, "rejected_local": 0}
+    assert record["restored_from_step"] is None
+    assert record["counters"] == {}
+
+
+def test_outer_next_round_comes_from_the_outers_status_record():
+    settings = LearnerSettings(job="t", model="tiny", unit=1, num_units=2)
+    link = LearnerLink(settings, 1 << 20)
+
+    class FakeKV:
+        def __init__(self, value):
+            self.value = value
+
+        async def get(self, _key):
+            return types.SimpleNamespace(value=json.dumps(self.value).encode())
+
+    read = link._read_outer_next_round
+    assert asyncio.run(read(FakeKV({"units": {"1": {"last_round": 41}}}))) == 42
+    assert asyncio.run(read(FakeKV({"units": {"0": {"last_round": 41}}}))) == 0
+    assert asyncio.run(read(FakeKV({"state": "running"}))) == 0
+
+
+def test_full_queue_drops_the_oldest_upload_not_being_sent(tmp_path):
+    settings = LearnerSettings(job="t", model="tiny", max_unsent=2)
+    link = LearnerLink(settings, 1 << 20, UnitState(tmp_path / STATE_FILE))
+
+    def upload(round_number):
+        return types.SimpleNamespace(round=round_number, fragment=0)
+
+    link.submit(upload(0))
+    link.submit(upload(1))
+    link._in_flight = link._queue[0]  # the publisher is sending round 0
+    link.submit(upload(2))
+    assert [u.round for u in link._queue] == [0, 2]
+    link._in_flight = None
+    link.submit(upload(3))
+    assert [u.round for u in link._queue] == [2, 3]
+    assert link.counters["dropped_unsent"] == 2
+    assert UnitState(tmp_path / STATE_FILE).lifetime["dropped_unsent"] == 2
