@@ -1,38 +1,48 @@
 """``diloco up``: a whole local cluster — nats-server, outer, gateway, N learners — supervised.
 
 Every service runs as its own process, started with the same ``diloco <service>`` command that
-docker-compose runs. This supervisor shows live progress read from the status KV bucket, ends
-the run by itself once every unit has finished and the outer has applied (and evaluated)
-everything they published, and on Ctrl-C/SIGTERM stops the services in a safe order: learners
-first (they upload what they have), then the outer and gateway, then nats-server. Children are
-also tied to this process with PR_SET_PDEATHSIG, so even a kill -9 of the supervisor leaves no
-process behind.
+docker-compose runs. This supervisor shows live progress read from the status KV bucket, heals
+the cluster (a child that crashes is started again with the same command line after a backoff,
+nats-server on the same port and JetStream store; see ``services.supervisor``), ends the run by
+itself once every unit has finished and the outer has applied (and evaluated) everything they
+published, and on Ctrl-C/SIGTERM stops the services in a safe order: learners first (they upload
+what they have), then the outer and gateway, then nats-server. Children are also tied to this
+process with PR_SET_PDEATHSIG, so even a kill -9 of the supervisor leaves no process behind.
+The live children's PIDs are kept in ``<data-dir>/pids.json`` for chaos tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import nats.errors
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.learner.settings import InnerSettings
+from services.learner.settings import InnerSettings, LearnerSettings
 from services.outer.settings import OuterAlgorithmSettings
+from services.supervisor import DEFAULT_MAX_RESTARTS, RestartPolicy, State, Supervisor
 from shared import broker, subjects, transport
 from shared.settings import ENV_PREFIX, JobSpec, NatsSettings, to_flags
 
 STOP_GRACE_S = 30.0
 READY_TIMEOUT_S = 300.0
+STATUS_READ_TIMEOUT_S = 3.0  # bounds a status read while NATS is down, so healing goes on
+NATS = "nats-server"
+ESSENTIAL = ("outer", NATS)  # without these nothing can go on: the run ends if they stay dead
+NATS_ERRORS = (TimeoutError, OSError, nats.errors.Error, transport.TransportError)
 
 
 class UpSettings(JobSpec, InnerSettings, OuterAlgorithmSettings):
@@ -64,6 +74,12 @@ class UpSettings(JobSpec, InnerSettings, OuterAlgorithmSettings):
     )
     learner_threads: int = Field(
         1, ge=1, le=64, description="CPU threads each learner's XLA may use"
+    )
+    max_restarts: int = Field(
+        DEFAULT_MAX_RESTARTS,
+        ge=0,
+        description="restarts of each crashed child before it is left dead (the run then ends "
+        "if it is the outer or nats-server); restarts back off from 1 s to 10 s",
     )
 
     def unit_steps(self) -> list[int]:
@@ -97,21 +113,44 @@ class UpSettings(JobSpec, InnerSettings, OuterAlgorithmSettings):
         return self
 
 
+def _popen(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``diloco <args>`` in its own session, appending its output to ``log_path``."""
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(
+            [sys.executable, "-m", "services.cli", *args],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env},
+            start_new_session=True,
+            preexec_fn=broker.terminate_with_parent,
+        )
+
+
 @dataclass
 class Child:
-    """A supervised service process."""
+    """A supervised service process; ``args`` and ``env`` start it again after a crash."""
 
     name: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
     def alive(self) -> bool:
+        """Whether the current process is still running."""
         return self.process.poll() is None
+
+    def restart(self, number: int) -> None:
+        """Start the same command line again (the log gets a marker line first)."""
+        with open(self.log_path, "ab") as log_file:
+            log_file.write(f"\n==== diloco up: restart #{number} ====\n".encode())
+        self.process = _popen(self.args, self.env, self.log_path)
 
 
 @dataclass
 class Cluster:
-    """The processes of one ``diloco up`` run."""
+    """The processes of one ``diloco up`` run and their restart bookkeeping."""
 
     settings: UpSettings
     out: TextIO = sys.stdout
@@ -119,27 +158,35 @@ class Cluster:
     learners: list[Child] = field(default_factory=list)
     services: list[Child] = field(default_factory=list)
     gateway_url: str = ""
+    supervisor: Supervisor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.supervisor = Supervisor(RestartPolicy(max_restarts=self.settings.max_restarts))
 
     @property
     def nats_url(self) -> str:
         assert self.server is not None
         return self.server.url
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Child:
+    @property
+    def pids_path(self) -> Path:
+        """``<data-dir>/pids.json``: the live children's PIDs, for chaos tests."""
+        return Path(self.settings.data_dir) / "pids.json"
+
+    def _spawn(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        may_finish: bool = False,
+    ) -> Child:
         logs = Path(self.settings.data_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log_path = logs / f"{name}.log"
-        with open(log_path, "ab") as log_file:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", *args],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, **(env or {})},
-                start_new_session=True,
-                preexec_fn=broker.terminate_with_parent,
-            )
-        return Child(name, process, log_path)
+        child = Child(name, _popen(args, env or {}, log_path), log_path, args, env or {})
+        self.supervisor.add(name, time.monotonic(), may_finish=may_finish)
+        return child
 
     def job_flags(self) -> list[str]:
         """Flags every service of the job gets: NATS URL and the job definition."""
@@ -150,13 +197,16 @@ class Cluster:
         s = self.settings
         data_dir = Path(s.data_dir)
         store = data_dir / "nats"
-        if store.exists():
-            # Each run is a fresh job: learners number their rounds from 0, and JetStream would
-            # drop a new run's uploads as duplicates of the last run's within its dedupe window.
-            shutil.rmtree(store)
+        # Each run is a fresh job: learners number their rounds from 0, and JetStream would
+        # drop a new run's uploads as duplicates of the last run's within its dedupe window;
+        # a learner would restore the last run's checkpoint.
+        for stale in (store, self.checkpoint_dir):
+            if stale.exists():
+                shutil.rmtree(stale)
         self.server = broker.start_nats_server(
             store, port=s.nats_port, new_session=True, die_with_parent=True
         )
+        self.supervisor.add(NATS, time.monotonic())
         self.print(f"nats-server  {self.nats_url}  (fresh JetStream store {store})")
         cache_env = {"DILOCO_JAX_CACHE": str((data_dir / "jax-cache").resolve())}
         outer_flags = to_flags(s, OuterAlgorithmSettings.model_fields)
@@ -184,6 +234,12 @@ class Cluster:
             )
         )
         self.print(f"gateway      {self.gateway_url}  (GET /jobs/{s.job}, /readyz)")
+        self.write_pids()
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where learners checkpoint, so that a restarted one goes on where it was."""
+        return (Path(self.settings.data_dir) / "units").resolve()
 
     def start_learners(self) -> None:
         """Start the learner processes (after ``start_services``)."""
@@ -199,6 +255,8 @@ class Cluster:
             "OMP_NUM_THREADS": str(threads),
         }
         inner_flags = to_flags(s, set(InnerSettings.model_fields) - {"max_steps"})
+        if "checkpoint_dir" in LearnerSettings.model_fields:
+            inner_flags += ["--checkpoint-dir", str(self.checkpoint_dir)]
         for unit, (slowdown, steps) in enumerate(
             zip(s.unit_slowdowns(), s.unit_steps(), strict=True)
         ):
@@ -219,18 +277,111 @@ class Cluster:
                         *inner_flags,
                     ],
                     learner_env,
+                    may_finish=True,  # a learner that exits 0 has trained all its steps
                 )
             )
         self.print(
             f"{s.learners} learners     model {s.model}, {s.max_steps} steps each, H={s.h_steps}"
             f"  (logs in {data_dir / 'logs'})"
         )
+        self.write_pids()
 
     def print(self, line: str) -> None:
         print(line, file=self.out, flush=True)
 
     def children(self) -> list[Child]:
+        """Every service process (learners first), not nats-server."""
         return [*self.learners, *self.services]
+
+    def pids(self) -> dict[str, int]:
+        """PIDs of the live children by name (``nats-server``, ``outer``, ``gateway``,
+        ``learner-<unit>``), e.g. for a chaos test that kills some of them."""
+        pids = {}
+        if self.server is not None and self.server.alive():
+            pids[NATS] = self.server.pid
+        for child in self.children():
+            if child.alive():
+                pids[child.name] = child.process.pid
+        return pids
+
+    def write_pids(self) -> None:
+        """Write ``pids.json`` atomically: this supervisor's PID, the NATS URL, the live
+        children's PIDs and the restart counts."""
+        record = {
+            "supervisor": os.getpid(),
+            "nats_url": self.server.url if self.server is not None else None,
+            "pids": self.pids(),
+            "restarts": self.supervisor.restarts(),
+        }
+        path = self.pids_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, path)
+
+    def learners_done(self) -> bool:
+        """Every learner has finished (exit 0) or is left dead after its restarts."""
+        return all(
+            self.supervisor.state(child.name) in (State.FINISHED, State.GAVE_UP)
+            for child in self.learners
+        )
+
+    def _exit_code(self, name: str) -> int | None:
+        if name == NATS:
+            assert self.server is not None
+            return self.server.process.poll()
+        return next(c for c in self.children() if c.name == name).process.poll()
+
+    def _log_path(self, name: str) -> Path:
+        if name == NATS:
+            assert self.server is not None
+            return self.server.log_path
+        return next(c for c in self.children() if c.name == name).log_path
+
+    def heal(self, stopping: Callable[[], bool]) -> str | None:
+        """Notice children that exited and restart those whose backoff is over (none once
+        ``stopping()``); returns why the run must end (the outer or nats-server is left dead
+        after its restarts), else None."""
+        now = time.monotonic()
+        changed = False
+        ended = None
+        for name in self.supervisor.running():
+            code = self._exit_code(name)
+            if code is None:
+                continue
+            changed = True
+            decision = self.supervisor.exited(name, code, now)
+            if decision.state is State.FINISHED:
+                continue
+            self.print(f"{decision.line()}  (log {self._log_path(name)})")
+            if decision.state is State.GAVE_UP and name in ESSENTIAL and ended is None:
+                ended = (
+                    f"stopped: {name} exited with code {code} and was not restarted "
+                    f"(max-restarts {decision.max_restarts} reached)"
+                )
+        if ended is None:
+            for name in self.supervisor.due(now):
+                if stopping():
+                    break
+                self._restart(name)
+                changed = True
+        if changed:
+            self.write_pids()
+        return ended
+
+    def _restart(self, name: str) -> None:
+        number = self.supervisor.restarts()[name] + 1
+        if name == NATS:
+            assert self.server is not None
+            # Same port and config, same JetStream store: clients reconnect by themselves.
+            self.server.restart(ready_timeout_s=None)
+            pid = self.server.pid
+        else:
+            child = next(c for c in self.children() if c.name == name)
+            child.restart(number)
+            pid = child.process.pid
+        self.supervisor.restarted(name, time.monotonic())
+        self.print(f"{name} restarted (restart #{number}, pid {pid})")
 
     def stop(self) -> None:
         """Stop everything: learners, then outer and gateway, then NATS; kill stragglers."""
@@ -253,6 +404,8 @@ class Cluster:
                     child.process.wait(timeout=10)
         if self.server is not None:
             self.server.stop()
+        with contextlib.suppress(OSError):
+            self.write_pids()  # no live PIDs any more: a chaos script must not kill reused ones
 
 
 def _fmt(value: Any, spec: str, missing: str = "-") -> str:
@@ -309,8 +462,11 @@ async def pause_all(cluster: Cluster) -> None:
 
 
 def run_is_complete(cluster: Cluster, outer: dict | None, units: dict[int, dict]) -> bool:
-    """All learners exited, the outer applied all they published and evaluated the result."""
-    if any(child.alive() for child in cluster.learners) or not outer:
+    """All learners finished (or are left dead), the outer runs, applied all they published and
+    evaluated the result (``outer`` and ``units`` must have just been read)."""
+    if not cluster.learners_done() or not outer:
+        return False
+    if cluster.supervisor.state("outer") is not State.RUNNING:
         return False
     published = sum(u.get("counters", {}).get("published", 0) for u in units.values())
     rejected = sum((outer.get("rejected") or {}).values())
@@ -318,57 +474,89 @@ def run_is_complete(cluster: Cluster, outer: dict | None, units: dict[int, dict]
     return outer.get("applied", 0) + rejected >= published and evaluated
 
 
+async def _release_all(desired_kv: Any, job: str, learners: int) -> None:
+    for unit in range(learners):
+        await transport.put_desired(desired_kv, job, unit, "running")
+
+
 async def supervise(cluster: Cluster, stop: asyncio.Event) -> dict[str, Any]:
-    """Print progress until the run completes, ``stop`` is set or the time limit passes."""
+    """Print progress and heal the cluster until the run completes, ``stop`` is set, the time
+    limit passes or the outer or nats-server is left dead after its restarts.
+
+    While nats-server is down (and being restarted) the status reads fail or are skipped; the
+    connection reconnects by itself and the loop goes on.
+
+    Returns:
+        ``reason``, ``elapsed_s``, the last ``outer`` and ``units`` statuses read,
+        ``tokens_per_s`` and ``restarts`` (per child name).
+    """
     s = cluster.settings
-    nc = await transport.connect(NatsSettings(nats_url=cluster.nats_url), "diloco-up")
+
+    async def quiet(_err: Exception) -> None:
+        """Connection errors while nats-server is down: the loop reports the outage once."""
+
+    nc = await transport.connect(
+        NatsSettings(nats_url=cluster.nats_url), "diloco-up", error_cb=quiet
+    )
     js = nc.jetstream()
     await transport.ensure_streams(js)
     kv = await js.key_value(subjects.STATUS_BUCKET)
+    desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
     started = time.monotonic()
     last_print = 0.0
     outer: dict | None = None
     units: dict[int, dict] = {}
     reason = "interrupted"
-    reported_dead: set[str] = set()
+    nats_reachable = True
     # Training throughput is measured from the first inner step seen to the last token counted,
     # so start-up (imports, JIT compilation) and shutdown do not dilute it.
     first_step_at: float | None = None
     tokens_at_first_step = 0
     tokens_seen, tokens_changed_at = 0, started
-    desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
     released = not s.start_together
     try:
         while not stop.is_set():
-            outer, units = await _read_statuses(kv, s.job, s.learners)
             elapsed = time.monotonic() - started
-            if not released and _all_ready(cluster, units, elapsed):
-                for unit in range(s.learners):
-                    await transport.put_desired(desired_kv, s.job, unit, "running")
-                released = True
-                cluster.print(f"[{elapsed:6.1f}s] all units ready: starting them together")
-            tokens = sum(u.get("tokens", 0) for u in units.values())
-            if tokens > tokens_seen:
-                if first_step_at is None:
-                    first_step_at = time.monotonic()
-                    tokens_at_first_step = tokens
-                tokens_seen, tokens_changed_at = tokens, time.monotonic()
+            fresh = False
+            try:
+                if not nc.is_connected:
+                    raise nats.errors.ConnectionReconnectingError
+                outer, units = await asyncio.wait_for(
+                    _read_statuses(kv, s.job, s.learners), STATUS_READ_TIMEOUT_S
+                )
+                fresh = True
+                if not released and _all_ready(cluster, units, elapsed):
+                    await asyncio.wait_for(
+                        _release_all(desired_kv, s.job, s.learners), STATUS_READ_TIMEOUT_S
+                    )
+                    released = True
+                    cluster.print(f"[{elapsed:6.1f}s] all units ready: starting them together")
+                if not nats_reachable:
+                    cluster.print(f"[{elapsed:6.1f}s] NATS reachable again")
+                    nats_reachable = True
+            except NATS_ERRORS as err:
+                if nats_reachable:
+                    cluster.print(
+                        f"[{elapsed:6.1f}s] NATS unreachable ({type(err).__name__}): "
+                        "status reads paused"
+                    )
+                    nats_reachable = False
+            if fresh:
+                tokens = sum(u.get("tokens", 0) for u in units.values())
+                if tokens > tokens_seen:
+                    if first_step_at is None:
+                        first_step_at = time.monotonic()
+                        tokens_at_first_step = tokens
+                    tokens_seen, tokens_changed_at = tokens, time.monotonic()
             if time.monotonic() - last_print >= s.progress_every_s:
                 cluster.print(progress_line(elapsed, outer, units))
                 last_print = time.monotonic()
-            for child in cluster.children():
-                code = child.process.poll()
-                if code not in (None, 0) and child.name not in reported_dead:
-                    reported_dead.add(child.name)
-                    cluster.print(f"{child.name} exited with code {code}; see {child.log_path}")
-            # A lost learner never stops the others; without the outer or NATS nothing can go on.
-            failed = [c.name for c in cluster.services if not c.alive()]
-            if cluster.server is not None and not cluster.server.alive():
-                failed.append("nats-server")
-            if failed:
-                reason = f"stopped: {', '.join(failed)} exited"
+            # A lost learner never stops the others; crashed children come back after a backoff.
+            ended = cluster.heal(stop.is_set)
+            if ended is not None:
+                reason = ended
                 break
-            if run_is_complete(cluster, outer, units):
+            if fresh and run_is_complete(cluster, outer, units):
                 reason = "finished"
                 break
             if elapsed > s.max_duration_s:
@@ -377,7 +565,8 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> dict[str, Any]:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
     finally:
-        await asyncio.wait_for(nc.close(), timeout=5)
+        with contextlib.suppress(*NATS_ERRORS):
+            await asyncio.wait_for(nc.close(), timeout=5)
     training_s = tokens_changed_at - first_step_at if first_step_at is not None else 0.0
     return {
         "reason": reason,
@@ -385,6 +574,7 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> dict[str, Any]:
         "outer": outer,
         "units": units,
         "tokens_per_s": (tokens_seen - tokens_at_first_step) / training_s if training_s else None,
+        "restarts": cluster.supervisor.restarts(),
     }
 
 
@@ -406,6 +596,11 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"{_fmt(final.get('nats_per_byte'), '.4f')} nats/byte "
         f"({_fmt(final.get('bits_per_byte'), '.4f')} bits/byte) at version {final.get('version')}",
     ]
+    restarts = result.get("restarts") or {}
+    if restarts:
+        lines.append(
+            "restarts            " + ", ".join(f"{name} {n}" for name, n in restarts.items())
+        )
     for unit, status in sorted(result.get("units", {}).items()):
         counters = status.get("counters", {})
         lines.append(

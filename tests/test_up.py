@@ -1,11 +1,15 @@
-"""`diloco up`: runs a whole cluster, finishes by itself, and never leaves a process behind."""
+"""`diloco up`: runs a whole cluster, heals it, finishes by itself, and never leaves a process
+behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -132,8 +136,10 @@ def test_up_stops_cleanly_on_signal_and_leaves_no_process(tmp_path, jax_cache, s
 
 
 @pytest.mark.timeout(300)
-def test_up_ends_with_an_error_when_the_outer_dies_and_cleans_up(tmp_path, jax_cache):
-    process, data_dir, out_path = start_up(tmp_path, jax_cache, "--max-steps", "100000")
+def test_up_ends_with_an_error_when_the_outer_dies_for_good_and_cleans_up(tmp_path, jax_cache):
+    process, data_dir, out_path = start_up(
+        tmp_path, jax_cache, "--max-steps", "100000", "--max-restarts", "0"
+    )
     try:
         wait_for(
             lambda: any(" u0 runn" in line for line in out_path.read_text().splitlines()),
@@ -147,6 +153,72 @@ def test_up_ends_with_an_error_when_the_outer_dies_and_cleans_up(tmp_path, jax_c
         if process.poll() is None:
             process.kill()
     output = out_path.read_text()
-    assert "stopped: outer exited" in output, output
+    assert "stopped: outer exited with code -9 and was not restarted (max-restarts 0" in output
     assert "all services stopped" in output
+    assert cluster_processes(data_dir, out_path) == []
+
+
+def read_pids(data_dir: Path) -> dict:
+    """``pids.json`` of a running `diloco up` (empty until it is written)."""
+    try:
+        return json.loads((data_dir / "pids.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def answers_http(url: str) -> bool:
+    """Whether an HTTP server answers at ``url`` (with any status)."""
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(540)
+def test_up_restarts_killed_gateway_and_nats_server_and_still_finishes(tmp_path, jax_cache):
+    process, data_dir, out_path = start_up(
+        tmp_path, jax_cache, "--max-steps", "150", "--h-steps", "10", "--slowdowns", "3,3"
+    )
+    try:
+        pids = wait_for(
+            lambda: (r := read_pids(data_dir)).get("pids", {}).get("gateway") and r, 120, "pids"
+        )
+        assert pids["supervisor"] == process.pid
+        assert {"nats-server", "outer", "gateway", "learner-0", "learner-1"} <= set(pids["pids"])
+        gateway_url = next(
+            line.split()[1]
+            for line in out_path.read_text().splitlines()
+            if line.startswith("gateway ")
+        )
+        wait_for(lambda: answers_http(gateway_url + "/readyz"), 120, "the gateway to answer")
+        os.kill(pids["pids"]["gateway"], signal.SIGKILL)
+        wait_for(
+            lambda: "gateway restarted (restart #1" in out_path.read_text(), 30, "gateway restart"
+        )
+        wait_for(lambda: answers_http(gateway_url + "/readyz"), 120, "the gateway to come back")
+        wait_for(
+            lambda: any(
+                " u0 runn" in line and " u1 runn" in line
+                for line in out_path.read_text().splitlines()
+            ),
+            240,
+            "both units to be training",
+        )
+        os.kill(read_pids(data_dir)["pids"]["nats-server"], signal.SIGKILL)
+        assert process.wait(timeout=400) == 0, out_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = out_path.read_text()
+    assert "gateway exited with code -9; restart #1 in 1.0s" in output, output
+    assert "nats-server exited with code -9; restart #1 in 1.0s" in output, output
+    assert "nats-server restarted (restart #1" in output
+    assert "run finished" in output, output
+    restarts = next(x for x in output.splitlines() if x.startswith("restarts "))
+    assert "nats-server 1," in restarts and "gateway 1," in restarts, restarts
+    assert "all services stopped" in output
+    assert read_pids(data_dir)["pids"] == {}
     assert cluster_processes(data_dir, out_path) == []
