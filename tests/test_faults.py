@@ -1,0 +1,432 @@
+"""Fault injection with real processes, a real nats-server and ``kill -9`` (docs/RELIABILITY.md).
+
+Every test is seeded (kill moments come from ``random.Random(seed)``) and ends by balancing the
+books with :func:`shared.ledger.balance`: every round a unit published was applied exactly once
+or rejected with a reason. A recorder also listens to every params announcement and checks that
+a version number never stands for two different sets of params.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shared import codec, subjects, transport, wire
+from shared.broker import NatsServer, start_nats_server
+from shared.ledger import balance
+from shared.settings import NatsSettings
+from tests.conftest import read_status, wait_for
+
+pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
+
+LEASE_S = "1"
+
+
+def job_flags(url: str, job: str) -> list[str]:
+    return ["--nats-url", url, "--job", job, "--model", "tiny", "--seed", "1"]
+
+
+def start_outer(services, url: str, job: str, name: str, units: int):
+    return services.start(
+        name,
+        "outer",
+        *job_flags(url, job),
+        "--num-units",
+        str(units),
+        "--eval-every-s",
+        "3",
+        "--lease-s",
+        LEASE_S,
+        "--status-interval-s",
+        "0.3",
+    )
+
+
+def start_learner(services, url: str, job: str, unit: int, units: int, ckpt: Path, steps: int):
+    return services.start(
+        f"learner-{unit}",
+        "learner",
+        *job_flags(url, job),
+        "--unit",
+        str(unit),
+        "--num-units",
+        str(units),
+        "--max-steps",
+        str(steps),
+        "--h-steps",
+        "10",
+        "--batch-size",
+        "8",
+        "--no-dynamic-h",
+        "--slowdown",
+        "3",
+        "--status-interval-s",
+        "0.5",
+        "--checkpoint-dir",
+        str(ckpt),
+    )
+
+
+def kill9(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGKILL)
+    process.wait(timeout=10)
+
+
+def outer_state(url: str, job: str) -> dict:
+    return read_status(url, job)[0] or {}
+
+
+def current_leader(url: str, job: str, outers: dict[str, subprocess.Popen]) -> str | None:
+    """Name of the live outer process that leads the job (by its fresh heartbeat), if any."""
+    status = outer_state(url, job)
+    if status.get("state") != "running" or time.time() - status.get("time", 0) > 1.0:
+        return None
+    pid = status["holder"].split(":")[1]
+    for name, process in outers.items():
+        if process.poll() is None and str(process.pid) == pid:
+            return name
+    return None
+
+
+class HeadRecorder:
+    """Records every params head announced for a job: (fragment, version) -> params CRCs."""
+
+    def __init__(self, url: str, job: str) -> None:
+        self.url, self.job = url, job
+        self.crcs: dict[tuple[int, int], set[int]] = defaultdict(set)
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._thread.start()
+        assert self._ready.wait(20), "head recorder could not connect"
+
+    async def _run(self) -> None:
+        nc = await transport.connect(NatsSettings(nats_url=self.url), "head-recorder")
+
+        async def on_head(msg) -> None:
+            head = json.loads(msg.data)
+            fragment = int(msg.subject.split(".")[3])
+            self.crcs[fragment, int(head["version"])].add(head["params_crc"])
+
+        await nc.subscribe(subjects.params_head_subject(self.job, "*"), cb=on_head)
+        self._ready.set()
+        while not self._stop.is_set():
+            await asyncio.sleep(0.1)
+        await nc.close()
+
+    def stop(self) -> dict[tuple[int, int], set[int]]:
+        self._stop.set()
+        self._thread.join(10)
+        return self.crcs
+
+
+def assert_no_version_published_twice(crcs: dict[tuple[int, int], set[int]]) -> None:
+    twice = {key: values for key, values in crcs.items() if len(values) > 1}
+    assert not twice, f"versions announced with different params: {twice}"
+    assert crcs, "no params announcement was recorded"
+
+
+def assert_books_balance(url: str, job: str) -> dict:
+    outer, units = read_status(url, job)
+    books = balance(outer, units)
+    print("ledger:", json.dumps(books))
+    assert books["balanced"], books["problems"]
+    return books
+
+
+def wait_caught_up(url: str, job: str, timeout_s: float = 120) -> None:
+    """Every published round is applied or rejected, and nothing is buffered."""
+
+    def caught_up() -> bool:
+        outer, units = read_status(url, job)
+        return bool(outer) and outer.get("state") == "running" and balance(outer, units)["balanced"]
+
+    wait_for(caught_up, timeout_s, "the outer to apply every published round", interval_s=0.5)
+
+
+# --------------------------------------------------------------------------- the outer
+
+
+@pytest.mark.timeout(600)
+def test_outer_killed_at_random_moments_loses_and_duplicates_nothing(
+    nats_server, services, tmp_path
+) -> None:
+    """18 kill -9s of the leading outer at seeded random moments (some during start-up or
+    restore), with a standby outer running beside it for the second half (so a standby takes
+    over): the job never has two leaders, never announces a version twice, and the books
+    balance. With the replay test's two, the tests kill an outer 20 times."""
+    job, units, kills = "killouter", 2, 18
+    rng = random.Random(20261130)
+    recorder = HeadRecorder(nats_server.url, job)
+    outers = {"a": start_outer(services, nats_server.url, job, "outer-a", units)}
+    wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "outer a")
+    learners = [
+        start_learner(services, nats_server.url, job, u, units, tmp_path / "units", 100_000)
+        for u in range(units)
+    ]
+    wait_for(lambda: outer_state(nats_server.url, job).get("applied", 0) >= 2, 120, "training")
+    killed_holders: list[str] = []
+    killed_names: list[str] = []
+    for kill in range(kills):
+        if kill == kills // 2:
+            outers["b"] = start_outer(services, nats_server.url, job, "outer-b", units)
+        # The leader is whichever live outer holds the lease and heartbeats now.
+        leader = wait_for(
+            lambda: current_leader(nats_server.url, job, outers),
+            120,
+            f"a leader before kill {kill}",
+        )
+        status = outer_state(nats_server.url, job)
+        if rng.random() < 0.3:
+            time.sleep(rng.uniform(0.0, 0.3))  # right after it took over: mid-restore, often
+        else:
+            time.sleep(rng.uniform(0.2, 3.0))
+        killed_holders.append(status["holder"])
+        killed_names.append(leader)
+        kill9(outers[leader])
+        outers[leader] = start_outer(services, nats_server.url, job, f"outer-{leader}", units)
+    # Let it run a little after the last kill, then stop the units (they flush what they have).
+    wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "leader")
+    for learner in learners:
+        learner.send_signal(signal.SIGTERM)
+    for learner in learners:
+        assert learner.wait(timeout=60) == 0, services.logs()
+    wait_caught_up(nats_server.url, job)
+    books = assert_books_balance(nats_server.url, job)
+    assert books["applied"] >= 10 and books["rejected"] == 0
+    status = outer_state(nats_server.url, job)
+    assert status["holder"] not in killed_holders
+    assert set(killed_names[kills // 2 :]) == {"a", "b"}, "a standby must have taken over"
+    assert status["epoch"] >= kills + 1  # every kill of a leader led to a new leadership epoch
+    assert status["version"] == status["merges"], "each merge must make exactly one version"
+    assert status["restored_from"]["kind"] == "checkpoint"
+    assert_no_version_published_twice(recorder.stop())
+    # Never two leaders: every outer that lost the lease exited with the lease-lost code, and
+    # each process that was not killed by us is either the leader or a standby.
+    for name, process in outers.items():
+        assert process.poll() in (None, 75), services.log(f"outer-{name}")
+
+
+# --------------------------------------------------------------------------- replay
+
+
+def _upload_blob(job: str, unit: int, round_: int, base: int, seed: int) -> bytes:
+    import jax
+
+    from shared import model, pytree
+
+    named = pytree.flatten_named(model.init_params(model.get_config("tiny"), jax.random.PRNGKey(1)))
+    rng = np.random.default_rng(seed)
+    delta = {k: (rng.standard_normal(v.shape) * 1e-3).astype(np.float32) for k, v in named.items()}
+    payload, description = codec.encode_tensors(delta, "int8")
+    envelope = wire.Envelope(
+        kind="pseudo_grad",
+        job=job,
+        unit=unit,
+        round=round_,
+        fragment=0,
+        base_version=base,
+        inner_steps=10,
+        tokens=1280 + 64 * seed,
+        train_loss=3.0,
+        codec=description,
+        sent_at=1.7e9,
+        payload=payload,
+        model="tiny",
+    )
+    return wire.pack_envelope(envelope)
+
+
+def _publish_uploads(url: str, job: str, count: int) -> None:
+    async def publish() -> None:
+        nc = await transport.connect(NatsSettings(nats_url=url), "replay-publisher")
+        js = nc.jetstream()
+        await transport.ensure_streams(js)
+        for k in range(count):
+            unit, round_ = k % 3, k // 3
+            # The outer offers a whole fetched batch (up to 32 messages) before merging it, so
+            # a base version 40 behind the upload's position is always one it has reached.
+            blob = _upload_blob(job, unit, round_, base=max(0, k - 40), seed=k)
+            await transport.publish_blob(
+                js,
+                subjects.grads_subject(job, unit),
+                blob,
+                wire.upload_id(job, unit, round_, 0),
+                transport.chunk_size_for(nc),
+            )
+        await nc.close()
+
+    asyncio.run(publish())
+
+
+def _final_params(url: str, job: str) -> dict[str, np.ndarray]:
+    async def read() -> dict[str, np.ndarray]:
+        nc = await transport.connect(NatsSettings(nats_url=url), "replay-reader")
+        try:
+            fetched = await transport.read_latest_params(nc.jetstream(), job, 0, 1 << 30)
+            assert fetched is not None
+            envelope = wire.unpack_envelope(fetched[1], max_size=1 << 30)
+            return codec.decode_tensors(envelope.payload, envelope.codec)
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+@pytest.mark.timeout(400)
+def test_replay_with_and_without_an_outer_crash_gives_bit_identical_params(
+    nats_server, services
+) -> None:
+    """The same arrival sequence (uploads stored before the outer starts, so their order is
+    the stream's) is applied by an outer that runs through, and by one killed midway and
+    restarted (twice): the final global params are bit for bit the same."""
+    count = 90
+    results = {}
+    for job, crash in (("replaya", False), ("replayb", True)):
+        _publish_uploads(nats_server.url, job, count)
+        outer = start_outer(services, nats_server.url, job, f"outer-{job}", 3)
+        if crash:
+            for kill in range(2):
+                wait_for(
+                    lambda k=kill, j=job: (
+                        outer_state(nats_server.url, j).get("applied", 0) >= 15 + 30 * k
+                    ),
+                    120,
+                    f"{job}: applied before kill {kill}",
+                    interval_s=0.05,
+                )
+                assert outer_state(nats_server.url, job)["applied"] < count, "crash came too late"
+                kill9(outer)
+                outer = start_outer(services, nats_server.url, job, f"outer-{job}-{kill}", 3)
+        wait_for(
+            lambda j=job: outer_state(nats_server.url, j).get("applied") == count,
+            180,
+            f"{job}: every upload applied",
+        )
+        status = outer_state(nats_server.url, job)
+        assert status["version"] == count and status["rejected"] == {}
+        if crash:
+            assert status["restored_from"]["kind"] == "checkpoint"
+        results[job] = _final_params(nats_server.url, job)
+        kill9(outer)
+    a, b = results["replaya"], results["replayb"]
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+# --------------------------------------------------------------------------- nats-server
+
+
+@pytest.mark.timeout(500)
+def test_nats_server_killed_and_restarted_mid_run(nats_server: NatsServer, services, tmp_path):
+    job, units = "killnats", 2
+    recorder = HeadRecorder(nats_server.url, job)
+    start_outer(services, nats_server.url, job, "outer", units)
+    wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "outer")
+    learners = [
+        start_learner(services, nats_server.url, job, u, units, tmp_path / "units", 600)
+        for u in range(units)
+    ]
+    wait_for(lambda: outer_state(nats_server.url, job).get("applied", 0) >= 4, 180, "training")
+    before = outer_state(nats_server.url, job)["applied"]
+    nats_server.kill()
+    time.sleep(3)  # services keep running: learners train, queue uploads and reconnect
+    server = start_nats_server(nats_server.store_dir, port=nats_server.port)
+    try:
+        wait_for(
+            lambda: outer_state(server.url, job).get("applied", 0) > before + 4,
+            180,
+            "training to go on after the restart",
+        )
+        for learner in learners:
+            assert learner.wait(timeout=300) == 0, services.logs()
+        wait_caught_up(server.url, job)
+        books = assert_books_balance(server.url, job)
+        _, statuses = read_status(server.url, job)
+        for unit, status in statuses.items():
+            # Every round the unit numbered was published (and so applied), or dropped from
+            # its bounded queue during the outage and counted.
+            life = status["lifetime"]
+            accounted = books["per_unit"][unit]["published"] + life["dropped_unsent"]
+            assert accounted + life["rejected_local"] == status["next_round"], status
+        assert_no_version_published_twice(recorder.stop())
+    finally:
+        server.stop()
+
+
+# --------------------------------------------------------------------------- a learner unit
+
+
+@pytest.mark.timeout(500)
+def test_killed_unit_does_not_stop_the_others_and_rejoins_within_30s(
+    nats_server, services, tmp_path
+) -> None:
+    job, units = "killunit", 4
+    ckpt = tmp_path / "units"
+    start_outer(services, nats_server.url, job, "outer", units)
+    wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "outer")
+    learners = [
+        start_learner(services, nats_server.url, job, u, units, ckpt, 100_000) for u in range(units)
+    ]
+    victim = 2
+    wait_for(
+        lambda: (
+            outer_state(nats_server.url, job)
+            .get("units", {})
+            .get(str(victim), {})
+            .get("applied", 0)
+            >= 2
+        ),
+        180,
+        "the victim unit to have two rounds applied",
+    )
+    kill9(learners[victim])
+    last_round = read_status(nats_server.url, job)[1][victim]["published_rounds"][-1][1]
+    version_at_kill = outer_state(nats_server.url, job)["version"]
+    # The others go on without it.
+    wait_for(
+        lambda: outer_state(nats_server.url, job)["version"] >= version_at_kill + 6,
+        120,
+        "the global version to advance without the killed unit",
+    )
+    restarted_at = time.monotonic()
+    version_at_restart = outer_state(nats_server.url, job)["version"]
+    learners[victim] = start_learner(services, nats_server.url, job, victim, units, ckpt, 100_000)
+
+    def rejoined() -> bool:
+        status = read_status(nats_server.url, job)[1].get(victim, {})
+        return (
+            status.get("state") == "running"
+            and status.get("restored_from_step") is not None
+            and sum(status.get("base_versions") or [0]) >= version_at_restart
+        )
+
+    wait_for(rejoined, 30, "the restarted unit to train on the current version")
+    print(f"rejoined after {time.monotonic() - restarted_at:.1f}s")
+    wait_for(
+        lambda: outer_state(nats_server.url, job)["units"][str(victim)]["last_round"] > last_round,
+        60,
+        "a new round of the restarted unit to be applied",
+    )
+    for learner in learners:
+        learner.send_signal(signal.SIGTERM)
+    for learner in learners:
+        assert learner.wait(timeout=60) == 0, services.logs()
+    wait_caught_up(nats_server.url, job)
+    books = assert_books_balance(nats_server.url, job)
+    applied = outer_state(nats_server.url, job)["applied_rounds"][str(victim)]
+    # Round numbers continue: nothing of the victim was applied twice and rounds after the
+    # restart are numbered above the ones before it.
+    assert applied[-1][1] > last_round and books["per_unit"][victim]["missing"] == []
