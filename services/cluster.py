@@ -34,10 +34,11 @@ from pydantic_settings import SettingsConfigDict
 from services.learner.settings import InnerSettings, LearnerSettings
 from services.outer.settings import OuterAlgorithmSettings
 from services.supervisor import DEFAULT_MAX_RESTARTS, RestartPolicy, State, Supervisor
-from shared import broker, subjects, transport
+from shared import broker, ledger, subjects, transport
 from shared.settings import ENV_PREFIX, JobSpec, NatsSettings, to_flags
 
 STOP_GRACE_S = 30.0
+SUMMARY_FILE = "summary.json"  # in the data dir: the final statuses, ledger and restarts
 READY_TIMEOUT_S = 300.0
 STATUS_READ_TIMEOUT_S = 3.0  # bounds a status read while NATS is down, so healing goes on
 NATS = "nats-server"
@@ -468,10 +469,11 @@ def run_is_complete(cluster: Cluster, outer: dict | None, units: dict[int, dict]
         return False
     if cluster.supervisor.state("outer") is not State.RUNNING:
         return False
-    published = sum(u.get("counters", {}).get("published", 0) for u in units.values())
-    rejected = sum((outer.get("rejected") or {}).values())
+    # Every round any unit ever published (across its restarts) was applied or rejected.
     evaluated = (outer.get("eval") or {}).get("version") == outer.get("version")
-    return outer.get("applied", 0) + rejected >= published and evaluated
+    return (
+        outer.get("state") == "running" and ledger.balance(outer, units)["balanced"] and evaluated
+    )
 
 
 async def _release_all(desired_kv: Any, job: str, learners: int) -> None:
@@ -578,6 +580,21 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> dict[str, Any]:
     }
 
 
+def staleness_summary(histogram: dict[str, int]) -> str:
+    """A staleness histogram in one short phrase: the whole of it when it has few values,
+    else its median, 90th percentile and maximum."""
+    counts = sorted((int(k), int(v)) for k, v in histogram.items())
+    if len(counts) <= 6:
+        return str({str(k): v for k, v in counts})
+    total, running, marks = sum(v for _, v in counts), 0, {}
+    for value, count in counts:
+        running += count
+        for name, share in (("median", 0.5), ("p90", 0.9)):
+            if name not in marks and running >= share * total:
+                marks[name] = value
+    return f"median {marks['median']}, p90 {marks['p90']}, max {counts[-1][0]}"
+
+
 def summary_lines(result: dict[str, Any]) -> list[str]:
     """The end-of-run summary: initial vs final held-out loss, versions, tokens."""
     outer = result.get("outer") or {}
@@ -589,13 +606,20 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         f"  ({outer.get('applied', 0)} pseudo-gradients applied,"
         f" rejected {outer.get('rejected') or {}})",
         f"outer merges        {outer.get('merges', 0)}  (staleness of applied updates: "
-        f"{outer.get('staleness') or {}})",
+        f"{staleness_summary(outer.get('staleness') or {})})",
         f"tokens applied      {outer.get('tokens_applied', 0):,}",
         f"training throughput {_fmt(result.get('tokens_per_s'), ',.0f')} tokens/s (all units)",
         f"held-out eval loss  {_fmt(init.get('nats_per_byte'), '.4f')} -> "
         f"{_fmt(final.get('nats_per_byte'), '.4f')} nats/byte "
         f"({_fmt(final.get('bits_per_byte'), '.4f')} bits/byte) at version {final.get('version')}",
     ]
+    books = result.get("ledger") or ledger.balance(outer, result.get("units", {}))
+    lines.append(
+        f"ledger              {'balanced' if books['balanced'] else 'NOT balanced'}: "
+        f"{books['published']} rounds published, {books['applied']} applied once, "
+        f"{books['rejected']} rejected"
+        + ("" if books["balanced"] else f"; {'; '.join(books['problems'][:3])}")
+    )
     restarts = result.get("restarts") or {}
     if restarts:
         lines.append(
@@ -608,6 +632,13 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
             f" {counters.get('published', 0)} uploads, train loss {status.get('train_loss')}"
         )
     return lines
+
+
+def write_summary(path: Path, result: dict[str, Any]) -> None:
+    """Write the run's result (final statuses, ledger, restarts) as JSON, atomically."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, default=str, indent=1))
+    os.replace(tmp, path)
 
 
 def run_up(settings: UpSettings, out: TextIO = sys.stdout) -> int:
@@ -628,6 +659,8 @@ def run_up(settings: UpSettings, out: TextIO = sys.stdout) -> int:
             loop.run_until_complete(pause_all(cluster))
         cluster.start_learners()
         result = loop.run_until_complete(supervise(cluster, stop))
+        result["ledger"] = ledger.balance(result.get("outer"), result.get("units", {}))
+        write_summary(Path(settings.data_dir) / SUMMARY_FILE, result)
         for line in summary_lines(result):
             cluster.print(line)
         return 0 if result["reason"] in ("finished", "interrupted") else 1
