@@ -430,3 +430,76 @@ def test_killed_unit_does_not_stop_the_others_and_rejoins_within_30s(
     # Round numbers continue: nothing of the victim was applied twice and rounds after the
     # restart are numbered above the ones before it.
     assert applied[-1][1] > last_round and books["per_unit"][victim]["missing"] == []
+
+
+# --------------------------------------------------------------------------- desired state
+
+
+@pytest.mark.timeout(500)
+def test_paused_unit_stays_paused_through_restarts_of_gateway_outer_and_itself(
+    nats_server, services, tmp_path
+) -> None:
+    """The desired state lives in KV (and in the unit's state file): restarting the gateway,
+    the outer or the paused unit itself, each with kill -9 and the same command line, never
+    needs an operator action and never resumes the unit."""
+    import httpx
+
+    from shared.broker import free_port
+
+    job, units = "keeppaused", 2
+    ckpt = tmp_path / "units"
+    port = free_port()
+    gateway_args = ["gateway", "--nats-url", nats_server.url, "--job", job, "--port", str(port)]
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+
+    def unit_view(unit: int) -> dict | None:
+        try:
+            response = client.get(f"/jobs/{job}")
+        except httpx.TransportError:
+            return None
+        if response.status_code != 200:
+            return None
+        return next((u for u in response.json()["units"] if u["unit"] == unit), None)
+
+    def unit_status(unit: int) -> dict:
+        return read_status(nats_server.url, job)[1].get(unit, {})
+
+    outer = start_outer(services, nats_server.url, job, "outer", units)
+    gateway = services.start("gateway", *gateway_args)
+    learners = [
+        start_learner(services, nats_server.url, job, u, units, ckpt, 100_000) for u in range(units)
+    ]
+    wait_for(
+        lambda: all(unit_status(u).get("published_rounds") for u in range(units)), 180, "uploads"
+    )
+    assert client.post(f"/jobs/{job}/units/1/pause").status_code == 200
+    wait_for(lambda: unit_status(1).get("state") == "paused", 30, "unit 1 paused")
+
+    kill9(gateway)
+    gateway = services.start("gateway", *gateway_args)
+    view = wait_for(lambda: unit_view(1), 60, "the restarted gateway to serve unit 1")
+    assert view["desired"] == "paused" and view["state"] == "paused", view
+
+    kill9(outer)
+    outer = start_outer(services, nats_server.url, job, "outer", units)
+    wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "outer back")
+
+    step_at_kill = unit_status(1)["step"]
+    kill9(learners[1])
+    learners[1] = start_learner(services, nats_server.url, job, 1, units, ckpt, 100_000)
+    wait_for(
+        lambda: (
+            unit_status(1).get("restored_from_step") is not None
+            and unit_status(1).get("state") == "paused"
+        ),
+        90,
+        "the restarted unit to come back paused",
+    )
+    step = unit_status(1)["step"]
+    assert step <= step_at_kill
+    time.sleep(4)
+    assert unit_status(1)["step"] == step and unit_status(1)["state"] == "paused"
+    assert unit_status(0)["state"] == "running"
+
+    assert client.post(f"/jobs/{job}/units/1/resume").status_code == 200
+    wait_for(lambda: unit_status(1).get("step", 0) > step + 5, 60, "unit 1 to train again")
