@@ -296,6 +296,8 @@ class OuterService:
             log.info(
                 "outer %s leads job %s (epoch %d)", self.holder, self.settings.job, self.lease.epoch
             )
+            with contextlib.suppress(TimeoutError, nats.errors.Error):
+                await status_kv.delete(self._status_key())  # this process's standby record
             self.state_name = "restoring"
             tasks.append(asyncio.create_task(self.lease.keep_alive(self._on_lease_lost)))
             store = checkpoint.CheckpointStore(
@@ -317,7 +319,7 @@ class OuterService:
             self.state_name = "running"
             await self._serve(js, sub, store)
         finally:
-            if self.lost is None and self.state_name == "running":
+            if self.lost is None and self.state_name in ("running", "restoring"):
                 self.state_name = "stopped"
             for task in tasks:
                 task.cancel()
