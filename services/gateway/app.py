@@ -11,22 +11,18 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
-import nats.errors
-import nats.js.errors
-from fastapi import Depends, FastAPI, HTTPException, Path, Request
+from fastapi import FastAPI, HTTPException, Path, Request
 from pydantic import BaseModel
 
+from services.gateway.link import KV_TIMEOUT_S, Link, NatsLink, read_status
 from services.gateway.settings import GatewaySettings
 from shared import subjects, transport
 from shared.settings import JOB_NAME_PATTERN
-from shared.transport import TransportError
 
 log = logging.getLogger(__name__)
-
-KV_TIMEOUT_S = 5.0
 
 JobName = Annotated[
     str, Path(pattern=JOB_NAME_PATTERN.pattern, description="job name", examples=["demo"])
@@ -72,81 +68,6 @@ class DesiredStateView(BaseModel):
     desired: Literal["running", "paused"]
 
 
-class NatsLink:
-    """The gateway's NATS connection, made in the background so /healthz works without it."""
-
-    def __init__(self, settings: GatewaySettings) -> None:
-        self.settings = settings
-        self.nc: Any = None
-        self.desired_kv: Any = None
-        self.status_kv: Any = None
-        # Unit status keys seen per job. Listing a bucket's keys (nats-py's kv.keys(), an
-        # ordered replay) can miss a key that is being rewritten at that moment, and units
-        # heartbeat every second; keys seen once are therefore always read directly.
-        self.seen_unit_keys: dict[str, set[str]] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._connect_forever())
-
-    async def _connect_forever(self) -> None:
-        backoff = 0.5
-        while True:
-            try:
-                nc = await transport.connect(self.settings, "gateway")
-                js = nc.jetstream()
-                await transport.ensure_streams(js)
-                self.desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
-                self.status_kv = await js.key_value(subjects.STATUS_BUCKET)
-                self.nc = nc
-                return
-            except (TimeoutError, TransportError, nats.errors.Error) as err:
-                log.warning("gateway cannot reach NATS (%s); retrying in %.1fs", err, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
-
-    @property
-    def connected(self) -> bool:
-        return self.nc is not None and self.nc.is_connected
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        if self.nc is not None:
-            with suppress(TimeoutError, nats.errors.Error):
-                await asyncio.wait_for(self.nc.close(), timeout=5)
-
-
-def _link(request: Request) -> NatsLink:
-    link: NatsLink = request.app.state.link
-    if not link.connected:
-        raise HTTPException(status_code=503, detail="NATS is not reachable from the gateway")
-    return link
-
-
-Link = Annotated[NatsLink, Depends(_link)]
-
-
-async def _read_status(link: NatsLink, job: str) -> tuple[dict[str, Any] | None, dict[int, dict]]:
-    """Return (outer status, {unit: status}) of a job."""
-    outer = await asyncio.wait_for(
-        transport.get_json(link.status_kv, subjects.outer_status_key(job)), KV_TIMEOUT_S
-    )
-    units: dict[int, dict] = {}
-    try:
-        keys = await asyncio.wait_for(link.status_kv.keys(), KV_TIMEOUT_S)
-    except nats.js.errors.NoKeysError:
-        keys = []
-    prefix = subjects.unit_status_key(job, 0)[:-1]
-    seen = link.seen_unit_keys.setdefault(job, set())
-    seen.update(k for k in keys if k.startswith(prefix) and k[len(prefix) :].isdigit())
-    for key in sorted(seen):
-        status = await transport.get_json(link.status_kv, key)
-        if status is not None:
-            units[int(key[len(prefix) :])] = status
-    return outer, units
-
-
 async def _desired(link: NatsLink, job: str, unit: int) -> str:
     desired = await transport.get_json(link.desired_kv, subjects.desired_key(job, unit))
     return (desired or {}).get("state", "running")
@@ -189,7 +110,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @app.get("/jobs/{job}", response_model=JobView, summary="Global version and unit states")
     async def get_job(job: JobName, link: Link) -> JobView:
-        outer, units = await _read_status(link, job)
+        outer, units = await read_status(link, job)
         if outer is None and not units:
             raise HTTPException(status_code=404, detail=f"job {job!r} not found")
         now = time.time()
@@ -230,7 +151,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         )
 
     async def set_desired(link: NatsLink, job: str, unit: int, state: str) -> DesiredStateView:
-        _, units = await _read_status(link, job)
+        _, units = await read_status(link, job)
         if unit not in units:
             raise HTTPException(
                 status_code=404, detail=f"unit {unit} of job {job!r} has never reported"
@@ -256,4 +177,5 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def resume_unit(job: JobName, unit: UnitIndex, link: Link) -> DesiredStateView:
         return await set_desired(link, job, unit, "running")
 
+    # Routers of the other gateway modules are included here.
     return app
