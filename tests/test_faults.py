@@ -9,6 +9,7 @@ a version number never stands for two different sets of params.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import signal
@@ -449,8 +450,11 @@ def test_paused_unit_stays_paused_through_restarts_of_gateway_outer_and_itself(
     job, units = "keeppaused", 2
     ckpt = tmp_path / "units"
     port = free_port()
+    from tests.conftest import AUTH, GATEWAY_TOKEN
+
     gateway_args = ["gateway", "--nats-url", nats_server.url, "--job", job, "--port", str(port)]
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+    gateway_args += ["--token", GATEWAY_TOKEN]
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers=AUTH)
 
     def unit_view(unit: int) -> dict | None:
         try:
@@ -503,3 +507,55 @@ def test_paused_unit_stays_paused_through_restarts_of_gateway_outer_and_itself(
 
     assert client.post(f"/jobs/{job}/units/1/resume").status_code == 200
     wait_for(lambda: unit_status(1).get("step", 0) > step + 5, 60, "unit 1 to train again")
+
+
+# --------------------------------------------------------------------------- poison messages
+
+
+@pytest.mark.timeout(300)
+def test_poison_upload_is_dead_lettered_once_and_the_outer_goes_on(nats_server, services):
+    """A malformed upload is counted by reason, copied with the reason to the dead-letter
+    subject, terminated (never redelivered, also not after an outer crash) and the next good
+    upload is applied."""
+    job = "poison"
+    poison = b"\x93not an envelope" * 100
+    start_outer(services, nats_server.url, job, "outer", 3)
+    wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "outer")
+
+    async def publish(blob: bytes, unit: int, round_: int) -> None:
+        nc = await transport.connect(NatsSettings(nats_url=nats_server.url), "poisoner")
+        js = nc.jetstream()
+        await transport.publish_blob(
+            js, subjects.grads_subject(job, unit), blob, wire.upload_id(job, unit, round_, 0), 4096
+        )
+        await nc.close()
+
+    asyncio.run(publish(poison, 0, 0))
+    wait_for(
+        lambda: outer_state(nats_server.url, job).get("rejected") == {"bad_envelope": 1},
+        60,
+        "the poison upload to be rejected",
+    )
+    asyncio.run(publish(_upload_blob(job, 1, 0, base=0, seed=1), 1, 0))
+    wait_for(lambda: outer_state(nats_server.url, job).get("applied") == 1, 60, "a good upload")
+
+    async def dead_letters() -> tuple[list, int]:
+        nc = await transport.connect(NatsSettings(nats_url=nats_server.url), "dead-reader")
+        js = nc.jetstream()
+        sub = await js.pull_subscribe(subjects.dead_letter_subject(job), durable=None)
+        msgs = []
+        with contextlib.suppress(Exception):
+            msgs = await sub.fetch(100, timeout=2)
+        grads = await js.stream_info(subjects.GRADS_STREAM)
+        await nc.close()
+        return msgs, grads.state.messages
+
+    msgs, left = asyncio.run(dead_letters())
+    assert left == 0, "the poison chunks must be terminated, not left for redelivery"
+    assert b"".join(m.data for m in msgs) == poison
+    assert all("bad_envelope" in m.headers["Diloco-Reason"] for m in msgs)
+    assert {m.headers["Diloco-Subject"] for m in msgs} == {subjects.grads_subject(job, 0)}
+    status = outer_state(nats_server.url, job)
+    assert status["rejected_rounds"] == {"0": [[0, 0]]} and status["applied_rounds"] == {
+        "1": [[0, 0]]
+    }
