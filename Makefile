@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast lint format clean bench
+.PHONY: install run test test-fast lint format clean bench browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,23 @@ install: $(STAMP)  ## create .venv and install the project with its test tools
 run: $(STAMP)  ## train with a local cluster: 4 learners on the small model, then print the summary
 	$(BIN)/diloco up $(ARGS)
 
-test: $(STAMP)  ## the whole test suite (unit, integration and slow tiers)
+test: $(STAMP) browser  ## the whole test suite (unit, integration and slow tiers)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Headless Chromium for the dashboard's browser test (tests/test_observability_e2e.py). Installed
+# with apt-get only when missing and apt-get exists; if that fails (no root, no network) the
+# browser test is skipped with the reason, and the rest of the suite still runs.
+browser:  ## install chromium + chromium-driver (Debian/Ubuntu) unless present
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then \
+		:; \
+	elif command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium + chromium-driver for the dashboard's browser test"; \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			chromium chromium-driver >/dev/null; } \
+		|| echo "WARNING: chromium not installed; the browser test will be skipped"; \
+	else \
+		echo "WARNING: no chromium and no apt-get; the browser test will be skipped"; \
+	fi
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)

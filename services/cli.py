@@ -4,6 +4,7 @@
     diloco learner   run one learner unit against a NATS URL
     diloco outer     run the outer optimizer of a job
     diloco gateway   run the REST gateway
+    diloco jobs | job | unit | units   control jobs through a gateway (services/client.py)
 
 Every option is also an environment variable ``DILOCO_<NAME>`` and a key of the job
 configuration file given with ``--config job.toml``; flags win over the environment, which wins
@@ -32,6 +33,7 @@ log = logging.getLogger("diloco")
 
 # Exit status of an outer that lost its lease to another outer (EX_TEMPFAIL: start it again).
 EXIT_LEASE_LOST = 75
+CLIENT_COMMANDS = ("jobs", "job", "unit", "units")  # services/client.py
 
 
 def _settings(cls, args: argparse.Namespace):
@@ -136,11 +138,23 @@ def build_parser() -> argparse.ArgumentParser:
             help="job configuration file (TOML, keys = option names) [env DILOCO_CONFIG]",
         )
         sub.set_defaults(handler=handler)
+    from services.client import add_client_commands
+
+    add_client_commands(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``diloco`` command."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in CLIENT_COMMANDS:
+        # A client command: no service settings to build (they import JAX), no logging set-up.
+        from services.client import add_client_commands
+
+        parser = argparse.ArgumentParser(prog="diloco", description=__doc__)
+        add_client_commands(parser.add_subparsers(dest="command", required=True))
+        args = parser.parse_args(argv)
+        return int(args.handler(args))
     args = build_parser().parse_args(argv)
     try:
         return int(args.handler(args) or 0)

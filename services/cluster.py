@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -62,6 +63,11 @@ class UpSettings(JobSpec, InnerSettings, OuterAlgorithmSettings):
         "data", description="folder for logs, the JAX cache and the NATS store (emptied at start)"
     )
     gateway_port: int = Field(8000, ge=0, le=65535, description="gateway HTTP port (0 = free)")
+    token: str = Field(
+        "",
+        description="the gateway's API token (default: a new random one, printed at start and "
+        "written to <data-dir>/token)",
+    )
     nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0 = free)")
     eval_every_s: float = Field(10.0, gt=0, description="seconds between held-out evals")
     progress_every_s: float = Field(5.0, gt=0, description="seconds between progress lines")
@@ -159,6 +165,7 @@ class Cluster:
     learners: list[Child] = field(default_factory=list)
     services: list[Child] = field(default_factory=list)
     gateway_url: str = ""
+    token: str = ""
     supervisor: Supervisor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -228,13 +235,21 @@ class Cluster:
         )
         port = s.gateway_port or broker.free_port()
         self.gateway_url = f"http://127.0.0.1:{port}"
+        self.token = s.token or secrets.token_urlsafe(24)
+        token_path = write_token(data_dir, self.token)
+        gateway_args = ["gateway", "--nats-url", self.nats_url, "--job", s.job]
+        # The token goes by environment, not on the command line (where `ps` would show it).
         self.services.append(
             self._spawn(
                 "gateway",
-                ["gateway", "--nats-url", self.nats_url, "--job", s.job, "--port", str(port)],
+                [*gateway_args, "--port", str(port), "--local"],
+                {"DILOCO_TOKEN": self.token},
             )
         )
-        self.print(f"gateway      {self.gateway_url}  (GET /jobs/{s.job}, /readyz)")
+        self.print(
+            f"gateway      {self.gateway_url}  (GET /jobs/{s.job}, /readyz)"
+            f"  token: {self.token}  (also in {token_path})"
+        )
         self.write_pids()
 
     @property
@@ -407,6 +422,17 @@ class Cluster:
             self.server.stop()
         with contextlib.suppress(OSError):
             self.write_pids()  # no live PIDs any more: a chaos script must not kill reused ones
+
+
+def write_token(data_dir: Path, token: str) -> Path:
+    """Write the gateway's API token to ``<data-dir>/token``, readable by its owner only."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / "token"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        os.fchmod(handle.fileno(), 0o600)  # also when the file existed with other bits
+        handle.write(token + "\n")
+    return path
 
 
 def _fmt(value: Any, spec: str, missing: str = "-") -> str:

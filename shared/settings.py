@@ -182,7 +182,10 @@ def settings_from_args(
     except ValidationError as err:
         problems = []
         for item in err.errors():
-            name = str(item["loc"][0]) if item["loc"] else "?"
+            if not item["loc"]:  # a check across fields: its message names them
+                problems.append(str(item["msg"]).removeprefix("Value error, "))
+                continue
+            name = str(item["loc"][0])
             value = item.get("input")
             where = f"{_flag(name)} (env {ENV_PREFIX}{name.upper()})" if item["loc"] else "settings"
             problems.append(f"{where} = {value!r}: {item['msg']}")

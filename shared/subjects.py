@@ -11,7 +11,8 @@ Layout for a job ``J``::
     diloco.J.dead                  stream DILOCO_DEAD    rejected messages with the reason
     diloco.J.ckpt.e<E>.<s>.chunk.<i>  stream DILOCO_CKPT  chunk i of the outer's checkpoint in
                                    slot s (0/1) of leadership epoch E
-    KV diloco_desired  J.<unit>    desired unit state, written by the gateway
+    KV diloco_desired  J.<unit>    desired unit state (idle|running|paused|stopped), by the gateway
+    KV diloco_jobs     J           the job's registry record (spec, state, units), by the gateway
     KV diloco_status   J.unit.<u>  heartbeat + status of a learner unit
     KV diloco_status   J.outer     heartbeat + status of the outer optimizer
     KV diloco_outer    J           the outer's leader lease + committed checkpoint pointer
@@ -26,6 +27,7 @@ CKPT_STREAM = "DILOCO_CKPT"
 DESIRED_BUCKET = "diloco_desired"
 STATUS_BUCKET = "diloco_status"
 OUTER_BUCKET = "diloco_outer"
+JOBS_BUCKET = "diloco_jobs"
 
 GRADS_ALL = "diloco.*.grads.>"
 PARAMS_ALL = "diloco.*.params.>"
@@ -67,6 +69,11 @@ def outer_consumer(job: str) -> str:
 def desired_key(job: str, unit: int) -> str:
     """KV key (bucket DESIRED_BUCKET) of a unit's desired state."""
     return f"{job}.{unit}"
+
+
+def job_key(job: str) -> str:
+    """KV key (bucket JOBS_BUCKET) of a job's registry record."""
+    return job
 
 
 def unit_status_key(job: str, unit: int) -> str:

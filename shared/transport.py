@@ -51,6 +51,9 @@ PUBLISH_TIMEOUT_S = 10.0
 PUBLISH_RETRIES = 6
 RETRYABLE_API_CODES = {429, 503}
 RECONNECT_BACKOFF_MAX_S = 5.0
+# What the gateway may ask of a unit (bucket diloco_desired). ``idle``: created, not training
+# yet; ``paused``: stopped training until resumed; ``stopped``: flush uploads and exit (final).
+DESIRED_STATES = ("idle", "running", "paused", "stopped")
 
 
 class TransportError(RuntimeError):
@@ -167,6 +170,7 @@ async def ensure_streams(js: JetStreamContext) -> None:
         KeyValueConfig(bucket=subjects.STATUS_BUCKET, history=1, ttl=STATUS_TTL_S, direct=True)
     )
     await js.create_key_value(KeyValueConfig(bucket=subjects.OUTER_BUCKET, history=1, direct=True))
+    await js.create_key_value(KeyValueConfig(bucket=subjects.JOBS_BUCKET, history=5, direct=True))
 
 
 async def publish_blob(
@@ -318,9 +322,9 @@ async def put_status(kv: Any, key: str, status: dict[str, Any]) -> None:
 
 
 async def put_desired(kv: Any, job: str, unit: int, state: str) -> None:
-    """Write a unit's desired state (``running`` or ``paused``) to the desired-state bucket."""
-    if state not in ("running", "paused"):
-        raise ValueError(f"desired state must be running or paused, got {state!r}")
+    """Write a unit's desired state (one of ``DESIRED_STATES``) to the desired-state bucket."""
+    if state not in DESIRED_STATES:
+        raise ValueError(f"desired state must be one of {DESIRED_STATES}, got {state!r}")
     record = json.dumps({"state": state, "time": time.time()}).encode()
     await kv.put(subjects.desired_key(job, unit), record)
 
@@ -372,6 +376,7 @@ async def dead_letter(js: JetStreamContext, job: str, reason: str, msg: Any) -> 
 
 
 __all__ = [
+    "DESIRED_STATES",
     "TransportError",
     "WireError",
     "chunk_size_for",

@@ -18,6 +18,8 @@ import pytest
 from shared.broker import NatsServer, start_nats_server
 
 REPO = Path(__file__).resolve().parents[1]
+GATEWAY_TOKEN = "testtoken"  # tests start gateways with --token testtoken
+AUTH = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
 
 
 @pytest.fixture(scope="session")

@@ -6,15 +6,19 @@ import httpx
 import pytest
 
 from shared.broker import free_port
-from tests.conftest import wait_for
+from tests.conftest import AUTH, GATEWAY_TOKEN, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
 
 def start_gateway(services, nats_url: str) -> httpx.Client:
     port = free_port()
-    services.start("gateway", "gateway", "--nats-url", nats_url, "--job", "g", "--port", str(port))
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+    services.start(
+        "gateway",
+        "gateway",
+        *("--nats-url", nats_url, "--job", "g", "--port", str(port), "--token", GATEWAY_TOKEN),
+    )
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers=AUTH)
 
     def up():
         try:

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from shared.broker import free_port
-from tests.conftest import read_status, wait_for
+from tests.conftest import AUTH, GATEWAY_TOKEN, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -22,7 +22,10 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
     job_flags = ["--nats-url", nats_server.url, "--job", JOB, "--model", "tiny"]
     services.start("outer", "outer", *job_flags, "--num-units", "2", "--eval-every-s", "30")
     services.start(
-        "gateway", "gateway", "--nats-url", nats_server.url, "--job", JOB, "--port", str(port)
+        "gateway",
+        "gateway",
+        *("--nats-url", nats_server.url, "--job", JOB, "--port", str(port)),
+        *("--token", GATEWAY_TOKEN),
     )
     for unit in range(2):
         services.start(
@@ -40,7 +43,7 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
             "--status-interval-s",
             "0.5",
         )
-    client = httpx.Client(base_url=gateway, timeout=10)
+    client = httpx.Client(base_url=gateway, timeout=10, headers=AUTH)
 
     def job_view():
         try:

@@ -32,6 +32,7 @@ class NatsLink:
         self.nc: Any = None
         self.desired_kv: Any = None
         self.status_kv: Any = None
+        self.jobs_kv: Any = None
         # Unit status keys seen per job. Listing a bucket's keys (nats-py's kv.keys(), an
         # ordered replay) can miss a key that is being rewritten at that moment, and units
         # heartbeat every second; keys seen once are therefore always read directly.
@@ -50,6 +51,7 @@ class NatsLink:
                 await transport.ensure_streams(js)
                 self.desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
                 self.status_kv = await js.key_value(subjects.STATUS_BUCKET)
+                self.jobs_kv = await js.key_value(subjects.JOBS_BUCKET)
                 self.nc = nc
                 return
             except (TimeoutError, TransportError, nats.errors.Error) as err:

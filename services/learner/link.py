@@ -491,7 +491,7 @@ class LearnerLink:
             try:
                 desired = await transport.get_json(desired_kv, key)
                 state = (desired or {}).get("state", "running")
-                if state in ("running", "paused") and state != self.desired_state:
+                if state in transport.DESIRED_STATES and state != self.desired_state:
                     log.info("desired state of unit %d: %s", self.settings.unit, state)
                     self.desired_state = state
                     self.unit_state.set_desired(state)  # remembered across restarts

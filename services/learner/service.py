@@ -1,4 +1,6 @@
-"""The learner unit's main loop: train, upload every H steps, adopt new global params, obey pause.
+"""The learner unit's main loop: train, upload every H steps, adopt new global params, obey the
+desired state (``idle`` and ``paused``: wait without training; ``stopped``: upload what is left
+and end, as on SIGTERM).
 
 No barrier with other units, ever: every network interaction goes through :class:`LearnerLink`,
 whose methods return at once. The sync decisions themselves are ``LearnerCore``'s.
@@ -188,10 +190,15 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         )
 
     while core.step < settings.max_steps and not stop.is_set():
-        if link.desired_state == "paused":
-            if state_name != "paused":
-                state_name = "paused"
-                log.info("unit %d paused at step %d", settings.unit, core.step)
+        desired = link.desired_state
+        if desired == "stopped":
+            log.info("unit %d stopped by its desired state at step %d", settings.unit, core.step)
+            break
+        if desired in ("paused", "idle"):
+            # Idle (created, not started yet) behaves like paused: no training, no uploads.
+            if state_name != desired:
+                state_name = desired
+                log.info("unit %d %s at step %d", settings.unit, desired, core.step)
                 report(force=True)
             stop.wait(PAUSE_POLL_S)
             continue

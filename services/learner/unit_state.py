@@ -6,7 +6,7 @@ The file lives in ``<checkpoint_dir>/<job>/unit-<u>/state.json``::
 
     {"version": 1, "job": "J", "unit": 0,
      "next_round": 42,                  # first round number never handed out yet
-     "desired": "running",              # last known desired state ("running" | "paused")
+     "desired": "running",              # last known desired state (idle|running|paused|stopped)
      "published": [[0, 37], [39, 41]],  # rounds JetStream accepted (RoundSet ranges, lifetime)
      "lifetime": {"published": 41, "dropped_unsent": 1, "rejected_local": 0},
      "time": 1712345678.9}
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 STATE_FILE = "state.json"
 STATE_VERSION = 1
 LIFETIME_COUNTERS = ("published", "dropped_unsent", "rejected_local")
-DESIRED_STATES = ("running", "paused")
+DESIRED_STATES = ("idle", "running", "paused", "stopped")  # = shared.transport.DESIRED_STATES
 
 
 def unit_dir(checkpoint_dir: str | Path, job: str, unit: int) -> Path:
@@ -109,9 +109,9 @@ class UnitState:
             self._write()
 
     def set_desired(self, state: str) -> None:
-        """Remember the desired state (``running`` or ``paused``) across restarts."""
+        """Remember the desired state (one of ``DESIRED_STATES``) across restarts."""
         if state not in DESIRED_STATES:
-            raise ValueError(f"desired state must be running or paused, got {state!r}")
+            raise ValueError(f"desired state must be one of {DESIRED_STATES}, got {state!r}")
         with self._lock:
             if state == self.desired:
                 return

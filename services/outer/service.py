@@ -25,6 +25,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import math
 import threading
 import time
 import zlib
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 
 ACK_WAIT_S = 300.0
 EVAL_HISTORY = 200
+TRAIN_HISTORY = 200  # points of [tokens applied, mean train loss] kept in the status record
 
 
 @dataclass
@@ -142,6 +144,8 @@ class OuterService:
         self.eval_init: dict[str, Any] | None = None
         self.eval_last: dict[str, Any] | None = None
         self.eval_history: list[list[float]] = []
+        # [tokens applied, mean train loss of the merged uploads] per merge; status only.
+        self.train_history: collections.deque[list[float]] = collections.deque(maxlen=TRAIN_HISTORY)
         self.state_name = "starting"
         self.holder = new_holder_id()
         self.lease: Lease | None = None
@@ -478,8 +482,9 @@ class OuterService:
                     await msg.ack()
                 continue
             if done == "rejected" or info.upload in self.rejected_uploads:
-                with contextlib.suppress(nats.errors.Error):
-                    await msg.term()
+                # Another chunk (or a redelivery) of a rejected upload: copied to the dead-letter
+                # subject (deduplicated there by message id) and terminated once committed.
+                self._to_terminate.append(([msg], "chunk of an upload rejected earlier"))
                 continue
             if info.upload in self.accepted_uploads:
                 continue  # a redelivery of an upload still buffered: acked when it is merged
@@ -608,6 +613,14 @@ class OuterService:
             unit.last_staleness = staleness
             unit.tokens += arrival.tokens
             unit.last_train_loss = arrival.context[1]
+        losses = [
+            float(a.context[1])
+            for a in result.arrivals
+            if isinstance(a.context[1], int | float) and math.isfinite(a.context[1])
+        ]
+        if losses:
+            mean = round(sum(losses) / len(losses), 5)
+            self.train_history.append([self.ledger.tokens_applied, mean])
 
     async def _publish_until_done(self, js: Any, fragment: int) -> bool:
         while True:
@@ -737,6 +750,7 @@ class OuterService:
             "eval_init": self.eval_init,
             "eval": self.eval_last,
             "eval_history": self.eval_history[-50:],
+            "train_history": list(self.train_history),
         }
 
     def _status_key(self) -> str:

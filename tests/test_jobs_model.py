@@ -1,0 +1,73 @@
+"""JobSpec validation and the job/unit state machines (pure, no processes)."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+from pydantic import ValidationError
+
+from services.gateway.jobs import (
+    ACTIONS,
+    JOB_TRANSITIONS,
+    UNIT_TRANSITIONS,
+    JobSpec,
+    TransitionError,
+    job_transition,
+    unit_transition,
+)
+
+
+def _choices(field: str) -> set[str]:
+    return set(typing.get_args(JobSpec.model_fields[field].annotation))
+
+
+def test_spec_choices_are_those_the_services_accept() -> None:
+    from services.outer.optimizer import OPTIMIZERS
+    from services.outer.policy import POLICIES
+    from services.outer.staleness import RULES
+    from shared.codec import CODECS
+    from shared.model import SIZES
+
+    assert _choices("model") == set(SIZES)
+    assert _choices("codec") == set(CODECS)
+    assert _choices("outer_optimizer") == set(OPTIMIZERS)
+    assert _choices("merge_policy") == set(POLICIES)
+    assert _choices("staleness_rule") == set(RULES)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"units": 0}, "units"),
+        ({"codec": "int3"}, "codec"),
+        ({"job": "-x"}, "job"),
+        ({"min_quorum": 5, "units": 4}, "min_quorum"),
+        ({"max_steps": 1, "token_budget": 1}, "token_budget"),
+        ({"surprise": 1}, "surprise"),
+    ],
+)
+def test_invalid_specs_name_the_field(changes: dict, field: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        JobSpec(**{"job": "ok", **changes})
+    assert field in str(err.value)
+
+
+def test_spec_defaults_and_budget() -> None:
+    assert JobSpec(job="a").max_steps == 300
+    spec = JobSpec(job="a", token_budget=10**6)
+    assert spec.max_steps is None and spec.token_budget == 10**6
+
+
+def test_state_machines() -> None:
+    assert job_transition("j", "created", "start") == "running"
+    assert job_transition("j", "paused", "resume") == "running"
+    assert unit_transition("j", 0, "idle", "start") == "running"
+    assert unit_transition("j", 0, "paused", "stop") == "stopped"
+    with pytest.raises(TransitionError, match="allowed: pause, stop"):
+        job_transition("j", "running", "start")
+    with pytest.raises(TransitionError, match="stopped is final"):
+        unit_transition("j", 0, "stopped", "resume")
+    for table in (JOB_TRANSITIONS, UNIT_TRANSITIONS):
+        assert {action for _, action in table} == set(ACTIONS)
+        assert not any(state == "stopped" for state, _ in table)  # final

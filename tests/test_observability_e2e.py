@@ -1,0 +1,233 @@
+"""Observability on a live job: JSON metrics, Prometheus text, unit health, and the dashboard
+driven by headless Chromium (pause a unit with a click, check it through the API)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from shared.broker import free_port
+from tests.conftest import REPO, read_status, wait_for
+
+pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
+
+TOKEN = "testtoken"
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+ARTIFACTS = REPO / "test-artifacts"
+
+
+@cache
+def gateway_auth_flags() -> tuple[str, ...]:
+    """``--token testtoken`` when this gateway supports bearer tokens, else nothing."""
+    help_text = subprocess.run(
+        [sys.executable, "-m", "services.cli", "gateway", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    return ("--token", TOKEN) if "--token" in help_text else ()
+
+
+def start_job(services, nats_url: str, job: str, *gateway_flags: str) -> httpx.Client:
+    """Outer + 2 tiny learners + a gateway for ``job``; returns a client of the gateway."""
+    port = free_port()
+    job_flags = ["--nats-url", nats_url, "--job", job, "--model", "tiny"]
+    services.start("outer", "outer", *job_flags, "--num-units", "2", "--eval-every-s", "20")
+    services.start(
+        "gateway",
+        "gateway",
+        "--nats-url",
+        nats_url,
+        "--job",
+        job,
+        "--port",
+        str(port),
+        *gateway_auth_flags(),
+        *gateway_flags,
+    )
+    for unit in range(2):
+        services.start(
+            f"learner-{unit}",
+            "learner",
+            *job_flags,
+            *("--unit", str(unit), "--num-units", "2", "--max-steps", "100000"),
+            *("--h-steps", "5", "--status-interval-s", "0.5"),
+        )
+    return httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
+
+
+def get_json(client: httpx.Client, path: str) -> dict | None:
+    try:
+        response = client.get(path)
+    except httpx.TransportError:
+        return None
+    return response.json() if response.status_code == 200 else None
+
+
+def trained(client: httpx.Client, job: str) -> dict | None:
+    """The job's metrics once both units published twice and a merge has been recorded."""
+    metrics = get_json(client, f"/jobs/{job}/metrics")
+    if (
+        metrics
+        and len(metrics["units"]) == 2
+        and all(u["published"] >= 2 for u in metrics["units"])
+        and metrics["train_history"]
+        and metrics["eval_history"]
+    ):
+        return metrics
+    return None
+
+
+def scrape(client: httpx.Client) -> dict:
+    text = client.get("/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+@pytest.mark.timeout(300)
+def test_metrics_prometheus_and_unit_health_on_a_live_job(nats_server, services):
+    job = "observe"
+    client = start_job(services, nats_server.url, job, "--heartbeat-timeout-s", "3")
+    try:
+        metrics = wait_for(lambda: trained(client, job), 180, "both units to publish and merge")
+        assert [u["unit"] for u in metrics["units"]] == [0, 1]
+        assert metrics["eval_history"][0]["version"] == 0
+        assert sum(metrics["staleness"].values()) == metrics["applied"] >= 1
+        assert metrics["bytes_sent"] > 0 and metrics["payload_bytes"] > 0
+        for unit in metrics["units"]:
+            assert unit["state"] == "running" and unit["version_lag"] >= 0
+            assert unit["tokens_per_s"] is not None and unit["bytes_sent"] > 0
+
+        health = get_json(client, f"/jobs/{job}/units/1")
+        assert health["state"] == "running" and health["lost"] is False
+        assert health["version_lag"] == health["outer_version"] - health["base_version"]
+        assert health["counters"]["published"] >= 2 and health["last_error"] is None
+        assert client.get(f"/jobs/{job}/units/7").status_code == 404
+        assert client.get("/jobs/nothing/metrics").status_code == 404
+
+        # Prometheus: the scraped values lie between two direct reads of the status records.
+        outer_before, units_before = read_status(nats_server.url, job)
+        samples = scrape(client)
+        outer_after, units_after = read_status(nats_server.url, job)
+        labels = (("job", job),)
+        assert (
+            outer_before["version"]
+            <= samples[("diloco_outer_version", labels)]
+            <= outer_after["version"]
+        )
+        assert (
+            outer_before["applied"]
+            <= samples[("diloco_outer_applied_total", labels)]
+            <= outer_after["applied"]
+        )
+        assert samples[("diloco_outer_up", labels)] == 1
+        for unit in (0, 1):
+            key = (("job", job), ("unit", str(unit)))
+            step = samples[("diloco_unit_step", key)]
+            assert units_before[unit]["step"] <= step <= units_after[unit]["step"]
+            running = (("job", job), ("state", "running"), ("unit", str(unit)))
+            assert samples[("diloco_unit_state", running)] == 1
+            assert samples[("diloco_unit_bytes_sent_total", key)] > 0
+
+        # A unit killed without a word is reported lost once its heartbeat is too old.
+        learner1 = next(p for name, p, _ in services.children if name == "learner-1")
+        os.kill(learner1.pid, signal.SIGKILL)
+        wait_for(
+            lambda: (get_json(client, f"/jobs/{job}/units/1") or {}).get("lost"),
+            30,
+            "unit 1 to be reported lost",
+        )
+        lost = (("job", job), ("state", "lost"), ("unit", "1"))
+        assert scrape(client)[("diloco_unit_state", lost)] == 1
+    except Exception:
+        print(services.logs())
+        print("metrics:", client.get(f"/jobs/{job}/metrics").text[:3000])
+        raise
+
+
+def chromium_driver():
+    """A headless Chromium driven by selenium, or a skip saying what is missing."""
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        pytest.skip("selenium is not installed (pip install -e '.[dev]')")
+    for binary in (CHROMIUM, CHROMEDRIVER):
+        if not (os.path.exists(binary) or shutil.which(os.path.basename(binary))):
+            pytest.skip(f"{binary} missing: `make browser` installs chromium + chromium-driver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM if os.path.exists(CHROMIUM) else shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    options.add_argument("--window-size=1400,1000")
+    driver_path = CHROMEDRIVER if os.path.exists(CHROMEDRIVER) else shutil.which("chromedriver")
+    return webdriver.Chrome(service=Service(driver_path), options=options)
+
+
+def save_screenshot(driver, tmp_path: Path) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / "dashboard.png"
+    driver.save_screenshot(str(path))
+    shutil.copy(path, tmp_path / "dashboard.png")
+    print(f"dashboard screenshot: {path} (and {tmp_path / 'dashboard.png'})")
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_dashboard_pauses_a_unit_in_headless_chromium(nats_server, services, tmp_path):
+    job = "dash"
+    driver = chromium_driver()  # skips the test when selenium or Chromium is missing
+    from selenium.webdriver.common.by import By
+
+    try:
+        client = start_job(services, nats_server.url, job)
+        wait_for(lambda: trained(client, job), 180, "both units to publish and merge")
+        driver.get(str(client.base_url))
+
+        def page_ready():
+            rows = driver.find_elements(By.CSS_SELECTOR, "#units tbody tr[data-unit]")
+            points = driver.find_element(By.ID, "loss-chart").get_attribute("data-points")
+            return len(rows) == 2 and int(points or 0) >= 2
+
+        wait_for(page_ready, 30, "the dashboard to list both units and draw the loss chart")
+        row = '[data-unit="1"]'
+        assert driver.find_element(By.CSS_SELECTOR, f"{row} .state").text == "running"
+
+        driver.find_element(By.ID, "token").send_keys(TOKEN)
+        driver.find_element(By.CSS_SELECTOR, f"{row} button.pause").click()
+
+        def unit1_paused():
+            view = get_json(client, f"/jobs/{job}")
+            unit = next(u for u in (view or {}).get("units", []) if u["unit"] == 1)
+            return unit["desired"] == "paused" and unit["state"] == "paused"
+
+        wait_for(unit1_paused, 30, "unit 1 to be paused (desired and reported)", interval_s=0.5)
+        health = get_json(client, f"/jobs/{job}/units/1")
+        assert (health["desired"], health["state"]) == ("paused", "paused")
+        wait_for(
+            lambda: driver.find_element(By.CSS_SELECTOR, f"{row} .state").text == "paused",
+            10,
+            "the dashboard to show unit 1 paused",
+        )
+        assert driver.find_element(By.CSS_SELECTOR, '[data-unit="0"] .state').text == "running"
+        assert driver.execute_script("return sessionStorage.getItem('diloco-token')") == TOKEN
+    except Exception:
+        print(services.logs())
+        raise
+    finally:
+        save_screenshot(driver, tmp_path)
+        driver.quit()
