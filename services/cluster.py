@@ -9,6 +9,11 @@ published, and on Ctrl-C/SIGTERM stops the services in a safe order: learners fi
 what they have), then the outer and gateway, then nats-server. Children are also tied to this
 process with PR_SET_PDEATHSIG, so even a kill -9 of the supervisor leaves no process behind.
 The live children's PIDs are kept in ``<data-dir>/pids.json`` for chaos tests.
+
+Besides its own job, ``diloco up`` runs the jobs of the registry (created through the gateway's
+``POST /jobs``): about once a second it reads the jobs and desired unit states from KV and starts
+or stops their outer and learner processes to match (``services.reconcile`` decides what; the
+processes are supervised like the others, named ``<job>/outer`` and ``<job>/learner-<u>``).
 """
 
 from __future__ import annotations
@@ -29,9 +34,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import nats.errors
-from pydantic import Field, model_validator
+import nats.js.errors
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services import reconcile
+from services.gateway.jobs import JobRecord
 from services.learner.settings import InnerSettings, LearnerSettings
 from services.outer.settings import OuterAlgorithmSettings
 from services.supervisor import DEFAULT_MAX_RESTARTS, RestartPolicy, State, Supervisor
@@ -42,6 +50,7 @@ STOP_GRACE_S = 30.0
 SUMMARY_FILE = "summary.json"  # in the data dir: the final statuses, ledger and restarts
 READY_TIMEOUT_S = 300.0
 STATUS_READ_TIMEOUT_S = 3.0  # bounds a status read while NATS is down, so healing goes on
+RECONCILE_EVERY_S = 1.0  # how often the registry's jobs are read and their processes matched
 NATS = "nats-server"
 ESSENTIAL = ("outer", NATS)  # without these nothing can go on: the run ends if they stay dead
 NATS_ERRORS = (TimeoutError, OSError, nats.errors.Error, transport.TransportError)
@@ -164,6 +173,8 @@ class Cluster:
     server: broker.NatsServer | None = None
     learners: list[Child] = field(default_factory=list)
     services: list[Child] = field(default_factory=list)
+    job_children: list[Child] = field(default_factory=list)  # processes of registry jobs
+    registry_busy: bool = False  # the last registry read found a job that is not stopped
     gateway_url: str = ""
     token: str = ""
     supervisor: Supervisor = field(init=False)
@@ -191,7 +202,7 @@ class Cluster:
     ) -> Child:
         logs = Path(self.settings.data_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        log_path = logs / f"{name}.log"
+        log_path = logs / f"{name.replace('/', '-')}.log"
         child = Child(name, _popen(args, env or {}, log_path), log_path, args, env or {})
         self.supervisor.add(name, time.monotonic(), may_finish=may_finish)
         return child
@@ -257,19 +268,26 @@ class Cluster:
         """Where learners checkpoint, so that a restarted one goes on where it was."""
         return (Path(self.settings.data_dir) / "units").resolve()
 
-    def start_learners(self) -> None:
-        """Start the learner processes (after ``start_services``)."""
-        s = self.settings
-        data_dir = Path(s.data_dir)
-        cache_env = {"DILOCO_JAX_CACHE": str((data_dir / "jax-cache").resolve())}
-        threads = s.learner_threads
-        learner_env = {
-            **cache_env,
+    def cache_env(self) -> dict[str, str]:
+        """Environment of every JAX service: the shared compilation cache."""
+        return {"DILOCO_JAX_CACHE": str((Path(self.settings.data_dir) / "jax-cache").resolve())}
+
+    def learner_env(self) -> dict[str, str]:
+        """Environment of a learner: the cache and bounded XLA threads."""
+        threads = self.settings.learner_threads
+        return {
+            **self.cache_env(),
             # Several JAX processes share few cores: bound each one's threads (DESIGN.md §6).
             "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'} "
             f"intra_op_parallelism_threads={threads}",
             "OMP_NUM_THREADS": str(threads),
         }
+
+    def start_learners(self) -> None:
+        """Start the learner processes (after ``start_services``)."""
+        s = self.settings
+        data_dir = Path(s.data_dir)
+        learner_env = self.learner_env()
         inner_flags = to_flags(s, set(InnerSettings.model_fields) - {"max_steps"})
         if "checkpoint_dir" in LearnerSettings.model_fields:
             inner_flags += ["--checkpoint-dir", str(self.checkpoint_dir)]
@@ -305,9 +323,60 @@ class Cluster:
     def print(self, line: str) -> None:
         print(line, file=self.out, flush=True)
 
+    def job_learners(self) -> list[Child]:
+        """The learner processes of registry jobs."""
+        return [c for c in self.job_children if not c.name.endswith("/outer")]
+
+    def job_outers(self) -> list[Child]:
+        """The outer processes of registry jobs."""
+        return [c for c in self.job_children if c.name.endswith("/outer")]
+
     def children(self) -> list[Child]:
         """Every service process (learners first), not nats-server."""
-        return [*self.learners, *self.services]
+        return [*self.learners, *self.job_learners(), *self.services, *self.job_outers()]
+
+    def reconcile(self, records: dict[str, JobRecord], desired: dict[str, dict[int, str]]) -> None:
+        """Start and stop the processes of registry jobs to match ``records`` and ``desired``
+        (just read from KV); see ``services.reconcile``."""
+        names = {c.name for c in self.job_children}
+        states = {n: st for n, st in self.supervisor.states().items() if n in names}
+        actions = reconcile.plan(
+            records,
+            desired,
+            states,
+            self.supervisor.retired(),
+            own_job=self.settings.job,
+            checkpoint_dir=str(self.checkpoint_dir),
+        )
+        self.registry_busy = any(
+            job != self.settings.job and r.state != "stopped" for job, r in records.items()
+        )
+        for action in actions:
+            if isinstance(action, reconcile.Spawn):
+                command, *flags = action.args
+                learner = action.role == "learner"
+                child = self._spawn(
+                    action.name,
+                    [command, "--nats-url", self.nats_url, *flags],
+                    self.learner_env() if learner else self.cache_env(),
+                    may_finish=learner,  # a learner that exits 0 was stopped or has finished
+                )
+                self.job_children.append(child)
+                self.print(f"job {action.job}: started {action.name} (pid {child.process.pid})")
+            else:
+                child = next(c for c in self.job_children if c.name == action.name)
+                self.supervisor.retire(action.name)
+                if child.alive():
+                    child.process.send_signal(signal.SIGTERM)
+                self.print(f"job {action.job}: its learners are done, stopping {action.name}")
+        if actions:
+            self.write_pids()
+
+    def jobs_busy(self) -> bool:
+        """A registry job is not stopped, or one of its processes still runs."""
+        names = {c.name for c in self.job_children}
+        states = {n: st for n, st in self.supervisor.states().items() if n in names}
+        return self.registry_busy or bool(reconcile.active_children(states))
 
     def pids(self) -> dict[str, int]:
         """PIDs of the live children by name (``nats-server``, ``outer``, ``gateway``,
@@ -368,6 +437,8 @@ class Cluster:
             changed = True
             decision = self.supervisor.exited(name, code, now)
             if decision.state is State.FINISHED:
+                if reconcile.job_of(name) is not None:
+                    self.print(f"{name} exited with code {code} (done)")
                 continue
             self.print(f"{decision.line()}  (log {self._log_path(name)})")
             if decision.state is State.GAVE_UP and name in ESSENTIAL and ended is None:
@@ -401,7 +472,10 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop everything: learners, then outer and gateway, then NATS; kill stragglers."""
-        for group in (self.learners, self.services):
+        for group in (
+            [*self.learners, *self.job_learners()],
+            [*self.services, *self.job_outers()],
+        ):
             for child in group:
                 if child.alive():
                     child.process.send_signal(signal.SIGTERM)
@@ -490,8 +564,9 @@ async def pause_all(cluster: Cluster) -> None:
 
 def run_is_complete(cluster: Cluster, outer: dict | None, units: dict[int, dict]) -> bool:
     """All learners finished (or are left dead), the outer runs, applied all they published and
-    evaluated the result (``outer`` and ``units`` must have just been read)."""
-    if not cluster.learners_done() or not outer:
+    evaluated the result (``outer`` and ``units`` must have just been read), and no registry
+    job is left to run (one that is not stopped keeps the cluster up)."""
+    if not cluster.learners_done() or cluster.jobs_busy() or not outer:
         return False
     if cluster.supervisor.state("outer") is not State.RUNNING:
         return False
@@ -500,6 +575,41 @@ def run_is_complete(cluster: Cluster, outer: dict | None, units: dict[int, dict]
     return (
         outer.get("state") == "running" and ledger.balance(outer, units)["balanced"] and evaluated
     )
+
+
+async def read_registry(
+    jobs_kv: Any, desired_kv: Any, own_job: str
+) -> tuple[dict[str, JobRecord], dict[str, dict[int, str]]]:
+    """The registry's jobs (but ``own_job``) and, for those not stopped, their units' desired
+    states. A record that does not parse is left out (the gateway writes only valid ones)."""
+    try:
+        keys = await jobs_kv.keys()
+    except nats.js.errors.NoKeysError:
+        return {}, {}
+    records: dict[str, JobRecord] = {}
+    desired: dict[str, dict[int, str]] = {}
+    for key in sorted(keys):
+        if key == own_job:
+            continue
+        try:
+            entry = await jobs_kv.get(subjects.job_key(key))
+        except nats.js.errors.KeyNotFoundError:
+            continue
+        if not entry.value:
+            continue
+        try:
+            record = JobRecord.model_validate_json(entry.value)
+        except ValidationError:
+            continue
+        records[key] = record
+        if record.state == "stopped":
+            continue
+        states = desired[key] = {}
+        for unit in range(record.units):
+            found = await transport.get_json(desired_kv, subjects.desired_key(key, unit))
+            if found and found.get("state") in transport.DESIRED_STATES:
+                states[unit] = found["state"]
+    return records, desired
 
 
 async def _release_all(desired_kv: Any, job: str, learners: int) -> None:
@@ -530,8 +640,10 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> dict[str, Any]:
     await transport.ensure_streams(js)
     kv = await js.key_value(subjects.STATUS_BUCKET)
     desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
+    jobs_kv = await js.key_value(subjects.JOBS_BUCKET)
     started = time.monotonic()
     last_print = 0.0
+    last_reconcile = 0.0
     outer: dict | None = None
     units: dict[int, dict] = {}
     reason = "interrupted"
@@ -553,6 +665,13 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> dict[str, Any]:
                     _read_statuses(kv, s.job, s.learners), STATUS_READ_TIMEOUT_S
                 )
                 fresh = True
+                if time.monotonic() - last_reconcile >= RECONCILE_EVERY_S:
+                    records, desired = await asyncio.wait_for(
+                        read_registry(jobs_kv, desired_kv, s.job), STATUS_READ_TIMEOUT_S
+                    )
+                    last_reconcile = time.monotonic()
+                    if not stop.is_set():
+                        cluster.reconcile(records, desired)
                 if not released and _all_ready(cluster, units, elapsed):
                     await asyncio.wait_for(
                         _release_all(desired_kv, s.job, s.learners), STATUS_READ_TIMEOUT_S

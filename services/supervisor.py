@@ -5,7 +5,8 @@ Pure bookkeeping, no processes and no clock of its own: the cluster reports star
 the current ``time.monotonic()`` and asks which restarts are due. The backoff starts at 1 s and
 doubles up to 10 s per child; a child that ran for 60 s or more before it exited starts again from
 1 s. After ``max_restarts`` restarts a child is left dead. A child that may finish (a learner)
-and exits with code 0 is done, not restarted.
+and exits with code 0 is done, not restarted. A child that is *retired* (stopped on purpose, e.g.
+the outer of a job that was stopped) is done whatever its exit code.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class _Record:
     restarts: int = 0
     backoff_s: float | None = None
     restart_at: float = 0.0
+    retired: bool = False
 
 
 class Supervisor:
@@ -107,7 +109,7 @@ class Supervisor:
         if record.state is not State.RUNNING:
             raise ValueError(f"{name} is not running ({record.state.value})")
         limit = self.policy.max_restarts
-        if record.may_finish and code == 0:
+        if record.retired or (record.may_finish and code == 0):
             record.state = State.FINISHED
             return Decision(name, code, State.FINISHED, max_restarts=limit)
         if record.restarts >= limit:
@@ -124,6 +126,22 @@ class Supervisor:
             restart=record.restarts + 1,
             max_restarts=limit,
         )
+
+    def retire(self, name: str) -> None:
+        """The child is being stopped on purpose: its exit (any code) is final, and a restart
+        already scheduled is cancelled."""
+        record = self._records[name]
+        record.retired = True
+        if record.state is State.WAITING:
+            record.state = State.FINISHED
+
+    def retired(self) -> set[str]:
+        """Names of the retired children."""
+        return {name for name, r in self._records.items() if r.retired}
+
+    def states(self) -> dict[str, State]:
+        """Where every child stands, by name."""
+        return {name: r.state for name, r in self._records.items()}
 
     def due(self, now: float) -> list[str]:
         """Names of the children whose restart time has come."""

@@ -1,0 +1,92 @@
+"""`diloco up` runs the jobs created through the gateway: it starts an outer and one learner per
+unit, adds learners when the job is scaled up, and once the job is stopped lets its learners exit
+and stops its outer — next to its own job, and leaving no process behind."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import wait_for
+from tests.test_up import answers_http, cluster_processes, read_pids, start_up
+
+pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
+
+JOB = "side"
+SPEC = {"job": JOB, "model": "tiny", "units": 2, "h_steps": 10, "max_steps": 3000, "seed": 1}
+
+
+def job_names(data_dir: Path) -> set[str]:
+    """Live processes of the registry job, by child name, from pids.json."""
+    return {name for name in read_pids(data_dir).get("pids", {}) if name.startswith(f"{JOB}/")}
+
+
+@pytest.mark.timeout(300)
+def test_up_runs_scales_and_stops_a_job_created_through_the_gateway(tmp_path, jax_cache):
+    started = time.monotonic()
+    # Its own job: one paced learner that trains for longer than this test lasts.
+    process, data_dir, out_path = start_up(
+        tmp_path, jax_cache, "--learners", "1", "--max-steps", "100000", "--slowdowns", "5"
+    )
+    try:
+        gateway_url = wait_for(
+            lambda: next(
+                (
+                    line.split()[1]
+                    for line in out_path.read_text().splitlines()
+                    if line.startswith("gateway ")
+                ),
+                None,
+            ),
+            60,
+            "the gateway line",
+        )
+        token = (data_dir / "token").read_text().strip()
+        wait_for(lambda: answers_http(gateway_url + "/readyz"), 120, "the gateway to answer")
+        client = httpx.Client(
+            base_url=gateway_url, timeout=10, headers={"Authorization": f"Bearer {token}"}
+        )
+        assert client.post("/jobs", json=SPEC).status_code == 201
+        # Created: its processes start, the units idle.
+        wait_for(
+            lambda: job_names(data_dir) == {f"{JOB}/outer", f"{JOB}/learner-0", f"{JOB}/learner-1"},
+            30,
+            "the job's outer and two learners",
+        )
+        assert client.post(f"/jobs/{JOB}/start").status_code == 200
+        seen_running: set[int] = set()
+
+        def trains(units: range, applied: int) -> bool:
+            view = client.get(f"/jobs/{JOB}").json()
+            for unit in view["units"]:
+                if unit["state"] == "running" and (unit["step"] or 0) > 0:
+                    seen_running.add(unit["unit"])
+            return set(units) <= seen_running and view["applied"] >= applied
+
+        wait_for(lambda: trains(range(2), 1), 150, "both units training and uploads applied")
+        scaled = client.put(f"/jobs/{JOB}/units", json={"units": 3})
+        assert scaled.status_code == 200 and scaled.json()["units"] == 3
+        wait_for(lambda: trains(range(3), 1), 120, "unit 2 training")
+        pids = read_pids(data_dir)["pids"]
+        assert f"{JOB}/learner-2" in pids and f"{JOB}/outer" in pids
+        assert client.post(f"/jobs/{JOB}/stop").status_code == 200
+        wait_for(lambda: not job_names(data_dir), 90, "the job's processes to exit")
+        output = out_path.read_text()
+        assert f"job {JOB}: its learners are done, stopping {JOB}/outer" in output, output
+        assert f"{JOB}/outer exited with code" in output, output
+        assert "restart #" not in output, output  # neither the learners nor the outer came back
+        assert (data_dir / "logs" / f"{JOB}-learner-2.log").exists()
+        # The own job still runs; the cluster stops cleanly.
+        assert {"outer", "learner-0", "gateway"} <= set(read_pids(data_dir)["pids"])
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=90) == 0, out_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "all services stopped" in out_path.read_text()
+    assert cluster_processes(data_dir, out_path) == []
+    assert time.monotonic() - started < 240
