@@ -68,3 +68,34 @@ def test_learner_idles_until_started_and_exits_when_stopped(nats_server, service
     except Exception:
         print(services.logs())
         raise
+
+
+@pytest.mark.timeout(300)
+def test_unit_started_with_initial_state_idle_waits_for_a_start(nats_server, services):
+    """``--initial-state idle`` (docker-compose's learners): a unit of a job nobody registered
+    waits idle until it is started through the gateway."""
+    job = "waiting"
+    port = free_port()
+    services.start(
+        "gateway",
+        "gateway",
+        *("--nats-url", nats_server.url, "--port", str(port), "--token", GATEWAY_TOKEN),
+    )
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers=AUTH)
+    services.start(
+        "learner",
+        "learner",
+        *("--nats-url", nats_server.url, "--job", job, "--model", "tiny", "--unit", "0"),
+        *("--num-units", "1", "--max-steps", "100000", "--initial-state", "idle"),
+        *("--status-interval-s", "0.5"),
+    )
+
+    def unit_status() -> dict:
+        return read_status(nats_server.url, job)[1].get(0, {})
+
+    wait_for(lambda: unit_status().get("state") == "idle", 180, "the unit to report idle")
+    time.sleep(3)
+    assert unit_status()["step"] == 0
+    response = client.post(f"/jobs/{job}/units/0/start")
+    assert response.status_code == 200, response.text
+    wait_for(lambda: unit_status().get("step", 0) > 5, 60, "the started unit to train")

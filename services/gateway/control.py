@@ -201,8 +201,12 @@ def control_router(settings: GatewaySettings) -> APIRouter:
         now = time.time()
         views = []
         for unit in sorted(indexes):
-            desired = await registry.read_desired(link, job, unit) or DEFAULT_DESIRED
             status = units.get(unit)
+            desired = (
+                await registry.read_desired(link, job, unit)
+                or (status or {}).get("desired")
+                or DEFAULT_DESIRED
+            )
             if status is None:
                 views.append(UnitView(unit=unit, state="absent", desired=desired))
                 continue
@@ -357,13 +361,16 @@ def control_router(settings: GatewaySettings) -> APIRouter:
                 )
             if record.state == "stopped":
                 raise HTTPException(status_code=409, detail=f"job {job!r} is stopped")
-        else:
+        reported = None
+        if found is None:
             _, units = await read_status(link, job)
             if unit not in units:
                 raise HTTPException(
                     status_code=404, detail=f"unit {unit} of job {job!r} has never reported"
                 )
-        current = await registry.read_desired(link, job, unit) or DEFAULT_DESIRED
+            # Nothing written for it yet: the unit obeys its own --initial-state, and says so.
+            reported = units[unit].get("desired")
+        current = await registry.read_desired(link, job, unit) or reported or DEFAULT_DESIRED
         try:
             desired = unit_transition(job, unit, current, action)
         except TransitionError as err:

@@ -70,7 +70,9 @@ class LearnerLink:
         self.settings = settings
         self.max_params_bytes = max_params_bytes
         self.unit_state = unit_state or UnitState(job=settings.job, unit=settings.unit)
-        self.desired_state = self.unit_state.desired
+        # The last desired state this unit knew (its state file), else --initial-state.
+        self.desired_state = self.unit_state.desired if self.unit_state.loaded else None
+        self.desired_state = self.desired_state or settings.initial_state
         # Set after the first read of the desired state; by then outer_next_round is known too.
         self.desired_known = threading.Event()
         # 1 + the last round of this unit the outer applied (from its status record; 0 if none).
@@ -490,7 +492,7 @@ class LearnerLink:
         while True:
             try:
                 desired = await transport.get_json(desired_kv, key)
-                state = (desired or {}).get("state", "running")
+                state = (desired or {}).get("state", self.settings.initial_state)
                 if state in transport.DESIRED_STATES and state != self.desired_state:
                     log.info("desired state of unit %d: %s", self.settings.unit, state)
                     self.desired_state = state

@@ -72,6 +72,11 @@ class LearnerSettings(JobSettings, InnerSettings):
         description="run this many times slower than the hardware allows (emulates older "
         "hardware; the math is unchanged)",
     )
+    initial_state: str = Field(
+        "running",
+        description="what the unit does until a desired state is written for it: 'running' "
+        "(train at once) or 'idle' (wait for a start through the gateway)",
+    )
     max_unsent: int = Field(
         8, ge=1, description="unsent pseudo-gradients kept while NATS is unreachable"
     )
@@ -90,6 +95,12 @@ class LearnerSettings(JobSettings, InnerSettings):
     def _check_checkpoint_dir(cls, value: str | None) -> str | None:
         # An empty value (e.g. DILOCO_CHECKPOINT_DIR=) means "no checkpoints".
         return value if value and value.strip() else None
+
+    @model_validator(mode="after")
+    def _check_initial_state(self) -> LearnerSettings:
+        if self.initial_state not in ("running", "idle"):
+            raise ValueError(f"initial-state must be running or idle, got {self.initial_state!r}")
+        return self
 
     @model_validator(mode="after")
     def _check_unit(self) -> LearnerSettings:
