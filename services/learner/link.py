@@ -237,16 +237,21 @@ class LearnerLink:
             tasks.append(asyncio.create_task(self._rates_poller(status_kv)))
         publisher = tasks[0]
         await publisher  # ends once stopping and the queue is flushed (or the deadline passed)
+        # The last status first (its counters are final now), before anything that could wait:
+        # the process may exit soon after (stop() joins this thread with a timeout).
+        final_status = asyncio.create_task(
+            transport.put_status(
+                status_kv,
+                subjects.unit_status_key(self.settings.job, self.settings.unit),
+                self._status_record(),
+            )
+        )
         for task in tasks[1:]:
             task.cancel()
         await asyncio.gather(*tasks[1:], return_exceptions=True)
         self._encoder.shutdown(wait=False, cancel_futures=True)
         try:
-            await transport.put_status(
-                status_kv,
-                subjects.unit_status_key(self.settings.job, self.settings.unit),
-                self._status_record(),
-            )
+            await asyncio.wait_for(final_status, timeout=5)
             await sub.unsubscribe()
             await asyncio.wait_for(nc.close(), timeout=5)
         except (TimeoutError, nats.errors.Error) as err:
