@@ -116,6 +116,37 @@ async def connect_with_retry(
     return None
 
 
+async def retry_with_backoff(
+    make_call: Callable[[], Any],
+    what: str,
+    *,
+    first_backoff_s: float = 0.5,
+    stopping: Callable[[], bool] | None = None,
+    on_error: Callable[[str], None] | None = None,
+) -> Any:
+    """``await make_call()`` until it succeeds, retrying NATS errors with backoff (to 5 s).
+
+    Args:
+        make_call: makes a fresh awaitable for each attempt.
+        what: names the call in the log and in ``on_error`` messages.
+        first_backoff_s: the first wait; it doubles up to ``RECONNECT_BACKOFF_MAX_S``.
+        stopping: when it returns true after a failure, that failure is raised instead.
+        on_error: told ``"<what>: <error>"`` after every failure.
+    """
+    backoff = first_backoff_s
+    while True:
+        try:
+            return await make_call()
+        except (TimeoutError, nats.errors.Error, TransportError) as err:
+            if stopping is not None and stopping():
+                raise
+            if on_error is not None:
+                on_error(f"{what}: {err}")
+            log.warning("%s failed (%r); retrying in %.1fs", what, err, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(RECONNECT_BACKOFF_MAX_S, backoff * 2)
+
+
 def chunk_size_for(nc: NatsClient) -> int:
     """Largest chunk that fits the server's max_payload with room for headers."""
     return max(4096, min(MAX_CHUNK_BYTES, nc.max_payload - HEADER_SLACK_BYTES))
@@ -391,4 +422,5 @@ __all__ = [
     "put_status",
     "read_latest_params",
     "read_params_head",
+    "retry_with_backoff",
 ]

@@ -156,6 +156,17 @@ def wait_caught_up(url: str, job: str, timeout_s: float = 120) -> None:
     wait_for(caught_up, timeout_s, "the outer to apply every published round", interval_s=0.5)
 
 
+def stop_units_and_balance(services, learners: list, url: str, job: str) -> dict:
+    """SIGTERM the units (they upload what they have and exit 0), wait until the outer has
+    dealt with every published round, and check that the books balance."""
+    for learner in learners:
+        learner.send_signal(signal.SIGTERM)
+    for learner in learners:
+        assert learner.wait(timeout=60) == 0, services.logs()
+    wait_caught_up(url, job)
+    return assert_books_balance(url, job)
+
+
 # --------------------------------------------------------------------------- the outer
 
 
@@ -199,12 +210,7 @@ def test_outer_killed_at_random_moments_loses_and_duplicates_nothing(
         outers[leader] = start_outer(services, nats_server.url, job, f"outer-{leader}", units)
     # Let it run a little after the last kill, then stop the units (they flush what they have).
     wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "leader")
-    for learner in learners:
-        learner.send_signal(signal.SIGTERM)
-    for learner in learners:
-        assert learner.wait(timeout=60) == 0, services.logs()
-    wait_caught_up(nats_server.url, job)
-    books = assert_books_balance(nats_server.url, job)
+    books = stop_units_and_balance(services, learners, nats_server.url, job)
     assert books["applied"] >= 10 and books["rejected"] == 0
     status = outer_state(nats_server.url, job)
     assert status["holder"] not in killed_holders
@@ -421,12 +427,7 @@ def test_killed_unit_does_not_stop_the_others_and_rejoins_within_30s(
         60,
         "a new round of the restarted unit to be applied",
     )
-    for learner in learners:
-        learner.send_signal(signal.SIGTERM)
-    for learner in learners:
-        assert learner.wait(timeout=60) == 0, services.logs()
-    wait_caught_up(nats_server.url, job)
-    books = assert_books_balance(nats_server.url, job)
+    books = stop_units_and_balance(services, learners, nats_server.url, job)
     applied = outer_state(nats_server.url, job)["applied_rounds"][str(victim)]
     # Round numbers continue: nothing of the victim was applied twice and rounds after the
     # restart are numbered above the ones before it.

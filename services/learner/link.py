@@ -296,15 +296,7 @@ class LearnerLink:
             self._reconnected.set()
 
     async def _retry_forever(self, make_call: Callable[[], Any], what: str) -> Any:
-        backoff = 0.5
-        while True:
-            try:
-                return await make_call()
-            except (TimeoutError, nats.errors.Error, TransportError) as err:
-                self.last_error = f"{what}: {err}"
-                log.warning("%s failed (%s); retrying in %.1fs", what, err, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(transport.RECONNECT_BACKOFF_MAX_S, backoff * 2)
+        return await transport.retry_with_backoff(make_call, what, on_error=self._record_error)
 
     def _status_record(self) -> dict[str, Any]:
         durable = self.unit_state.record_dict()

@@ -378,16 +378,9 @@ class OuterService:
                 self._dirty = True  # the evaluation record goes into the next checkpoint
 
     async def _retry(self, make_call: Any, what: str) -> Any:
-        backoff = 0.2
-        while True:
-            try:
-                return await make_call()
-            except (TimeoutError, nats.errors.Error, TransportError) as err:
-                if self.stop.is_set():
-                    raise
-                log.warning("%s failed (%r); retrying in %.1fs", what, err, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
+        return await transport.retry_with_backoff(
+            make_call, what, first_backoff_s=0.2, stopping=self.stop.is_set
+        )
 
     def _on_standby(self, holder: str) -> None:
         if holder != self.leader_seen:
