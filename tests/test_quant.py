@@ -201,6 +201,49 @@ def test_encode_blocks_fuses_error_feedback(
     assert np.all(np.abs(new_res - exact) <= (np.abs(out) + np.abs(exact)) * 2.0**-23 + TINY)
 
 
+def _segment(tensors: list[np.ndarray], bits: int, block_size: int, residuals=None) -> tuple:
+    """``(scales, codes, returned)`` of encode_segment, each tensor one piece, in order."""
+    rows, first = [], 0
+    for t, x in enumerate(tensors):
+        units = -(-x.size // block_size)
+        rows.append((t, 0, x.size, first, units))
+        first += units
+    pieces = np.array(rows, np.int64).reshape(-1, 5)
+    scales = np.full(first, -1.0, np.float32)
+    codes = np.zeros(first * quant.bytes_per_block(bits, block_size), np.uint8)
+    addresses = np.array([quant.address(x) for x in tensors], np.int64)
+    res = addresses if residuals is None else np.array([quant.address(r) for r in residuals])
+    returned = quant.encode_segment(
+        addresses, res, pieces, residuals is not None, bits, block_size, scales, codes
+    )
+    return scales, codes, returned
+
+
+@SETTINGS
+@given(st.lists(values, min_size=1, max_size=5), bits_st, block_size_st, st.booleans())
+def test_encode_segment_is_encode_blocks_per_piece(
+    tensors: list[np.ndarray], bits: int, block_size: int, feedback: bool
+) -> None:
+    tensors = [x for x in tensors if x.size] or [np.ones(3, np.float32)]
+    residuals = [np.full(x.size, 0.25, np.float32) for x in tensors] if feedback else None
+    scales, codes, returned = _segment(tensors, bits, block_size, residuals)
+    assert returned == (-1, -1)
+    new_res = [np.full(x.size, 0.25, np.float32) for x in tensors]
+    expected = [encode(x, bits, block_size, r if feedback else None)
+                for x, r in zip(tensors, new_res, strict=True)]  # fmt: skip
+    np.testing.assert_array_equal(scales, np.concatenate([e[0] for e in expected]))
+    np.testing.assert_array_equal(codes, np.concatenate([e[1] for e in expected]))
+    if feedback:  # the residuals were updated in place, through their addresses
+        np.testing.assert_array_equal(np.concatenate(residuals), np.concatenate(new_res))
+
+
+def test_encode_segment_reports_the_piece_and_block() -> None:
+    tensors = [np.ones(20, np.float32), np.ones(50, np.float32), np.ones(5, np.float32)]
+    tensors[1][37] = np.nan
+    _, _, returned = _segment(tensors, 8, 16)
+    assert returned == (1, 2)
+
+
 def test_failed_error_feedback_encode_reports_the_block() -> None:
     x = np.ones(64, np.float32)
     res = np.zeros(64, np.float32)
