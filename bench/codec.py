@@ -375,6 +375,12 @@ def main() -> None:
     parser.add_argument(
         "--sizes", default=",".join(SIZES), help=f"comma-separated subset of {list(SIZES)}"
     )
+    parser.add_argument(
+        "--codecs", default=",".join(codec.CODECS), help="comma-separated subset of codecs"
+    )
+    parser.add_argument(
+        "--levels", default=",".join(map(str, LEVELS)), help="comma-separated zstd levels"
+    )
     parser.add_argument("--quick", action="store_true", help="1M only, 2 repeats (development)")
     parser.add_argument("--recapture", action="store_true", help="retrain the real data")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
@@ -384,9 +390,17 @@ def main() -> None:
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         parser.error(f"unknown sizes {unknown}; choose from {list(SIZES)}")
+    codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
+    if unknown := [c for c in codecs if c not in codec.CODECS]:
+        parser.error(f"unknown codecs {unknown}; choose from {list(codec.CODECS)}")
+    try:
+        levels = [int(v) for v in args.levels.split(",")]
+    except ValueError:
+        parser.error(f"--levels must be comma-separated ints, got {args.levels!r}")
     repeats = {s: 2 if args.quick else REPEATS[s] for s in sizes}
-    if args.write and (args.quick or sizes != list(SIZES)):
-        parser.error("--write records the full benchmark; drop --quick / --sizes")
+    full = sizes == list(SIZES) and codecs == list(codec.CODECS) and levels == list(LEVELS)
+    if args.write and (args.quick or not full):
+        parser.error("--write records the full benchmark; drop --quick/--sizes/--codecs/--levels")
 
     rounds = load_rounds(args.recapture)
     captured_s = time.perf_counter() - started
@@ -400,8 +414,8 @@ def main() -> None:
             ds = make_dataset(size, kind, rounds)
             target = np.empty_like(ds.buffer)
             log(f"{size} {kind}: {len(ds.tensors)} tensors, {ds.buffer.size:,} values")
-            for level in LEVELS:
-                for name in codec.CODECS:
+            for level in levels:
+                for name in codecs:
                     row = measure(ds, name, level, repeats[size], target, copies, copytos)
                     rows.append(row)
                     n = SIZES[size]

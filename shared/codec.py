@@ -38,8 +38,9 @@ checkpointed.
 
 The description (a plain msgpack-able dict) says everything needed to decode::
 
-    {"version": 2, "codec": "int4", "bits": 4, "block_size": 256, "segment": 4096,
-     "zstd_level": 1, "raw_size": 264, "frames": [38],
+    {"version": 3, "codec": "int4", "bits": 4, "block_size": 256, "segment": 4096,
+     "zstd_level": 1, "raw_size": 264, "frames": [29],
+     "checksums": [11318541512340434338],
      "tensors": [["layer/b", [3], "float32"], ["layer/w", [2, 3], "float32"]]}
 
 Raw (uncompressed) layout, tensors in sorted-name order, little-endian throughout. A *unit*
@@ -53,9 +54,11 @@ mixes two tensors). The units of all tensors, in order, are cut into *segments* 
   code blocks (planar packing, see :mod:`shared.quant`).
 
 ``frames`` lists the compressed size of every frame; the payload is the frames back to back,
-compressed straight into one buffer (see :mod:`shared.zstd`).
-Each frame records its content size and a checksum, so corruption is detected and the
-decoder knows each frame's exact output size before decompressing it. Segments keep the
+compressed straight into one buffer (see :mod:`shared.zstd`). ``checksums`` holds the
+XXH3-64 of every frame's bytes (as an unsigned int), which the decoder checks before it
+decompresses the frame, so corruption is detected; each frame also records its content size,
+so the decoder knows its exact output size before decompressing it. (Format 2 used zstd's
+own XXH64 frame checksum instead, at a sixth of XXH3's speed.) Segments keep the
 encoder's working set in cache (quantise 4 MiB, compress it while it is still there), let
 large payloads be coded on several threads (``threads``), and bound every allocation the
 decoder makes to one segment plus the output.
@@ -73,11 +76,12 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import lru_cache
 from itertools import accumulate, pairwise
 from typing import Any, NamedTuple
 
 import numpy as np
-import zstandard
+import xxhash
 
 from shared import quant, zstd
 
@@ -99,7 +103,7 @@ __all__ = [
     "make_codec",
 ]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
 CODECS = tuple(BITS)
 BLOCK_CODECS = ("int8", "int4", "int2")
@@ -131,12 +135,15 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _EMPTY = np.zeros(0, np.float32)
 _LOCAL = threading.local()
 _MAX_SCRATCH_BYTES = 64 << 20
-# Format 1 (no "version" key; int8/fp32 only) is recognised only to say so clearly.
+# Formats 1 (no "version" key; int8/fp32 only) and 2 (zstd checksums, no "checksums" key)
+# are recognised only to say so clearly.
 _V1_DESCRIPTION_KEYS = frozenset({"codec", "block_size", "zstd_level", "raw_size", "tensors"})
-_DESCRIPTION_KEYS = frozenset(
+_V2_DESCRIPTION_KEYS = frozenset(
     {"version", "codec", "bits", "block_size", "segment", "zstd_level", "raw_size", "frames",
      "tensors"}
 )  # fmt: skip
+_DESCRIPTION_KEYS = _V2_DESCRIPTION_KEYS | {"checksums"}
+_U64_MAX = (1 << 64) - 1
 
 
 class CodecError(ValueError):
@@ -297,34 +304,55 @@ def _raw_size(codec: str, block_size: int, sizes: Iterable[int]) -> int:
 
 
 @dataclass(frozen=True)
-class _Piece:
-    """Elements ``[lo, hi)`` of tensor ``tensor`` fill units ``[first, first + units)`` of a
-    segment."""
+class _Plan:
+    """How the tensors of one layout (names, shapes) are cut into segments, and everything
+    about the payload that depends on the layout alone. Cached: a learner sends the same
+    layout every round.
 
-    tensor: int
-    lo: int
-    hi: int
-    first: int
-    units: int
+    ``segments[i]`` is an int64 array of rows ``(tensor, lo, hi, first, units)``: values
+    ``[lo, hi)`` of tensor ``tensor`` fill units ``[first, first + units)`` of segment ``i``.
+    """
+
+    segment: int
+    raw_size: int
+    segments: tuple[np.ndarray, ...]
+    raw_bytes: tuple[int, ...]
+    bounds: tuple[int, ...]
+    entries: tuple[tuple[str, tuple[int, ...], str], ...]
 
 
-def _plan_segments(sizes: list[int], unit: int, segment: int) -> list[list[_Piece]]:
-    """Cut the concatenated unit stream of all tensors into segments of ``segment`` units."""
-    segments: list[list[_Piece]] = []
-    current: list[_Piece] = []
+@lru_cache(maxsize=64)
+def _plan(codec: str, block_size: int, layout: tuple[tuple[str, tuple[int, ...]], ...]) -> _Plan:
+    """The :class:`_Plan` of ``layout`` ((name, shape) pairs in sorted-name order)."""
+    unit = _unit(codec, block_size)
+    segment = max(1, SEGMENT_ELEMENTS // unit)
+    sizes = [math.prod(shape) for _, shape in layout]
+    segments: list[np.ndarray] = []
+    current: list[tuple[int, int, int, int, int]] = []
     fill = 0
     for index, size in enumerate(sizes):
         units, done = _n_blocks(size, unit), 0
         while done < units:
             take = min(units - done, segment - fill)
-            current.append(_Piece(index, done * unit, min(size, (done + take) * unit), fill, take))
+            current.append((index, done * unit, min(size, (done + take) * unit), fill, take))
             fill, done = fill + take, done + take
             if fill == segment:
-                segments.append(current)
+                segments.append(np.array(current, np.int64))
                 current, fill = [], 0
     if current:
-        segments.append(current)
-    return segments
+        segments.append(np.array(current, np.int64))
+    unit_bytes = _unit_bytes(codec, block_size)
+    raw_bytes = tuple(int(rows[-1, 3] + rows[-1, 4]) * unit_bytes for rows in segments)
+    for rows in segments:
+        rows.setflags(write=False)
+    return _Plan(
+        segment=segment,
+        raw_size=_raw_size(codec, block_size, sizes),
+        segments=tuple(segments),
+        raw_bytes=raw_bytes,
+        bounds=tuple(zstd.compress_bound(n) for n in raw_bytes),
+        entries=tuple((name, shape, _DTYPE) for name, shape in layout),
+    )
 
 
 # --------------------------------------------------------------------------- encoding
@@ -353,41 +381,42 @@ def encode(
     """
     names, arrays = _prepare(tensors)
     residual = _take_residual(names, arrays, config, state)
-    sizes = [a.size for a in arrays]
-    segment = max(1, SEGMENT_ELEMENTS // _unit(config.codec, config.block_size))
-    plan = _plan_segments(sizes, _unit(config.codec, config.block_size), segment)
-    raw_size = _raw_size(config.codec, config.block_size, sizes)
-    encoder = _SegmentEncoder(names, arrays, residual, config, segment)
-    bounds = [zstd.compress_bound(encoder.raw_bytes(pieces)) for pieces in plan]
+    plan = _plan(
+        config.codec, config.block_size, tuple(zip(names, (a.shape for a in arrays), strict=True))
+    )
+    encoder = _SegmentEncoder(names, arrays, residual, config)
     # One buffer for the whole payload, allocated by NumPy (huge pages where the kernel
     # offers them); each frame is compressed straight into it.
+    bounds = plan.bounds
     out = np.empty(sum(bounds), np.uint8)
-    threads = _threads(config.threads, raw_size)
-    if threads <= 1 or len(plan) <= 1:
-        frames, end = [], 0
-        for pieces, bound in zip(plan, bounds, strict=True):
-            frames.append(encoder(pieces, out[end : end + bound]))
-            end += frames[-1]
+    jobs = list(zip(plan.segments, plan.raw_bytes, strict=True))
+    threads = _threads(config.threads, plan.raw_size)
+    if threads <= 1 or len(jobs) <= 1:
+        coded, end = [], 0
+        for job, bound in zip(jobs, bounds, strict=True):
+            coded.append(encoder(job, out[end : end + bound]))
+            end += coded[-1][0]
     else:  # each frame into its own slot, then moved down to close the gaps
         slots = list(accumulate(bounds, initial=0))
-        jobs = [(p, out[a:b]) for p, a, b in zip(plan, slots, slots[1:], strict=False)]
-        frames = _map(lambda job: encoder(*job), jobs, threads)
+        coded = _map(
+            lambda i: encoder(jobs[i], out[slots[i] : slots[i + 1]]), range(len(jobs)), threads
+        )
         end = 0
-        for slot, size in zip(slots, frames, strict=False):
+        for slot, (size, _) in zip(slots, coded, strict=False):
             out[end : end + size] = out[slot : slot + size]  # overlap-safe; slot >= end
             end += size
+    frames = [size for size, _ in coded]
     description = {
         "version": FORMAT_VERSION,
         "codec": config.codec,
         "bits": BITS[config.codec],
         "block_size": config.block_size,
-        "segment": segment,
+        "segment": plan.segment,
         "zstd_level": config.zstd_level,
-        "raw_size": raw_size,
+        "raw_size": plan.raw_size,
         "frames": frames,
-        "tensors": [
-            [n, [int(d) for d in a.shape], _DTYPE] for n, a in zip(names, arrays, strict=True)
-        ],
+        "checksums": [checksum for _, checksum in coded],
+        "tensors": [[name, list(shape), dtype] for name, shape, dtype in plan.entries],
     }
     out.setflags(write=False)
     payload = memoryview(out)[:end]
@@ -429,60 +458,74 @@ class _SegmentEncoder:
         arrays: list[np.ndarray],
         residual: dict[str, np.ndarray],
         config: CodecConfig,
-        segment: int,
     ) -> None:
         self.names = names
         self.flats = [a.reshape(-1) for a in arrays]
         self.residuals = [residual[n].reshape(-1) if n in residual else _EMPTY for n in names]
         self.config = config
-        self.bits = BITS[config.codec]
-        self.unit_bytes = _unit_bytes(config.codec, config.block_size)
-        self.segment = segment
+        self.block = config.codec in BLOCK_CODECS
+        if self.block:  # the block kernels take every tensor of a segment in one call
+            self.addresses = np.array([quant.address(a) for a in arrays], np.int64)
+            self.residual_addresses = (
+                np.array([quant.address(residual[n]) for n in names], np.int64)
+                if residual
+                else self.addresses
+            )
 
-    def raw_bytes(self, pieces: list[_Piece]) -> int:
-        """Uncompressed size of the segment made of ``pieces``."""
-        return (pieces[-1].first + pieces[-1].units) * self.unit_bytes
+    def __call__(self, job: tuple[np.ndarray, int], dst: np.ndarray) -> tuple[int, int]:
+        """Quantise the segment ``job`` (its pieces and raw size) into scratch, compress it
+        into ``dst``; return the frame's size and XXH3-64 checksum."""
+        pieces, raw_bytes = job
+        raw = _scratch(raw_bytes)
+        if self.block:
+            self._blocks(pieces, raw)
+        else:
+            self._values(pieces, raw)
+        size = zstd.Compressor.for_thread(self.config.zstd_level).compress_into(raw, dst)
+        return size, xxhash.xxh3_64_intdigest(dst[:size])  # the frame is still in cache
 
-    def __call__(self, pieces: list[_Piece], dst: np.ndarray) -> int:
-        """Quantise the segment into scratch, compress it into ``dst``; return the size."""
-        raw = _scratch(self.raw_bytes(pieces))
-        units = pieces[-1].first + pieces[-1].units
-        codec, bs = self.config.codec, self.config.block_size
-        if codec in BLOCK_CODECS:
-            scales = raw[: 4 * units].view(_F32)
-            codes = raw[4 * units :]
-            bpb = self.unit_bytes - 4
-        for piece in pieces:
-            flat = self.flats[piece.tensor][piece.lo : piece.hi]
-            res = self.residuals[piece.tensor]
-            if res.size:
-                res = res[piece.lo : piece.hi]
-            first, last = piece.first, piece.first + piece.units
-            if codec in BLOCK_CODECS:
-                bad = quant.encode_blocks(
-                    flat,
-                    res,
-                    bool(res.size),
-                    self.bits,
-                    bs,
-                    scales[first:last],
-                    codes[first * bpb : last * bpb],
-                )
-            elif codec == "fp32":
-                bad = quant.encode_fp32(flat, raw.view(_F32)[first:last])
+    def _blocks(self, pieces: np.ndarray, raw: np.ndarray) -> None:
+        units = int(pieces[-1, 3] + pieces[-1, 4])
+        bits = BITS[self.config.codec]
+        use_res = self.residual_addresses is not self.addresses
+        piece, block = quant.encode_segment(
+            self.addresses,
+            self.residual_addresses,
+            pieces,
+            use_res,
+            bits,
+            self.config.block_size,
+            raw[: 4 * units].view(_F32),
+            raw[4 * units :],
+        )
+        if piece >= 0:
+            self._reject(int(pieces[piece, 0]), int(pieces[piece, 1]), int(pieces[piece, 2]))
+
+    def _values(self, pieces: np.ndarray, raw: np.ndarray) -> None:
+        for tensor, lo, hi, first, units in pieces.tolist():
+            flat = self.flats[tensor][lo:hi]
+            res = self.residuals[tensor]
+            res = res[lo:hi] if res.size else res
+            if self.config.codec == "fp32":
+                bad = quant.encode_fp32(flat, raw.view(_F32)[first : first + units])
             else:
-                bad = quant.encode_bf16(flat, res, bool(res.size), raw.view("<u2")[first:last])
+                bad = quant.encode_bf16(
+                    flat, res, bool(res.size), raw.view("<u2")[first : first + units]
+                )
             if bad >= 0:
-                name = self.names[piece.tensor]
-                _check_finite(name, flat)  # raises with a count of the bad values
-                if not res.size:  # only bf16 gets here: a finite value rounded up to Inf
-                    raise CodecError(
-                        f"tensor {name!r} has values within half a bfloat16 ulp of the "
-                        "float32 maximum, which round to Inf"
-                    )
-                # The input was finite, so its sum with the error-feedback residual overflowed.
-                raise CodecError(f"tensor {name!r} plus its error-feedback residual overflows")
-        return zstd.Compressor.for_thread(self.config.zstd_level).compress_into(raw, dst)
+                self._reject(tensor, lo, hi)
+
+    def _reject(self, tensor: int, lo: int, hi: int) -> None:
+        """Raise the CodecError for a piece that a kernel refused."""
+        name = self.names[tensor]
+        _check_finite(name, self.flats[tensor][lo:hi])  # raises with a count of bad values
+        if not self.residuals[tensor].size:  # only bf16 gets here: a value rounded up to Inf
+            raise CodecError(
+                f"tensor {name!r} has values within half a bfloat16 ulp of the "
+                "float32 maximum, which round to Inf"
+            )
+        # The input was finite, so its sum with the error-feedback residual overflowed.
+        raise CodecError(f"tensor {name!r} plus its error-feedback residual overflows")
 
 
 def _prepare(tensors: Any) -> tuple[list[str], list[np.ndarray]]:
@@ -533,6 +576,7 @@ class _Layout:
     segment: int
     raw_size: int
     frames: list[int]
+    checksums: list[int]
     specs: list[TensorSpec]
 
 
@@ -540,11 +584,12 @@ def _parse_description(description: Any, max_raw_size: int) -> _Layout:
     if not isinstance(description, Mapping):
         raise CodecError(f"description must be a mapping, got {type(description).__name__}")
     keys = set(description)
-    if keys == _V1_DESCRIPTION_KEYS:
-        raise CodecError(
-            f"payload uses codec format 1 (an older release); this decoder reads format "
-            f"{FORMAT_VERSION} only: run the same release on every service"
-        )
+    for old, old_keys in ((1, _V1_DESCRIPTION_KEYS), (2, _V2_DESCRIPTION_KEYS)):
+        if keys == old_keys:
+            raise CodecError(
+                f"payload uses codec format {old} (an older release); this decoder reads "
+                f"format {FORMAT_VERSION} only: run the same release on every service"
+            )
     if keys != _DESCRIPTION_KEYS:
         missing = sorted(map(str, _DESCRIPTION_KEYS - keys))
         unknown = sorted(map(repr, keys - _DESCRIPTION_KEYS))
@@ -604,7 +649,23 @@ def _parse_description(description: Any, max_raw_size: int) -> _Layout:
         )
     if not all(_is_int(f) and f > 0 for f in frames):
         raise CodecError(f"frame sizes must be positive ints, got {frames!r:.100}")
-    return _Layout(codec, block_size, int(segment), raw_size, [int(f) for f in frames], specs)
+    checksums = description["checksums"]
+    if not isinstance(checksums, list | tuple) or len(checksums) != n_frames:
+        raise CodecError(
+            f"checksums must list the XXH3-64 of each of the {n_frames} frame(s), "
+            f"got {checksums!r:.100}"
+        )
+    if not all(_is_int(c) and 0 <= c <= _U64_MAX for c in checksums):
+        raise CodecError(f"checksums must be unsigned 64-bit ints, got {checksums!r:.100}")
+    return _Layout(
+        codec,
+        block_size,
+        int(segment),
+        raw_size,
+        [int(f) for f in frames],
+        [int(c) for c in checksums],
+        specs,
+    )
 
 
 def decode_tensors(
@@ -691,6 +752,10 @@ class _SegmentDecoder:
         layout = self.layout
         first = index * layout.segment
         units = min(layout.segment, self.total_units - first)
+        if xxhash.xxh3_64_intdigest(frame) != layout.checksums[index]:
+            raise CodecError(
+                f"payload frame {index} does not match its XXH3-64 checksum (corrupted?)"
+            )
         raw = _decompress(frame, _scratch(units * self.unit_bytes))
         out = self.values[first * self.unit : (first + units) * self.unit]
         if layout.codec == "fp32":
@@ -809,8 +874,6 @@ def _decompress(frame: memoryview, raw: np.ndarray) -> np.ndarray:
     if declared != raw.size:
         found = "no content size" if declared is None else f"{declared} bytes"
         raise CodecError(f"zstd frame declares {found}; the description implies {raw.size}")
-    if not zstandard.get_frame_parameters(frame).has_checksum:
-        raise CodecError("zstd frame has no checksum; the encoder always writes one")
     try:
         size = zstd.decompress_into(frame, raw)
     except zstd.ZstdError as exc:

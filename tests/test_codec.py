@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import math
+from itertools import accumulate, pairwise
 
 import ml_dtypes
 import msgpack
 import numpy as np
 import pytest
+import xxhash
 import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -102,6 +104,17 @@ def assert_within_bound(codec: str, x: np.ndarray, y: np.ndarray, block_size: in
 def _round_trip(codec: str, tensors: dict, block_size: int = 256) -> dict[str, np.ndarray]:
     payload, description = encode_tensors(tensors, codec, block_size=block_size)
     return decode_tensors(payload, description)
+
+
+def _signed(payload: bytes, description: dict) -> dict:
+    """``description`` with the checksums of ``payload`` cut as its ``frames`` say: what a
+    sender that knows the format sends, so that the checks behind the checksum are reached."""
+    out = copy.deepcopy(description)
+    frames = out["frames"]
+    if isinstance(frames, list | tuple) and all(type(f) is int and f > 0 for f in frames):
+        cuts = pairwise(accumulate(frames, initial=0))
+        out["checksums"] = [xxhash.xxh3_64_intdigest(bytes(payload)[a:b]) for a, b in cuts]
+    return out
 
 
 def _corruptible(codec: str = "int8") -> tuple[bytes, dict]:
@@ -230,6 +243,7 @@ def test_description_is_plain_and_self_describing() -> None:
     tensors = {"layer/w": rng.standard_normal((2, 3)), "layer/b": rng.standard_normal(3)}
     payload, description = encode_tensors(tensors, "int4", 256, 3)
     frames = description.pop("frames")
+    checksums = description.pop("checksums")
     assert description == {
         "version": FORMAT_VERSION,
         "codec": "int4",
@@ -242,6 +256,7 @@ def test_description_is_plain_and_self_describing() -> None:
     }
     assert isinstance(payload, memoryview) and payload.readonly and payload.c_contiguous
     assert len(frames) == 1 and frames == [len(payload)]
+    assert checksums == [xxhash.xxh3_64_intdigest(payload)]
     assert zstandard.ZstdDecompressor().decompress(bytes(payload))  # a standard zstd frame
 
 
@@ -623,11 +638,14 @@ def test_truncated_or_extended_payload_is_rejected(codec: str) -> None:
             decode_tensors(payload[:end], _with(description, frames=[end or 1]))
     with pytest.raises(CodecError, match="payload has"):
         decode_tensors(payload + b"\0", description)
+    extended = _with(description, frames=[len(payload) + 1])
+    with pytest.raises(CodecError, match="checksum"):
+        decode_tensors(payload + b"\0", extended)
     with pytest.raises(CodecError, match="decompress"):
-        decode_tensors(payload + b"\0", _with(description, frames=[len(payload) + 1]))
-    doubled = [2 * len(payload)]
+        decode_tensors(payload + b"\0", _signed(payload + b"\0", extended))
+    doubled = _with(description, frames=[2 * len(payload)])
     with pytest.raises(CodecError, match="decompress"):
-        decode_tensors(payload + payload, _with(description, frames=doubled))
+        decode_tensors(payload + payload, _signed(payload + payload, doubled))
 
 
 def test_empty_payload_with_trailing_garbage_is_rejected() -> None:
@@ -641,8 +659,9 @@ def test_frame_with_a_second_frame_appended_is_rejected() -> None:
     payload, description = _corruptible()
     extra = zstandard.ZstdCompressor(write_checksum=True).compress(b"")
     frames = description["frames"]
+    appended = _with(description, frames=[frames[0] + len(extra)])
     with pytest.raises(CodecError, match="follow the zstd frame"):
-        decode_tensors(payload + extra, _with(description, frames=[frames[0] + len(extra)]))
+        decode_tensors(payload + extra, _signed(payload + extra, appended))
 
 
 def _with(description: dict, **changes: object) -> dict:
@@ -693,7 +712,7 @@ def test_wrong_frames_list_is_rejected(frames: str, match: str) -> None:
         "sum": [a, b + 1],
     }[frames]
     with pytest.raises(CodecError, match=match):
-        decode_tensors(payload, _with(description, frames=frames))
+        decode_tensors(payload, _signed(payload, _with(description, frames=frames)))
 
 
 def test_frames_may_be_numpy_ints_or_a_tuple() -> None:
@@ -706,11 +725,12 @@ def test_frames_may_be_numpy_ints_or_a_tuple() -> None:
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"version": 1}, "version 1 is not 2"),
-        ({"version": 3}, "version 3 is not 2"),
-        ({"version": "2"}, "version '2' is not 2"),
-        ({"version": True}, "version True is not 2"),
-        ({"version": 2.0}, "version 2.0 is not 2"),
+        ({"version": 1}, "version 1 is not 3"),
+        ({"version": 2}, "version 2 is not 3"),
+        ({"version": 4}, "version 4 is not 3"),
+        ({"version": "3"}, "version '3' is not 3"),
+        ({"version": True}, "version True is not 3"),
+        ({"version": 3.0}, "version 3.0 is not 3"),
         ({"version": None}, "version None"),
         ({"codec": "int3"}, "unknown codec 'int3'"),
         ({"codec": None}, "unknown codec"),
@@ -739,6 +759,15 @@ def test_frames_may_be_numpy_ints_or_a_tuple() -> None:
         ({"raw_size": "120"}, "raw_size"),
         ({"raw_size": 12}, r"raw_size 12 does not match .* needs \d+ bytes"),
         ({"raw_size": 2**100}, "exceeds the limit"),
+        ({"checksums": None}, "checksums must list the XXH3-64 of each of the 1 frame"),
+        ({"checksums": []}, "checksums must list"),
+        ({"checksums": [1, 2]}, "checksums must list"),
+        ({"checksums": [-1]}, "unsigned 64-bit ints"),
+        ({"checksums": [2**64]}, "unsigned 64-bit ints"),
+        ({"checksums": [1.0]}, "unsigned 64-bit ints"),
+        ({"checksums": [True]}, "unsigned 64-bit ints"),
+        ({"checksums": ["1"]}, "unsigned 64-bit ints"),
+        ({"checksums": [0]}, "frame 0 does not match its XXH3-64 checksum"),
         ({"tensors": "a"}, "tensors must be a list"),
         ({"tensors": {"a": [3]}}, "tensors must be a list"),
         ({"tensors": [["a", [3], "float32"]]}, "does not match"),
@@ -770,12 +799,22 @@ def test_format_1_description_is_named() -> None:
         decode_tensors(payload, old)
 
 
+def test_format_2_description_is_named() -> None:
+    """Format 2 had zstd's checksums in the frames and no "checksums" key."""
+    payload, description = _corruptible()
+    old = _with(description, version=2)
+    del old["checksums"]
+    with pytest.raises(CodecError, match="codec format 2"):
+        decode_tensors(payload, old)
+
+
 def test_missing_or_unknown_description_keys() -> None:
     payload, description = _corruptible()
     for key in description:
         partial = _with(description)
         del partial[key]
-        with pytest.raises(CodecError, match=rf"missing \['{key}'\]"):
+        match = "codec format 2" if key == "checksums" else rf"missing \['{key}'\]"
+        with pytest.raises(CodecError, match=match):
             decode_tensors(payload, partial)
     with pytest.raises(CodecError, match="unknown"):
         decode_tensors(payload, _with(description, extra=1))
@@ -786,15 +825,17 @@ def test_missing_or_unknown_description_keys() -> None:
             decode_tensors(payload, not_a_mapping)  # type: ignore[arg-type]
 
 
-def _fp32_description(raw_size: int, shape: list[int], frames: list[int]) -> dict:
-    return {"version": 2, "codec": "fp32", "bits": 32, "block_size": 256,
+def _fp32_description(raw_size: int, shape: list[int], frames: list[bytes]) -> dict:
+    return {"version": 3, "codec": "fp32", "bits": 32, "block_size": 256,
             "segment": SEGMENT_ELEMENTS, "zstd_level": 1, "raw_size": raw_size,
-            "frames": frames, "tensors": [["a", shape, "float32"]]}  # fmt: skip
+            "frames": [len(f) for f in frames],
+            "checksums": [xxhash.xxh3_64_intdigest(f) for f in frames],
+            "tensors": [["a", shape, "float32"]]}  # fmt: skip
 
 
 def test_raw_size_limit_is_checked_before_decompressing() -> None:
     n = 10**12
-    huge = _fp32_description(4 * n, [n], [1])
+    huge = _fp32_description(4 * n, [n], [b"x"])
     with pytest.raises(CodecError, match="exceeds the limit"):
         decode_tensors(b"not even zstd", huge)
     payload, description = _corruptible()
@@ -808,9 +849,11 @@ def test_output_too_large_to_allocate_is_a_codec_error() -> None:
     # describe more output than any machine has. Either the allocation fails (CodecError)
     # or, with memory overcommit, the one-byte frames do.
     n = 1 << 42  # 16 TiB of float32 in 2^22 blocks, 2^10 to a frame
-    description = {"version": 2, "codec": "int2", "bits": 2, "block_size": 1 << 20,
+    description = {"version": 3, "codec": "int2", "bits": 2, "block_size": 1 << 20,
                    "segment": 1 << 10, "zstd_level": 1, "raw_size": (n >> 20) * (4 + (1 << 18)),
-                   "frames": [1] * (1 << 12), "tensors": [["a", [n], "float32"]]}  # fmt: skip
+                   "frames": [1] * (1 << 12),
+                   "checksums": [xxhash.xxh3_64_intdigest(b"\0")] * (1 << 12),
+                   "tensors": [["a", [n], "float32"]]}  # fmt: skip
     with pytest.raises(CodecError, match="over the limit"):
         decode_tensors(b"\0" * (1 << 12), description, max_raw_size=1 << 41)
     # With the output limit lifted, the allocation or the one-byte frames fail instead.
@@ -823,36 +866,45 @@ def test_zip_bomb_cannot_expand_past_raw_size() -> None:
     # A frame that honestly declares 64 MiB, presented with a description claiming 4 bytes.
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))
     with pytest.raises(CodecError, match="declares 67108864 bytes; the description implies 4"):
-        decode_tensors(bomb, _fp32_description(4, [1], [len(bomb)]))
+        decode_tensors(bomb, _fp32_description(4, [1], [bomb]))
     # The same data streamed without a content size in the frame header.
     stream = zstandard.ZstdCompressor(write_content_size=False).compressobj()
     no_size = stream.compress(b"\0" * (1 << 20)) + stream.flush()
     with pytest.raises(CodecError, match="no content size"):
-        decode_tensors(no_size, _fp32_description(4, [1], [len(no_size)]))
+        decode_tensors(no_size, _fp32_description(4, [1], [no_size]))
     with pytest.raises(CodecError, match="not a zstd frame"):
-        decode_tensors(b"\0" * 8, _fp32_description(4, [1], [8]))
+        decode_tensors(b"\0" * 8, _fp32_description(4, [1], [b"\0" * 8]))
 
 
-def test_frames_without_checksum_are_rejected() -> None:
+def test_every_frame_is_checked_against_its_checksum() -> None:
     raw = np.array([1.5], np.float32).tobytes()
-    bare = zstandard.ZstdCompressor(write_content_size=True, write_checksum=False).compress(raw)
-    with pytest.raises(CodecError, match="no checksum"):
-        decode_tensors(bare, _fp32_description(4, [1], [len(bare)]))
-    framed = _frame(raw)
-    assert decode_tensors(framed, _fp32_description(4, [1], [len(framed)]))["a"][0] == 1.5
+    frame = _frame(raw)
+    description = _fp32_description(4, [1], [frame])
+    assert decode_tensors(frame, description)["a"][0] == 1.5
+    for checksum in (0, description["checksums"][0] ^ 1, 2**64 - 1):
+        with pytest.raises(CodecError, match="frame 0 does not match its XXH3-64 checksum"):
+            decode_tensors(frame, _with(description, checksums=[checksum]))
+    # Any standard zstd frame is read: with zstd's own checksum too (then checked as well).
+    with_xxh64 = zstandard.ZstdCompressor(write_content_size=True, write_checksum=True)
+    framed = with_xxh64.compress(raw)
+    assert decode_tensors(framed, _fp32_description(4, [1], [framed]))["a"][0] == 1.5
+    broken = framed[:-1] + bytes([framed[-1] ^ 0xFF])  # zstd's checksum, then re-signed
+    with pytest.raises(CodecError, match="checksum"):
+        decode_tensors(broken, _fp32_description(4, [1], [broken]))
 
 
 def _frame(raw: bytes) -> bytes:
-    return zstandard.ZstdCompressor(write_content_size=True, write_checksum=True).compress(raw)
+    return zstandard.ZstdCompressor(write_content_size=True, write_checksum=False).compress(raw)
 
 
 def _crafted(codec: str, scales: list[float], codes: bytes, block_size: int = 16) -> tuple:
     """A hand-made one-frame payload of ``len(scales)`` blocks and its description."""
     raw = np.array(scales, np.float32).tobytes() + codes
     frame = _frame(raw)
-    description = {"version": 2, "codec": codec, "bits": BITS[codec], "block_size": block_size,
+    description = {"version": 3, "codec": codec, "bits": BITS[codec], "block_size": block_size,
                    "segment": SEGMENT_ELEMENTS // block_size, "zstd_level": 1,
                    "raw_size": len(raw), "frames": [len(frame)],
+                   "checksums": [xxhash.xxh3_64_intdigest(frame)],
                    "tensors": [["a", [len(scales) * block_size], "float32"]]}  # fmt: skip
     return frame, description
 
@@ -929,7 +981,7 @@ def test_invalid_scales_are_rejected(codec: str, scale: float | str) -> None:
 )
 def test_decoded_values_are_validated(codec: str, raw: bytes) -> None:
     frame = _frame(raw)
-    description = _fp32_description(len(raw), [2], [len(frame)])
+    description = _fp32_description(len(raw), [2], [frame])
     description.update(codec=codec, bits=BITS[codec])
     with pytest.raises(CodecError, match="NaN/Inf values in frame 0"):
         decode_tensors(frame, description)
@@ -974,7 +1026,9 @@ def test_fuzzed_payload_raises_codec_error_or_decodes_correct_shapes(data: st.Da
     if data.draw(st.booleans()):
         mutated = mutated[: data.draw(st.integers(0, len(mutated)))]
         if data.draw(st.booleans()):  # and say so in the description
-            description["frames"] = [len(mutated)]
+            description["frames"] = [len(mutated) or 1]
+    if data.draw(st.booleans()):  # and sign it, so that zstd and the kernels see it
+        description = _signed(bytes(mutated), description)
     try:
         out = decode_tensors(bytes(mutated), description)
     except CodecError:
@@ -996,7 +1050,7 @@ def test_fuzzed_raw_block_data_raises_codec_error_or_decodes_finite(
     codes = codes[: blocks * 16 * BITS[codec] // 8]
     frame, description = _crafted(codec, [0.0] * blocks, codes)
     frame = _frame(raw_scales + codes)
-    description["frames"] = [len(frame)]
+    description = _signed(frame, _with(description, frames=[len(frame)]))
     try:
         out = decode_tensors(frame, description)["a"]
     except CodecError as exc:
@@ -1021,6 +1075,7 @@ hostile_fields = {
     "zstd_level": st.integers(-(1 << 18), 40) | st.sampled_from([1.0, None]),
     "raw_size": st.integers(-(2**40), 2**70) | st.sampled_from([0, 1.0, "1", True]),
     "frames": st.lists(st.integers(-5, 2**40) | st.sampled_from([1.0, "1", True]), max_size=5),
+    "checksums": st.lists(st.integers(-5, 2**65) | st.sampled_from([1.0, "1", True]), max_size=5),
     "tensors": st.lists(
         st.tuples(names, st.lists(st.integers(-2, 2**63), max_size=4), st.just("float32")),
         max_size=3,

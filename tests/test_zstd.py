@@ -15,14 +15,17 @@ def _raw(n: int = 100_000) -> np.ndarray:
     return np.random.default_rng(0).integers(0, 16, n, dtype=np.uint8)
 
 
+@pytest.mark.parametrize("checksum", [False, True])
 @pytest.mark.parametrize("level", [zstd.MIN_LEVEL, -1, 1, 3])
-def test_frames_are_standard_zstd_with_size_and_checksum(level: int) -> None:
+def test_frames_are_standard_zstd_with_size_and_optional_checksum(
+    level: int, checksum: bool
+) -> None:
     raw = _raw()
     dst = np.empty(zstd.compress_bound(raw.size), np.uint8)
-    n = zstd.Compressor(level).compress_into(raw, dst)
+    n = zstd.Compressor(level, checksum).compress_into(raw, dst)
     frame = bytes(dst[:n])
     params = zstandard.get_frame_parameters(frame)
-    assert params.content_size == raw.size and params.has_checksum
+    assert params.content_size == raw.size and params.has_checksum == checksum
     assert zstandard.ZstdDecompressor().decompress(frame) == raw.tobytes()
     out = np.empty(raw.size, np.uint8)
     assert zstd.frame_content_size(memoryview(frame)) == raw.size
@@ -78,3 +81,4 @@ def test_each_thread_gets_its_own_compressor() -> None:
     mine = zstd.Compressor.for_thread(1)
     assert mine is zstd.Compressor.for_thread(1)
     assert seen[0] is not mine and zstd.Compressor.for_thread(-1) is not mine
+    assert zstd.Compressor.for_thread(1, checksum=True) is not mine
