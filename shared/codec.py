@@ -71,13 +71,14 @@ validated, and any problem raises :class:`CodecError`.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
-from itertools import accumulate, pairwise
+from itertools import accumulate, chain, pairwise
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -144,6 +145,10 @@ _V2_DESCRIPTION_KEYS = frozenset(
 )  # fmt: skip
 _DESCRIPTION_KEYS = _V2_DESCRIPTION_KEYS | {"checksums"}
 _U64_MAX = (1 << 64) - 1
+_SEQUENCES = frozenset({list, tuple})
+_DTYPE_OF = operator.attrgetter("dtype")
+_SHAPE_OF = operator.attrgetter("shape")
+_C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
 
 
 class CodecError(ValueError):
@@ -381,9 +386,8 @@ def encode(
     """
     names, arrays = _prepare(tensors)
     residual = _take_residual(names, arrays, config, state)
-    plan = _plan(
-        config.codec, config.block_size, tuple(zip(names, (a.shape for a in arrays), strict=True))
-    )
+    layout = tuple(zip(names, map(_SHAPE_OF, arrays), strict=True))
+    plan = _plan(config.codec, config.block_size, layout)
     encoder = _SegmentEncoder(names, arrays, residual, config)
     # One buffer for the whole payload, allocated by NumPy (huge pages where the kernel
     # offers them); each frame is compressed straight into it.
@@ -460,12 +464,12 @@ class _SegmentEncoder:
         config: CodecConfig,
     ) -> None:
         self.names = names
-        self.flats = [a.reshape(-1) for a in arrays]
-        self.residuals = [residual[n].reshape(-1) if n in residual else _EMPTY for n in names]
+        self.arrays = arrays
+        self.residual = residual
         self.config = config
         self.block = config.codec in BLOCK_CODECS
         if self.block:  # the block kernels take every tensor of a segment in one call
-            self.addresses = np.array([quant.address(a) for a in arrays], np.int64)
+            self.addresses = np.array(list(map(quant.address, arrays)), np.int64)
             self.residual_addresses = (
                 np.array([quant.address(residual[n]) for n in names], np.int64)
                 if residual
@@ -501,10 +505,17 @@ class _SegmentEncoder:
         if piece >= 0:
             self._reject(int(pieces[piece, 0]), int(pieces[piece, 1]), int(pieces[piece, 2]))
 
+    def _flat(self, tensor: int) -> np.ndarray:
+        return self.arrays[tensor].reshape(-1)
+
+    def _flat_residual(self, tensor: int) -> np.ndarray:
+        res = self.residual.get(self.names[tensor])
+        return _EMPTY if res is None else res.reshape(-1)
+
     def _values(self, pieces: np.ndarray, raw: np.ndarray) -> None:
         for tensor, lo, hi, first, units in pieces.tolist():
-            flat = self.flats[tensor][lo:hi]
-            res = self.residuals[tensor]
+            flat = self._flat(tensor)[lo:hi]
+            res = self._flat_residual(tensor)
             res = res[lo:hi] if res.size else res
             if self.config.codec == "fp32":
                 bad = quant.encode_fp32(flat, raw.view(_F32)[first : first + units])
@@ -518,8 +529,8 @@ class _SegmentEncoder:
     def _reject(self, tensor: int, lo: int, hi: int) -> None:
         """Raise the CodecError for a piece that a kernel refused."""
         name = self.names[tensor]
-        _check_finite(name, self.flats[tensor][lo:hi])  # raises with a count of bad values
-        if not self.residuals[tensor].size:  # only bf16 gets here: a value rounded up to Inf
+        _check_finite(name, self._flat(tensor)[lo:hi])  # raises with a count of bad values
+        if not self._flat_residual(tensor).size:  # only bf16 gets here: a value rounded up to Inf
             raise CodecError(
                 f"tensor {name!r} has values within half a bfloat16 ulp of the "
                 "float32 maximum, which round to Inf"
@@ -535,7 +546,16 @@ def _prepare(tensors: Any) -> tuple[list[str], list[np.ndarray]]:
         if not isinstance(name, str):
             raise CodecError(f"tensor names must be str, got {type(name).__name__} {name!r}")
     names = sorted(tensors)
-    arrays = [_as_float32(n, tensors[n]) for n in names]
+    arrays = list(map(tensors.__getitem__, names))
+    # The common case, contiguous float32 arrays, checked in passes that run in C: a
+    # payload can hold thousands of tensors.
+    if (
+        {np.ndarray}.issuperset(map(type, arrays))
+        and {_F32}.issuperset(map(_DTYPE_OF, arrays))
+        and all(map(_C_CONTIGUOUS, arrays))
+    ):
+        return names, arrays
+    arrays = [_as_float32(n, a) for n, a in zip(names, arrays, strict=True)]
     # Not np.ascontiguousarray: it turns 0-d arrays into 1-d ones.
     return names, [a if a.flags.c_contiguous else a.copy(order="C") for a in arrays]
 
@@ -577,7 +597,9 @@ class _Layout:
     raw_size: int
     frames: list[int]
     checksums: list[int]
-    specs: list[TensorSpec]
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    sizes: list[int]
 
 
 def _parse_description(description: Any, max_raw_size: int) -> _Layout:
@@ -624,20 +646,11 @@ def _parse_description(description: Any, max_raw_size: int) -> _Layout:
     if raw_size > max_raw_size:
         raise CodecError(f"raw_size {raw_size} exceeds the limit of {max_raw_size} bytes")
 
-    entries = description["tensors"]
-    if not isinstance(entries, list | tuple):
-        raise CodecError(f"description tensors must be a list, got {type(entries).__name__}")
-    specs = [_parse_tensor_entry(i, e) for i, e in enumerate(entries)]
-    for prev, cur in pairwise(specs):
-        # The encoder writes sorted names; this also rules out duplicates.
-        if not prev.name < cur.name:
-            raise CodecError(
-                f"tensor names must be unique and sorted, got {prev.name!r} before {cur.name!r}"
-            )
-    expected = _raw_size(codec, block_size, (s.size for s in specs))
+    names, shapes, sizes = _parse_tensors(description["tensors"])
+    expected = _raw_size(codec, block_size, sizes)
     if expected != raw_size:
         raise CodecError(
-            f"raw_size {raw_size} does not match the {len(specs)} tensor(s) described: "
+            f"raw_size {raw_size} does not match the {len(names)} tensor(s) described: "
             f"codec {codec!r} with block_size {block_size} needs {expected} bytes"
         )
     frames = description["frames"]
@@ -664,8 +677,56 @@ def _parse_description(description: Any, max_raw_size: int) -> _Layout:
         raw_size,
         [int(f) for f in frames],
         [int(c) for c in checksums],
-        specs,
+        names,
+        shapes,
+        sizes,
     )
+
+
+def _parse_tensors(entries: Any) -> tuple[list[str], list[tuple[int, ...]], list[int]]:
+    """Names, shapes and sizes of the described tensors, all checked."""
+    if not isinstance(entries, list | tuple):
+        raise CodecError(f"description tensors must be a list, got {type(entries).__name__}")
+    fast = _parse_plain_tensors(entries)
+    if fast is not None:
+        return fast
+    specs = [_parse_tensor_entry(i, e) for i, e in enumerate(entries)]
+    for prev, cur in pairwise(specs):
+        # The encoder writes sorted names; this also rules out duplicates.
+        if not prev.name < cur.name:
+            raise CodecError(
+                f"tensor names must be unique and sorted, got {prev.name!r} before {cur.name!r}"
+            )
+    return [s.name for s in specs], [s.shape for s in specs], [s.size for s in specs]
+
+
+def _parse_plain_tensors(
+    entries: list | tuple,
+) -> tuple[list[str], list[tuple[int, ...]], list[int]] | None:
+    """:func:`_parse_tensors` for what encoders write, checked in a few passes that run in C
+    (a description can list thousands of tensors). Accepts a subset of what the per-entry
+    checks accept, with the same result; None for anything else (a str subclass, a NumPy
+    int, a zero or too-large dimension, an error), which :func:`_parse_tensor_entry` then
+    explains or accepts."""
+    if not entries:
+        return [], [], []
+    if not _SEQUENCES.issuperset(map(type, entries)) or not {3}.issuperset(map(len, entries)):
+        return None
+    names, shapes, dtypes = zip(*entries, strict=True)
+    if not {str}.issuperset(map(type, names)) or not _SEQUENCES.issuperset(map(type, shapes)):
+        return None
+    if dtypes.count(_DTYPE) != len(dtypes) or max(map(len, shapes)) > MAX_NDIM:
+        return None
+    dims = list(chain.from_iterable(shapes))
+    if not {int}.issuperset(map(type, dims)) or (dims and min(dims) <= 0):
+        return None
+    if not all(map(operator.lt, names, names[1:])):  # sorted and unique
+        return None
+    shapes = list(map(tuple, shapes))
+    sizes = list(map(math.prod, shapes))
+    if max(sizes) > _MAX_ELEMENTS:
+        return None
+    return list(names), shapes, sizes
 
 
 def decode_tensors(
@@ -729,11 +790,12 @@ def decode_tensors(
     ]
     decoder = _SegmentDecoder(layout, values, total_units)
     _map(decoder, jobs, _threads(threads, layout.raw_size))
-    lengths = (_n_blocks(s.size, unit) * unit for s in layout.specs)
-    starts = accumulate(lengths, initial=0)
+    starts = accumulate((_n_blocks(n, unit) * unit for n in layout.sizes), initial=0)
     return {
-        s.name: values[start : start + s.size].reshape(s.shape)
-        for s, start in zip(layout.specs, starts, strict=False)  # starts has one extra
+        name: values[start : start + size].reshape(shape)
+        for name, shape, size, start in zip(
+            layout.names, layout.shapes, layout.sizes, starts, strict=False
+        )  # starts has one extra
     }
 
 

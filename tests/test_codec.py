@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from shared import codec as codec_module
 from shared.codec import (
     BITS,
     BLOCK_CODECS,
@@ -1110,6 +1111,40 @@ def test_fuzzed_description_raises_only_codec_error(data: st.DataObject) -> None
         return
     specs = [TensorSpec(n, tuple(s), d) for n, s, d in description["tensors"]]
     assert [out[s.name].shape for s in specs] == [s.shape for s in specs]
+
+
+tensor_entries = st.lists(
+    st.tuples(
+        st.text(max_size=3) | st.sampled_from([None, 1, b"a"]),
+        st.lists(st.integers(-1, 6) | st.sampled_from([2.0, True, np.int64(3), 2**61]), max_size=3)
+        | st.sampled_from([None, 3, "3"]),
+        st.sampled_from(["float32", "float64", None, ["float32"]]),
+    ).map(list)
+    | st.sampled_from([None, "a", ["a", [1]], ("a", [1], "float32"), ["a", (2,), "float32"]]),
+    max_size=4,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tensor_entries)
+def test_fast_tensor_list_check_agrees_with_the_per_entry_checks(entries: list) -> None:
+    """The C-level fast path accepts a subset of what the per-entry checks accept, with the
+    same result, and defers everything else to them."""
+    fast = codec_module._parse_plain_tensors(entries)
+    try:
+        specs = [codec_module._parse_tensor_entry(i, e) for i, e in enumerate(entries)]
+        slow = (
+            [s.name for s in specs],
+            [s.shape for s in specs],
+            [s.size for s in specs],
+        )
+        ok = all(a.name < b.name for a, b in pairwise(specs))
+    except CodecError:
+        ok = False
+    if fast is not None:
+        assert ok and fast == slow
+    if ok:
+        assert codec_module._parse_tensors(entries) == slow
 
 
 @settings(max_examples=100, deadline=None)

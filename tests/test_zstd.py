@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 import zstandard
+from zstandard._cffi import ffi, lib
 
 from shared import zstd
 
@@ -82,3 +83,19 @@ def test_each_thread_gets_its_own_compressor() -> None:
     assert mine is zstd.Compressor.for_thread(1)
     assert seen[0] is not mine and zstd.Compressor.for_thread(-1) is not mine
     assert zstd.Compressor.for_thread(1, checksum=True) is not mine
+
+
+def _parameter(compressor: zstd.Compressor, parameter: int) -> int:
+    value = ffi.new("int *")
+    assert not lib.ZSTD_isError(lib.ZSTD_CCtx_getParameter(compressor._cctx, parameter, value))
+    return value[0]
+
+
+@pytest.mark.parametrize(("level", "hash_log"), [(-1, zstd.FAST_HASH_LOG), (-50, 10), (1, 0)])
+def test_fast_levels_cap_the_hash_table(level: int, hash_log: int) -> None:
+    """0 is zstd's "use the level's default"."""
+    assert _parameter(zstd.Compressor(level), lib.ZSTD_c_hashLog) == hash_log
+    raw = _raw()
+    dst = np.empty(zstd.compress_bound(raw.size), np.uint8)
+    n = zstd.Compressor(level).compress_into(raw, dst)
+    assert zstandard.ZstdDecompressor().decompress(bytes(dst[:n])) == raw.tobytes()
