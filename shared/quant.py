@@ -52,15 +52,20 @@ __all__ = [
     "encode_segment",
 ]
 
-# Reassociation lets LLVM vectorise the reductions; NaN/Inf semantics stay IEEE (no nnan/ninf)
-# because finiteness is checked in the kernels themselves.
-_FASTMATH = {"nsz", "arcp", "contract", "reassoc"}
+# NaN/Inf semantics stay IEEE (no nnan/ninf) because finiteness is checked in the kernels
+# themselves. No "reassoc" or "arcp" in the kernels: with them LLVM rewrites x * (qmax / absmax)
+# into (x * qmax) / absmax, a division per value, and rounds ties differently in different
+# inlined copies of the same loop (the error-feedback path disagreed with the plain one). The
+# integer reductions (absmax over the float bits) vectorise without reassociation.
+_FASTMATH = {"nsz", "contract"}
 _JIT = {"nogil": True, "cache": True, "boundscheck": False, "fastmath": _FASTMATH}
 # Helpers are inlined into the kernels at Numba-IR level: compiled as separate functions, their
 # array arguments lose what LLVM knows about them (fresh, non-aliasing scratch) and the loops
-# vectorise worse (~30% slower encode). _quantize_exact is deliberately not inlined: it must
-# keep its own strict (non-fastmath) flags.
+# vectorise worse (~30% slower encode). Two are deliberately not inlined, to keep flags of
+# their own: _quantize_exact (strict IEEE) and _quantize_ternary (reassociation, which its
+# float sums need to vectorise: 6x faster int2).
 _INLINE = {**_JIT, "inline": "always"}
+_REDUCE = {**_JIT, "fastmath": _FASTMATH | {"reassoc"}}
 
 _ABS_MASK = np.uint32(0x7FFFFFFF)
 _EXP_MASK = np.uint32(0x7F800000)  # |bits| >= this: Inf or NaN
@@ -151,7 +156,7 @@ def _quantize_absmax(buf, absmax, qmax, q):  # pragma: no cover - compiled
     return scale
 
 
-@njit(**_INLINE)
+@njit(**_REDUCE)
 def _quantize_ternary(buf, q):  # pragma: no cover - compiled
     """Ternary codes {-1, 0, 1} into ``q``; returns the least-squares scale of the kept set."""
     total = np.float32(0)
