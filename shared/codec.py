@@ -120,7 +120,8 @@ MIN_ZSTD_LEVEL = zstd.MIN_LEVEL
 MAX_ZSTD_LEVEL = zstd.MAX_LEVEL
 DEFAULT_MAX_RAW_SIZE = 2**31
 DEFAULT_MAX_OUTPUT_BYTES = 2**34
-# Elements per segment (one zstd frame): 4 MiB of float32. A segment's raw bytes (1 MiB for
+# Elements per segment (one zstd frame), nominally: 4 MiB of float32 (a payload's frames are
+# all of one size, within a factor 1.5 of this; see _plan). A segment's raw bytes (1 MiB for
 # int8) are still in cache when zstd reads them, and there are few enough frames that the
 # per-frame output buffers cost little (2^18 measured slower for int8 in bench/codec.py:
 # each frame's fresh output allocation page-faults).
@@ -330,8 +331,12 @@ class _Plan:
 def _plan(codec: str, block_size: int, layout: tuple[tuple[str, tuple[int, ...]], ...]) -> _Plan:
     """The :class:`_Plan` of ``layout`` ((name, shape) pairs in sorted-name order)."""
     unit = _unit(codec, block_size)
-    segment = max(1, SEGMENT_ELEMENTS // unit)
     sizes = [math.prod(shape) for _, shape in layout]
+    # Frames of equal size, as close to SEGMENT_ELEMENTS values as a whole number of them
+    # allows: no tiny last frame (a 1M-value payload cut per tensor into blocks is a few
+    # blocks over 2^20 values, which made a second frame of its own).
+    total = sum(_n_blocks(n, unit) for n in sizes)
+    segment = max(1, -(-total // max(1, round(total * unit / SEGMENT_ELEMENTS))))
     segments: list[np.ndarray] = []
     current: list[tuple[int, int, int, int, int]] = []
     fill = 0

@@ -250,7 +250,7 @@ def test_description_is_plain_and_self_describing() -> None:
         "codec": "int4",
         "bits": 4,
         "block_size": 256,
-        "segment": SEGMENT_ELEMENTS // 256,
+        "segment": 2,  # one frame of both tensors' blocks
         "zstd_level": 3,
         "raw_size": 2 * (4 + 128),
         "tensors": [["layer/b", [3], "float32"], ["layer/w", [2, 3], "float32"]],
@@ -264,7 +264,7 @@ def test_description_is_plain_and_self_describing() -> None:
 @pytest.mark.parametrize("codec", CODECS)
 def test_description_survives_msgpack(codec: str) -> None:
     rng = np.random.default_rng(3)
-    tensors = {"b": rng.standard_normal(3), "a": rng.standard_normal(SEGMENT_ELEMENTS + 1000)}
+    tensors = {"b": rng.standard_normal(3), "a": rng.standard_normal(2 * SEGMENT_ELEMENTS)}
     payload, description = encode_tensors(tensors, codec, block_size=16)
     assert len(description["frames"]) > 1
     packed = msgpack.packb(description)
@@ -307,8 +307,11 @@ def test_segments_split_tensors_and_blocks_into_frames() -> None:
         payload, description = encode_tensors(tensors, codec, block_size=block_size)
         unit = block_size if codec in BLOCK_CODECS else 1
         units = sum(-(-np.size(a) // unit) for a in tensors.values())
-        assert description["segment"] == max(1, SEGMENT_ELEMENTS // unit)
-        assert len(description["frames"]) == -(-units // description["segment"])
+        # Frames of one size, the nearest whole number of nominal segments (here 2).
+        segment = description["segment"]
+        assert segment == -(-units // max(1, round(units * unit / SEGMENT_ELEMENTS)))
+        assert 2 / 3 <= segment * unit / SEGMENT_ELEMENTS <= 3 / 2
+        assert len(description["frames"]) == -(-units // segment)
         assert sum(description["frames"]) == len(payload)
         out = decode_tensors(payload, description)
         for name, arr in tensors.items():
@@ -317,7 +320,7 @@ def test_segments_split_tensors_and_blocks_into_frames() -> None:
 
 def test_large_payload_on_threads() -> None:
     """Threaded encode is byte-identical, threaded decode equal, above THREADS_MIN_BYTES."""
-    x = np.random.default_rng(5).standard_normal((THREADS_MIN_BYTES // 4) + 1000)
+    x = np.random.default_rng(5).standard_normal(THREADS_MIN_BYTES // 4 + SEGMENT_ELEMENTS)
     tensors = {"x": x.astype(np.float32), "y": np.ones(3, np.float32)}
     payload, description = encode_tensors(tensors, "fp32")
     assert description["raw_size"] >= THREADS_MIN_BYTES and len(description["frames"]) > 2
