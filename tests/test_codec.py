@@ -27,9 +27,11 @@ from shared.codec import (
     CodecConfig,
     CodecError,
     CodecState,
+    Layout,
     TensorSpec,
     decode_tensors,
     encode,
+    encode_flat,
     encode_tensors,
     extend_state,
     init_state,
@@ -336,6 +338,80 @@ def test_large_payload_on_threads() -> None:
     corrupt[frames[0] + frames[1] // 2] ^= 0xFF
     with pytest.raises(CodecError):
         decode_tensors(bytes(corrupt), description, threads=2)
+
+
+# --------------------------------------------------------------------------- flat buffers
+
+
+def _flat(tensors: dict[str, np.ndarray]) -> tuple[np.ndarray, Layout]:
+    layout = Layout({name: np.shape(a) for name, a in tensors.items()})
+    values = np.empty(layout.size, np.float32)
+    for name, view in layout.views(values).items():
+        view[...] = tensors[name]
+    return values, layout
+
+
+@SETTINGS
+@given(tensor_dicts, st.sampled_from(CODECS), block_sizes, st.booleans())
+def test_encode_flat_is_encode_of_the_views(
+    tensors: dict, codec: str, block_size: int, feedback: bool
+) -> None:
+    values, layout = _flat(tensors)
+    config = CodecConfig(codec, block_size, error_feedback=feedback and codec != "fp32")
+    shapes = {name: np.shape(a) for name, a in tensors.items()}
+    states = [init_state(config, shapes) for _ in range(2)]
+    for _ in range(2):  # twice: the second round uses the residuals of the first
+        a, da, states[0] = encode(layout.views(values), config, states[0])
+        b, db, states[1] = encode_flat(values, layout, config, states[1])
+        assert bytes(a) == bytes(b) and da == db
+        for name in states[0].residual:
+            np.testing.assert_array_equal(states[0].residual[name], states[1].residual[name])
+    out = decode_tensors(b, db)
+    expected = dict(zip(layout.names, layout.shapes, strict=True))
+    assert {n: o.shape for n, o in out.items()} == expected
+
+
+def test_layout_is_sorted_immutable_and_hashable() -> None:
+    layout = Layout({"b": (2, 3), "a": [4], "c": ()})
+    assert layout.names == ("a", "b", "c") and layout.shapes == ((4,), (2, 3), ())
+    assert layout.sizes == (4, 6, 1) and layout.offsets == (0, 4, 10) and layout.size == 11
+    same = Layout({"a": (np.int64(4),), "b": (2, 3), "c": []})
+    assert same == layout and hash(same) == hash(layout) and same is not layout
+    assert Layout({"a": (4,), "b": (3, 2), "c": ()}) != layout
+    with pytest.raises(AttributeError):
+        layout.size = 3  # type: ignore[misc]
+    views = layout.views(np.arange(11, dtype=np.float32))
+    assert views["b"].shape == (2, 3) and views["b"][0, 0] == 4 and views["c"] == 10
+    for bad, match in [
+        ({1: (2,)}, "names must be str"),
+        ({"a": (-1,)}, "non-negative ints"),
+        ({"a": (2.0,)}, "non-negative ints"),
+        ({"a": (True,)}, "non-negative ints"),
+        ({"a": 3}, "non-negative ints"),
+        ([("a", (1,))], "mapping"),
+    ]:
+        with pytest.raises(CodecError, match=match):
+            Layout(bad)  # type: ignore[arg-type]
+
+
+def test_encode_flat_rejects_other_buffers_and_non_finite_values() -> None:
+    values, layout = _flat({"a": np.ones((3, 4)), "b": np.ones(5)})
+    config = CodecConfig("int8")
+    for bad in (
+        values[:-1],
+        values.astype(np.float64),
+        values.reshape(1, -1),
+        np.concatenate([values, values])[::2],
+        list(values),
+    ):
+        with pytest.raises(CodecError, match="contiguous 1-D float32 array of the layout's 17"):
+            encode_flat(bad, layout, config)  # type: ignore[arg-type]
+    with pytest.raises(CodecError, match="codec.Layout"):
+        encode_flat(values, {"a": (3, 4), "b": (5,)}, config)  # type: ignore[arg-type]
+    values[13] = np.nan
+    for codec in CODECS:
+        with pytest.raises(CodecError, match="tensor 'b' contains 1 NaN/Inf"):
+            encode_flat(values, layout, CodecConfig(codec))
 
 
 def test_threaded_error_feedback_encode_is_identical() -> None:
