@@ -8,7 +8,7 @@ import pytest
 
 from services.learner.core import LearnerCore, SyncSchedule, dynamic_h
 from services.learner.trainer import InnerTrainer, inner_optimizer
-from shared import model, pytree
+from shared import codec, model, pytree
 
 CFG = model.get_config("tiny")
 TOKENS = 4 * CFG.seq_len
@@ -107,6 +107,26 @@ def test_fragments_are_staggered_and_partition_the_params():
     assert not keys[0] & keys[1]
     sizes = core.plan.sizes()
     assert sum(sizes) == model.param_count(core.template)
+
+
+def test_upload_tensors_are_views_of_one_flat_buffer_the_codec_encodes_whole():
+    core = make_core(SyncSchedule(h_steps=2, fragments=2))
+    uploads = []
+    while len(uploads) < 2:
+        core.train_step(batch(core.step))
+        uploads += core.due_uploads()
+    config = codec.CodecConfig("int8")
+    for upload in uploads:
+        layout = upload.layout
+        assert layout == core.layouts[upload.fragment]
+        assert list(layout.names) == core.plan.keys(upload.fragment) == sorted(upload.tensors)
+        assert upload.values.dtype == np.float32 and upload.values.size == layout.size
+        for name, view in layout.views(upload.values).items():
+            assert np.shares_memory(upload.tensors[name], upload.values)
+            np.testing.assert_array_equal(upload.tensors[name], view)
+        flat, flat_description, _ = codec.encode_flat(upload.values, layout, config)
+        whole, description, _ = codec.encode(upload.tensors, config)
+        assert bytes(flat) == bytes(whole) and flat_description == description
 
 
 def test_one_fragment_no_overlap_no_mixing_is_the_plain_update():

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from services.learner.trainer import InnerState, InnerTrainer
-from shared import pytree
+from shared import codec, pytree
 from shared.fragments import FragmentPlan, plan_fragments, sync_offset
 
 
@@ -57,6 +57,10 @@ class Upload:
     tokens: int
     train_loss: float
     tensors: dict[str, np.ndarray]
+    # The tensors are views of one float32 buffer (``values``), laid out as ``layout`` says,
+    # so that the codec can encode it in one piece (codec.encode_flat).
+    values: np.ndarray | None = None
+    layout: codec.Layout | None = None
 
 
 @dataclass
@@ -98,9 +102,18 @@ class LearnerCore:
         self.template = params
         self.state: InnerState = trainer.init(params)
         named = pytree.flatten_named(params)
-        self.plan: FragmentPlan = plan_fragments(
-            {k: v.shape for k, v in named.items()}, schedule.fragments
-        )
+        shapes = {k: tuple(v.shape) for k, v in named.items()}
+        self.plan: FragmentPlan = plan_fragments(shapes, schedule.fragments)
+        # Per fragment, how its pseudo-gradient's pieces sit in one flat buffer.
+        self.layouts = [
+            codec.Layout(
+                {
+                    piece.key: shapes[piece.name][0 if piece.layer is None else 1 :]
+                    for piece in fragment
+                }
+            )
+            for fragment in self.plan.fragments
+        ]
         self.syncs = [
             _FragmentSync(
                 target=max(1, schedule.h_steps - sync_offset(p, self.plan.count, schedule.h_steps))
@@ -152,7 +165,11 @@ class LearnerCore:
             sync = self.syncs[p]
             local = self.plan.extract(params, p)
             base = self.plan.extract(anchor, p)
-            delta = {k: base[k] - local[k] for k in local}
+            layout = self.layouts[p]
+            values = np.empty(layout.size, np.float32)
+            delta = layout.views(values)
+            for k, view in delta.items():
+                np.subtract(base[k], local[k], out=view)
             self.plan.insert(anchor, p, local)
             uploads.append(
                 Upload(
@@ -163,6 +180,8 @@ class LearnerCore:
                     sync.tokens,
                     sync.loss_sum / sync.steps,
                     delta,
+                    values,
+                    layout,
                 )
             )
             self.round += 1

@@ -401,9 +401,14 @@ class LearnerLink:
         shapes = {name: np.shape(t) for name, t in upload.tensors.items()}
         state = codec.extend_state(self._codec, self._codec_state, shapes)
         try:
-            payload, description, self._codec_state = codec.encode(
-                upload.tensors, self._codec, state
-            )
+            if upload.values is not None and upload.layout is not None:
+                payload, description, self._codec_state = codec.encode_flat(
+                    upload.values, upload.layout, self._codec, state
+                )
+            else:
+                payload, description, self._codec_state = codec.encode(
+                    upload.tensors, self._codec, state
+                )
         except codec.CodecError:
             # The state was consumed; residuals restart from zero.
             self._codec_state = codec.CodecState()
