@@ -8,6 +8,9 @@ A codec is a set of three functions with explicit state, in the style of optax
     payload, description, state = codec.encode(tensors, state)
     tensors = codec.decode(payload, description)    # needs nothing but the two values
 
+Tensors held back to back in one float32 buffer are encoded with :func:`encode_flat` and a
+:class:`Layout` (names, shapes, offsets) made once: same payload, less work per call.
+
 Schemes (``codec``), all with fp32 scales and fp32 accumulation:
 
 ========  ====  ===================================================================
@@ -38,16 +41,17 @@ checkpointed.
 
 The description (a plain msgpack-able dict) says everything needed to decode::
 
-    {"version": 3, "codec": "int4", "bits": 4, "block_size": 256, "segment": 4096,
-     "zstd_level": 1, "raw_size": 264, "frames": [29],
-     "checksums": [11318541512340434338],
+    {"version": 3, "codec": "int4", "bits": 4, "block_size": 256, "segment": 2,
+     "zstd_level": 1, "raw_size": 264, "frames": [38],
+     "checksums": [3021263609467155988],
      "tensors": [["layer/b", [3], "float32"], ["layer/w", [2, 3], "float32"]]}
 
 Raw (uncompressed) layout, tensors in sorted-name order, little-endian throughout. A *unit*
 is one value for ``fp32`` / ``bf16`` and one block of ``block_size`` values for the block
 codecs (each tensor is cut into its own blocks, the last one zero-padded, so a block never
 mixes two tensors). The units of all tensors, in order, are cut into *segments* of
-``segment`` units (about 4 MiB of float32 input each), and each segment is one zstd frame:
+``segment`` units (equal segments, as many as is nearest to one per 4 MiB of float32 input,
+at least one), and each segment is one zstd frame:
 
 * ``fp32`` / ``bf16``: the segment's values, 4 or 2 bytes each.
 * ``int8`` / ``int4`` / ``int2``: the segment's ``m`` float32 scales, then its ``m`` packed
