@@ -273,6 +273,50 @@ def _quantize_pack4(src, absmax, packed):  # pragma: no cover - compiled
     return absmax / fq
 
 
+# Whole blocks per group on the plain path of encode_blocks (see _encode_groups).
+_GROUP = 16
+
+
+@njit(**_INLINE)
+def _encode_groups(x, xbits, bits, block_size, qmax, scales, codes, codes8, scratch):
+    """int8/int4 codes of the whole blocks of ``x`` (no error feedback), _GROUP at a time.
+
+    The absmax reductions of a group are independent of each other, so the CPU overlaps
+    them; one block at a time, each waited for its own reduction and divisions (~20% slower).
+    Returns the number of blocks done: it stops before the first group holding a non-finite
+    value, and leaves the tail (fewer than _GROUP blocks) to the caller's block loop.
+    """
+    bpb = block_size * bits // 8
+    group = np.empty(_GROUP, np.uint32)
+    absmaxes = group.view(np.float32)
+    full = x.size // block_size
+    start = 0
+    while start + _GROUP <= full:
+        worst = np.uint32(0)
+        for g in range(_GROUP):
+            lo = (start + g) * block_size
+            m = _absmax_of_bits(xbits[lo : lo + block_size])
+            group[g] = m
+            worst = max(worst, m)
+        if worst >= _EXP_MASK:
+            return start
+        for g in range(_GROUP):
+            b = start + g
+            xb = x[b * block_size : (b + 1) * block_size]
+            absmax = absmaxes[g]
+            ordinary = _TINY_ABSMAX <= absmax <= _HUGE_ABSMAX
+            if bits == 8 and ordinary:
+                scales[b] = _quantize_ordinary(xb, absmax, 127, codes8[b * bpb : (b + 1) * bpb])
+            elif bits == 4 and ordinary:
+                scales[b] = _quantize_pack4(xb, absmax, codes[b * bpb : (b + 1) * bpb])
+            else:
+                scales[b] = _encode_block(
+                    xb, absmax, bits, qmax, scratch, codes[b * bpb : (b + 1) * bpb]
+                )
+        start += _GROUP
+    return start
+
+
 @njit(**_JIT)
 def encode_blocks(x, res, use_res, bits, block_size, scales, codes):  # pragma: no cover
     """Quantise 1-D float32 ``x`` (last block zero-padded) into ``scales`` and packed ``codes``.
@@ -300,7 +344,10 @@ def encode_blocks(x, res, use_res, bits, block_size, scales, codes):  # pragma: 
     # Views are made once: made per block (in the helpers), they cost a fifth of the time.
     xbits = x.view(np.uint32)
     codes8 = codes.view(np.int8)
-    for b in range(scales.size):
+    start = 0
+    if not use_res and bits != 2:
+        start = _encode_groups(x, xbits, bits, block_size, qmax, scales, codes, codes8, scratch)
+    for b in range(start, scales.size):
         lo = b * block_size
         hi = min(lo + block_size, n)
         xb = x[lo:hi]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 from itertools import accumulate, pairwise
 
 import ml_dtypes
@@ -361,7 +362,12 @@ def test_encode_flat_is_encode_of_the_views(
     shapes = {name: np.shape(a) for name, a in tensors.items()}
     states = [init_state(config, shapes) for _ in range(2)]
     for _ in range(2):  # twice: the second round uses the residuals of the first
-        a, da, states[0] = encode(layout.views(values), config, states[0])
+        try:
+            a, da, states[0] = encode(layout.views(values), config, states[0])
+        except CodecError as err:  # values that round to Inf, or overflow with the residual
+            with pytest.raises(CodecError, match=re.escape(str(err))):
+                encode_flat(values, layout, config, states[1])
+            return
         b, db, states[1] = encode_flat(values, layout, config, states[1])
         assert bytes(a) == bytes(b) and da == db
         for name in states[0].residual:

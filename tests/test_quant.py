@@ -177,6 +177,26 @@ def test_encode_blocks_reports_the_first_non_finite_block(
     assert returned == position // 16
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bad_block", [0, 15, 16, 17, 31, 40])
+def test_grouped_blocks_match_single_blocks_and_report_the_first_bad_one(
+    bits: int, bad_block: int
+) -> None:
+    """Whole blocks are encoded 16 at a time; results and the reported block are the same
+    as one block at a time (the error-feedback path, with a zero residual)."""
+    rng = np.random.default_rng(bad_block)
+    x = (rng.standard_normal(45 * 16) * 10.0 ** rng.integers(-40, 30, 45 * 16)).astype(np.float32)
+    x[5 * 16 : 6 * 16] = 0  # a zero block, and a tiny one, inside the first group
+    x[7 * 16 : 8 * 16] *= np.float32(1e-35)
+    grouped = encode(x, bits, 16)
+    single = encode(x, bits, 16, np.zeros_like(x))
+    np.testing.assert_array_equal(grouped[0], single[0])
+    np.testing.assert_array_equal(grouped[1], single[1])
+    x[bad_block * 16 + 3] = np.inf
+    x[44 * 16] = np.nan  # a later bad block does not matter
+    assert encode(x, bits, 16)[2] == bad_block
+
+
 @SETTINGS
 @given(values, st.data(), bits_st, block_size_st)
 def test_encode_blocks_fuses_error_feedback(
