@@ -418,6 +418,15 @@ class _Plan:
     bounds: tuple[int, ...]
     byte_offsets: np.ndarray  # int64: each tensor's first byte in a flat float32 buffer
 
+    @property
+    def jobs(self) -> tuple[tuple[np.ndarray, int], ...]:
+        """``(pieces, raw bytes)`` of every segment."""
+        return self._jobs
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_jobs", tuple(zip(self.segments, self.raw_bytes, strict=True)))
+        object.__setattr__(self, "total_bound", sum(self.bounds))
+
 
 @lru_cache(maxsize=64)
 def _plan(codec: str, block_size: int, layout: Layout) -> _Plan:
@@ -543,8 +552,8 @@ def _encode(
     # One buffer for the whole payload, allocated by NumPy (huge pages where the kernel
     # offers them); each frame is compressed straight into it.
     bounds = plan.bounds
-    out = np.empty(sum(bounds), np.uint8)
-    jobs = list(zip(plan.segments, plan.raw_bytes, strict=True))
+    out = np.empty(plan.total_bound, np.uint8)
+    jobs = plan.jobs
     threads = _threads(config.threads, plan.raw_size)
     if threads <= 1 or len(jobs) <= 1:
         coded, end = [], 0
@@ -625,6 +634,7 @@ class _SegmentEncoder:
         self.values = values
         self.residual = residual
         self.config = config
+        self.bits = BITS[config.codec]
         self.block = config.codec in BLOCK_CODECS
         if self.block:  # the block kernels take every tensor of a segment in one call
             self.addresses = addresses
@@ -639,29 +649,22 @@ class _SegmentEncoder:
         into ``dst``; return the frame's size and XXH3-64 checksum."""
         pieces, raw_bytes = job
         raw = _scratch(raw_bytes)
-        if self.block:
-            self._blocks(pieces, raw)
+        if self.block:  # every tensor of the segment in one kernel call
+            piece, _ = quant.encode_segment(
+                self.addresses,
+                self.residual_addresses,
+                pieces,
+                self.residual_addresses is not self.addresses,
+                self.bits,
+                self.config.block_size,
+                raw,
+            )
+            if piece >= 0:
+                self._reject(*map(int, pieces[piece, :3]))
         else:
             self._values(pieces, raw)
         size = zstd.Compressor.for_thread(self.config.zstd_level).compress_into(raw, dst)
         return size, xxhash.xxh3_64_intdigest(dst[:size])  # the frame is still in cache
-
-    def _blocks(self, pieces: np.ndarray, raw: np.ndarray) -> None:
-        units = int(pieces[-1, 3] + pieces[-1, 4])
-        bits = BITS[self.config.codec]
-        use_res = self.residual_addresses is not self.addresses
-        piece, block = quant.encode_segment(
-            self.addresses,
-            self.residual_addresses,
-            pieces,
-            use_res,
-            bits,
-            self.config.block_size,
-            raw[: 4 * units].view(_F32),
-            raw[4 * units :],
-        )
-        if piece >= 0:
-            self._reject(int(pieces[piece, 0]), int(pieces[piece, 1]), int(pieces[piece, 2]))
 
     def _flat(self, tensor: int) -> np.ndarray:
         if isinstance(self.values, np.ndarray):

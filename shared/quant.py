@@ -334,11 +334,19 @@ def encode_blocks(x, res, use_res, bits, block_size, scales, codes):  # pragma: 
         -1, or the index of the first block holding NaN/Inf; with ``use_res`` the residual is
         then partly updated and must be discarded by the caller.
     """
+    buf = np.empty(block_size, np.float32)
+    scratch = np.empty(block_size, np.int8)
+    return _encode_blocks(x, res, use_res, bits, block_size, scales, codes, buf, scratch)
+
+
+@njit(**_INLINE)
+def _encode_blocks(  # pragma: no cover - compiled
+    x, res, use_res, bits, block_size, scales, codes, buf, scratch
+):
+    """:func:`encode_blocks` with its work buffers (``block_size`` float32 and int8) given."""
     n = x.size
     bpb = block_size * bits // 8
     qmax = 127 if bits == 8 else 7
-    buf = np.empty(block_size, np.float32)
-    scratch = np.empty(block_size, np.int8)
     one = np.zeros(1, np.uint32)
     one_f32 = one.view(np.float32)
     # Views are made once: made per block (in the helpers), they cost a fifth of the time.
@@ -550,7 +558,7 @@ def _float32_at(typingctx, address):  # pragma: no cover - compiled
 
 
 @njit(**_JIT)
-def encode_segment(addresses, residuals, pieces, use_res, bits, block_size, scales, codes):
+def encode_segment(addresses, residuals, pieces, use_res, bits, block_size, raw):
     """:func:`encode_blocks` over the pieces of one segment, tensors given by address.
 
     Args:
@@ -561,18 +569,24 @@ def encode_segment(addresses, residuals, pieces, use_res, bits, block_size, scal
         pieces: int64 ``[k, 5]``: rows ``(tensor, lo, hi, first, units)``: values
             ``[lo, hi)`` of ``tensor`` fill blocks ``[first, first + units)`` of the segment.
         use_res, bits, block_size: As for :func:`encode_blocks`.
-        scales, codes: The segment's outputs (``codes`` holds its packed blocks).
+        raw: The segment's output (uint8): its ``m`` float32 scales, then its ``m`` packed
+            code blocks, ``m`` being the units the pieces fill.
 
     Returns:
         ``(-1, -1)``, or ``(piece, block)``: the first piece with a non-finite block and that
         block's index within the piece.
     """
     bpb = block_size * bits // 8
+    m = pieces[-1, 3] + pieces[-1, 4]
+    scales = raw[: 4 * m].view(np.float32)
+    codes = raw[4 * m :]
+    buf = np.empty(block_size, np.float32)  # work buffers, made once for all pieces
+    scratch = np.empty(block_size, np.int8)
     for p in range(pieces.shape[0]):
         tensor, lo, hi, first, units = pieces[p]
         x = carray(_float32_at(addresses[tensor] + 4 * lo), hi - lo)
         res = carray(_float32_at(residuals[tensor] + 4 * lo), (hi - lo) * use_res)
-        bad = encode_blocks(
+        bad = _encode_blocks(
             x,
             res,
             use_res,
@@ -580,6 +594,8 @@ def encode_segment(addresses, residuals, pieces, use_res, bits, block_size, scal
             block_size,
             scales[first : first + units],
             codes[first * bpb : (first + units) * bpb],
+            buf,
+            scratch,
         )
         if bad >= 0:
             return p, bad

@@ -229,14 +229,14 @@ def _segment(tensors: list[np.ndarray], bits: int, block_size: int, residuals=No
         rows.append((t, 0, x.size, first, units))
         first += units
     pieces = np.array(rows, np.int64).reshape(-1, 5)
-    scales = np.full(first, -1.0, np.float32)
-    codes = np.zeros(first * quant.bytes_per_block(bits, block_size), np.uint8)
+    raw = np.zeros(first * (4 + quant.bytes_per_block(bits, block_size)), np.uint8)
+    raw[: 4 * first].view(np.float32)[:] = -1.0
     addresses = np.array([quant.address(x) for x in tensors], np.int64)
     res = addresses if residuals is None else np.array([quant.address(r) for r in residuals])
     returned = quant.encode_segment(
-        addresses, res, pieces, residuals is not None, bits, block_size, scales, codes
+        addresses, res, pieces, residuals is not None, bits, block_size, raw
     )
-    return scales, codes, returned
+    return raw[: 4 * first].view(np.float32), raw[4 * first :], returned
 
 
 @SETTINGS
