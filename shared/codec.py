@@ -1080,14 +1080,15 @@ def _parse_tensor_entry(index: int, entry: Any) -> TensorSpec:
 def _scratch(nbytes: int) -> np.ndarray:
     """``nbytes`` of this thread's reusable scratch (one segment's raw bytes).
 
-    Reusing it keeps its pages mapped and in cache; a segment larger than
-    ``_MAX_SCRATCH_BYTES`` (only a hostile description asks for one) gets its own buffer.
+    Reusing it keeps its pages mapped and in cache; at 8 MiB or more NumPy asks the kernel
+    for transparent huge pages, so the kernels and zstd miss the TLB less. A segment larger
+    than ``_MAX_SCRATCH_BYTES`` (only a hostile description asks for one) gets its own buffer.
     """
     if nbytes > _MAX_SCRATCH_BYTES:
         return np.empty(nbytes, np.uint8)
     scratch = getattr(_LOCAL, "scratch", None)
     if scratch is None or scratch.size < nbytes:
-        scratch = _LOCAL.scratch = np.empty(max(nbytes, 1 << 20), np.uint8)
+        scratch = _LOCAL.scratch = np.empty(max(nbytes, 8 << 20), np.uint8)
     return scratch[:nbytes]
 
 
