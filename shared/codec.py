@@ -537,10 +537,8 @@ def encode_flat(
         )
     residual = _take_residual(layout, config, state)
     plan = _plan(config.codec, config.block_size, layout)
-    addresses = None
-    if config.codec in BLOCK_CODECS:
-        addresses = plan.byte_offsets + quant.address(values)
-    encoder = _SegmentEncoder(layout, values, residual, config, addresses)
+    # The kernel finds each tensor at its offset in ``values``.
+    encoder = _SegmentEncoder(layout, values, residual, config, plan.byte_offsets)
     return _encode(plan, encoder, residual)
 
 
@@ -628,7 +626,8 @@ class _SegmentEncoder:
         addresses: np.ndarray | None,
     ) -> None:
         """``values``: the tensors (a list in layout order), or the flat buffer of them all;
-        ``addresses``: each tensor's data address (block codecs only)."""
+        ``addresses`` (block codecs only): each tensor's data address, or (a flat buffer)
+        its offset in bytes."""
         self.layout = layout
         self.names = layout.names
         self.values = values
@@ -638,6 +637,7 @@ class _SegmentEncoder:
         self.block = config.codec in BLOCK_CODECS
         if self.block:  # the block kernels take every tensor of a segment in one call
             self.addresses = addresses
+            self.base = values if isinstance(values, np.ndarray) else _EMPTY
             self.residual_addresses = (
                 np.array([quant.address(residual[n]) for n in self.names], np.int64)
                 if residual
@@ -651,6 +651,7 @@ class _SegmentEncoder:
         raw = _scratch(raw_bytes)
         if self.block:  # every tensor of the segment in one kernel call
             piece, _ = quant.encode_segment(
+                self.base,
                 self.addresses,
                 self.residual_addresses,
                 pieces,

@@ -558,14 +558,17 @@ def _float32_at(typingctx, address):  # pragma: no cover - compiled
 
 
 @njit(**_JIT)
-def encode_segment(addresses, residuals, pieces, use_res, bits, block_size, raw):
+def encode_segment(values, addresses, residuals, pieces, use_res, bits, block_size, raw):
     """:func:`encode_blocks` over the pieces of one segment, tensors given by address.
 
     Args:
-        addresses: int64 data address of each tensor: C-contiguous float32, kept alive by
-            the caller for the whole call, at least ``hi`` values long for every piece.
-        residuals: Likewise for the error-feedback residual of each tensor (read and
-            written if ``use_res``; ignored otherwise).
+        values: A flat float32 buffer that holds every tensor, or an empty array.
+        addresses: int64 per tensor: where its data starts, in bytes past the start of
+            ``values``, or (``values`` empty) as an absolute address. Each tensor is
+            C-contiguous float32, kept alive by the caller for the whole call, at least ``hi``
+            values long for every piece.
+        residuals: Absolute addresses of the error-feedback residual of each tensor, alike
+            (read and written if ``use_res``; ignored otherwise).
         pieces: int64 ``[k, 5]``: rows ``(tensor, lo, hi, first, units)``: values
             ``[lo, hi)`` of ``tensor`` fill blocks ``[first, first + units)`` of the segment.
         use_res, bits, block_size: As for :func:`encode_blocks`.
@@ -582,9 +585,10 @@ def encode_segment(addresses, residuals, pieces, use_res, bits, block_size, raw)
     codes = raw[4 * m :]
     buf = np.empty(block_size, np.float32)  # work buffers, made once for all pieces
     scratch = np.empty(block_size, np.int8)
+    base = values.ctypes.data if values.size else 0
     for p in range(pieces.shape[0]):
         tensor, lo, hi, first, units = pieces[p]
-        x = carray(_float32_at(addresses[tensor] + 4 * lo), hi - lo)
+        x = carray(_float32_at(base + addresses[tensor] + 4 * lo), hi - lo)
         res = carray(_float32_at(residuals[tensor] + 4 * lo), (hi - lo) * use_res)
         bad = _encode_blocks(
             x,

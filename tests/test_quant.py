@@ -234,7 +234,7 @@ def _segment(tensors: list[np.ndarray], bits: int, block_size: int, residuals=No
     addresses = np.array([quant.address(x) for x in tensors], np.int64)
     res = addresses if residuals is None else np.array([quant.address(r) for r in residuals])
     returned = quant.encode_segment(
-        addresses, res, pieces, residuals is not None, bits, block_size, raw
+        NO_RES, addresses, res, pieces, residuals is not None, bits, block_size, raw
     )
     return raw[: 4 * first].view(np.float32), raw[4 * first :], returned
 
