@@ -348,7 +348,9 @@ def render(rows, copies, copytos, sizes, repeats, rounds, elapsed_s, captured_s,
         "**copy**: `np.copy` of the same fp32 data (one contiguous array), which, like encode "
         "and decode, allocates its output. It is timed right before every encode, in the same "
         "run, and each row's ×copy columns divide by the best copy time of that row's own "
-        "repeats (so a noisy moment affects both sides alike). Best copy over the whole run, "
+        "repeats (so a noisy moment affects both sides alike). Every timed call starts right "
+        "after a full `gc.collect()` and runs with the collector off, so both sides start from "
+        "the same cold caches. Best copy over the whole run, "
         f"and a copy into a preallocated buffer (`np.copyto`), for comparison: {copy_text}. "
         "Ratios are vs fp32: 4·values / packed size (without zstd) and 4·values / payload "
         "(with zstd). Error: ‖x̂ − x‖ / ‖x‖ over all tensors.",
