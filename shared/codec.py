@@ -407,25 +407,17 @@ class _Plan:
     about the payload that depends on the layout alone. Cached: a learner sends the same
     layout every round.
 
-    ``segments[i]`` is an int64 array of rows ``(tensor, lo, hi, first, units)``: values
-    ``[lo, hi)`` of tensor ``tensor`` fill units ``[first, first + units)`` of segment ``i``.
+    ``jobs[i]`` is ``(pieces, raw bytes)`` of segment ``i``, ``pieces`` an int64 array of rows
+    ``(tensor, lo, hi, first, units)``: values ``[lo, hi)`` of tensor ``tensor`` fill units
+    ``[first, first + units)`` of the segment.
     """
 
     segment: int
     raw_size: int
-    segments: tuple[np.ndarray, ...]
-    raw_bytes: tuple[int, ...]
-    bounds: tuple[int, ...]
+    jobs: tuple[tuple[np.ndarray, int], ...]
+    bounds: tuple[int, ...]  # the largest frame of each segment
+    total_bound: int
     byte_offsets: np.ndarray  # int64: each tensor's first byte in a flat float32 buffer
-
-    @property
-    def jobs(self) -> tuple[tuple[np.ndarray, int], ...]:
-        """``(pieces, raw bytes)`` of every segment."""
-        return self._jobs
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_jobs", tuple(zip(self.segments, self.raw_bytes, strict=True)))
-        object.__setattr__(self, "total_bound", sum(self.bounds))
 
 
 @lru_cache(maxsize=64)
@@ -457,12 +449,13 @@ def _plan(codec: str, block_size: int, layout: Layout) -> _Plan:
     byte_offsets = np.array(layout.offsets, np.int64) * _F32.itemsize
     for rows in (*segments, byte_offsets):
         rows.setflags(write=False)
+    bounds = tuple(zstd.compress_bound(n) for n in raw_bytes)
     return _Plan(
         segment=segment,
         raw_size=_raw_size(codec, block_size, sizes),
-        segments=tuple(segments),
-        raw_bytes=raw_bytes,
-        bounds=tuple(zstd.compress_bound(n) for n in raw_bytes),
+        jobs=tuple(zip(segments, raw_bytes, strict=True)),
+        bounds=bounds,
+        total_bound=sum(bounds),
         byte_offsets=byte_offsets,
     )
 
@@ -755,7 +748,9 @@ def _take_residual(
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _Description:
+    """A checked description: what the decoder needs to know about a payload."""
+
     codec: str
     block_size: int
     segment: int
@@ -767,7 +762,7 @@ class _Layout:
     sizes: list[int]
 
 
-def _parse_description(description: Any, max_raw_size: int) -> _Layout:
+def _parse_description(description: Any, max_raw_size: int) -> _Description:
     if not isinstance(description, Mapping):
         raise CodecError(f"description must be a mapping, got {type(description).__name__}")
     keys = set(description)
@@ -835,7 +830,7 @@ def _parse_description(description: Any, max_raw_size: int) -> _Layout:
         )
     if not all(_is_int(c) and 0 <= c <= _U64_MAX for c in checksums):
         raise CodecError(f"checksums must be unsigned 64-bit ints, got {checksums!r:.100}")
-    return _Layout(
+    return _Description(
         codec,
         block_size,
         int(segment),
@@ -967,7 +962,7 @@ def decode_tensors(
 class _SegmentDecoder:
     """Decompresses one frame and decodes it into its slice of the output values."""
 
-    def __init__(self, layout: _Layout, values: np.ndarray, total_units: int) -> None:
+    def __init__(self, layout: _Description, values: np.ndarray, total_units: int) -> None:
         self.layout = layout
         self.values = values
         self.total_units = total_units

@@ -141,10 +141,9 @@ def _quantize_ordinary(src, absmax, qmax, q):  # pragma: no cover - compiled
 
 @njit(**_INLINE)
 def _quantize_absmax(buf, absmax, qmax, q):  # pragma: no cover - compiled
-    """Codes round(v / scale) clipped to [-qmax, qmax] into int8 ``q``; returns the scale."""
-    # Ordinary magnitudes need none of _absmax_scale's ulp corrections and are safe to
-    # compute with fastmath (|x| * qmax stays finite); this branch is most of the encoder's
-    # time. Tiny and huge blocks take the exact path.
+    """Codes round(v / scale) in [-qmax, qmax] into int8 ``q``; returns the scale.
+
+    Tiny and huge blocks take the exact path (see :func:`_quantize_exact`)."""
     if _TINY_ABSMAX <= absmax <= _HUGE_ABSMAX:
         return _quantize_ordinary(buf, absmax, qmax, q)
     scale = _absmax_scale(absmax, qmax)
