@@ -582,10 +582,7 @@ async def read_registry(
 ) -> tuple[dict[str, JobRecord], dict[str, dict[int, str]]]:
     """The registry's jobs (but ``own_job``) and, for those not stopped, their units' desired
     states. A record that does not parse is left out (the gateway writes only valid ones)."""
-    try:
-        keys = await jobs_kv.keys()
-    except nats.js.errors.NoKeysError:
-        return {}, {}
+    keys = await transport.kv_keys(jobs_kv)
     records: dict[str, JobRecord] = {}
     desired: dict[str, dict[int, str]] = {}
     for key in sorted(keys):

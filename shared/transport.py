@@ -360,6 +360,21 @@ async def put_desired(kv: Any, job: str, unit: int, state: str) -> None:
     await kv.put(subjects.desired_key(job, unit), record)
 
 
+async def kv_keys(kv: Any) -> list[str]:
+    """The keys of a KV bucket that hold a value or a delete marker, from its stream's info.
+
+    Use this, not nats-py's ``KeyValue.keys()``: that starts a watcher and reports "no keys"
+    when its first message is still in flight as it checks the consumer, so under load it
+    sometimes lists nothing for a bucket that has keys (seen in a full test run: ``GET /jobs``
+    answered ``[]`` with a job in the registry). A deleted key is listed until its marker is
+    purged; reading it raises ``KeyNotFoundError`` (``KeyDeletedError``).
+    """
+    # nats-py's KeyValue keeps its stream name and subject prefix ("$KV.<bucket>.") privately.
+    prefix = kv._pre
+    info = await kv._js.stream_info(kv._stream, subjects_filter=f"{prefix}>")
+    return [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
+
+
 async def get_json(kv: Any, key: str) -> dict[str, Any] | None:
     """Read a JSON KV value, or None when the key is missing or deleted."""
     try:

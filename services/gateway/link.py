@@ -87,10 +87,7 @@ async def read_status(link: NatsLink, job: str) -> tuple[dict[str, Any] | None, 
         transport.get_json(link.status_kv, subjects.outer_status_key(job)), KV_TIMEOUT_S
     )
     units: dict[int, dict] = {}
-    try:
-        keys = await asyncio.wait_for(link.status_kv.keys(), KV_TIMEOUT_S)
-    except nats.js.errors.NoKeysError:
-        keys = []
+    keys = await asyncio.wait_for(transport.kv_keys(link.status_kv), KV_TIMEOUT_S)
     prefix = subjects.unit_status_key(job, 0)[:-1]
     seen = link.seen_unit_keys.setdefault(job, set())
     seen.update(k for k in keys if k.startswith(prefix) and k[len(prefix) :].isdigit())

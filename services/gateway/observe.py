@@ -86,10 +86,7 @@ async def desired_state(link: NatsLink, job: str, unit: int) -> str:
 async def known_jobs(link: NatsLink) -> list[str]:
     """The gateway's own job plus every job that has a key in the status bucket."""
     jobs = {link.settings.job}
-    try:
-        keys = await asyncio.wait_for(link.status_kv.keys(), KV_TIMEOUT_S)
-    except nats.js.errors.NoKeysError:
-        keys = []
+    keys = await asyncio.wait_for(transport.kv_keys(link.status_kv), KV_TIMEOUT_S)
     for key in keys:
         job = key.split(".", 1)[0]
         if JOB_NAME_PATTERN.match(job):

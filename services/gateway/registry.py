@@ -45,10 +45,7 @@ async def read_job(link: NatsLink, job: str) -> tuple[JobRecord, int] | None:
 
 async def list_jobs(link: NatsLink) -> list[JobRecord]:
     """Every job in the registry, by name."""
-    try:
-        keys = await asyncio.wait_for(link.jobs_kv.keys(), KV_TIMEOUT_S)
-    except nats.js.errors.NoKeysError:
-        return []
+    keys = await asyncio.wait_for(transport.kv_keys(link.jobs_kv), KV_TIMEOUT_S)
     records = []
     for key in sorted(keys):
         found = await read_job(link, key)
