@@ -206,12 +206,7 @@ class Layout:
         Raises:
             CodecError: a name that is not a str, or a shape that is not non-negative ints.
         """
-        if not isinstance(shapes, Mapping):
-            raise CodecError(f"shapes must be a mapping of name -> shape, got {type(shapes)}")
-        for name in shapes:
-            if not isinstance(name, str):
-                raise CodecError(f"tensor names must be str, got {type(name).__name__} {name!r}")
-        names = sorted(shapes)
+        names = _sorted_names(shapes, "shapes must be a mapping of name -> shape")
         checked = []
         for name in names:
             shape = shapes[name]
@@ -697,13 +692,18 @@ class _SegmentEncoder:
         raise CodecError(f"tensor {name!r} plus its error-feedback residual overflows")
 
 
-def _prepare(tensors: Any) -> tuple[list[str], list[np.ndarray]]:
-    if not isinstance(tensors, Mapping):
-        raise CodecError(f"tensors must be a mapping of name -> array, got {type(tensors)}")
-    for name in tensors:
+def _sorted_names(mapping: Any, not_a_mapping: str) -> list[str]:
+    """The keys of ``mapping``, which must all be str, sorted."""
+    if not isinstance(mapping, Mapping):
+        raise CodecError(f"{not_a_mapping}, got {type(mapping)}")
+    for name in mapping:
         if not isinstance(name, str):
             raise CodecError(f"tensor names must be str, got {type(name).__name__} {name!r}")
-    names = sorted(tensors)
+    return sorted(mapping)
+
+
+def _prepare(tensors: Any) -> tuple[list[str], list[np.ndarray]]:
+    names = _sorted_names(tensors, "tensors must be a mapping of name -> array")
     arrays = list(map(tensors.__getitem__, names))
     # The common case, contiguous float32 arrays, checked in passes that run in C: a
     # payload can hold thousands of tensors.
