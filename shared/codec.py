@@ -485,7 +485,7 @@ def encode(
     plan = _plan(config.codec, config.block_size, layout)
     addresses = None
     if config.codec in BLOCK_CODECS:  # the block kernels take the tensors by address
-        addresses = np.array(list(map(quant.address, arrays)), np.int64)
+        addresses = _read_only(np.array(list(map(quant.address, arrays)), np.int64))
     encoder = _SegmentEncoder(layout, arrays, residual, config, addresses)
     return _encode(plan, encoder, residual)
 
@@ -625,9 +625,9 @@ class _SegmentEncoder:
         self.block = config.codec in BLOCK_CODECS
         if self.block:  # the block kernels take every tensor of a segment in one call
             self.addresses = addresses
-            self.base = values if isinstance(values, np.ndarray) else _EMPTY
+            self.base = quant.address(values) if isinstance(values, np.ndarray) else 0
             self.residual_addresses = (
-                np.array([quant.address(residual[n]) for n in self.names], np.int64)
+                _read_only(np.array([quant.address(residual[n]) for n in self.names], np.int64))
                 if residual
                 else addresses
             )
@@ -1071,6 +1071,13 @@ def _parse_tensor_entry(index: int, entry: Any) -> TensorSpec:
     if dtype != _DTYPE:
         raise CodecError(f"tensor {name!r}: dtype must be {_DTYPE!r}, got {dtype!r:.200}")
     return TensorSpec(name, shape, dtype)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    """``array``, made read-only: every int64 array the kernels get is, so that Numba compiles
+    one version of each (the layout's cached offsets are read-only)."""
+    array.setflags(write=False)
+    return array
 
 
 def _scratch(nbytes: int) -> np.ndarray:

@@ -557,15 +557,17 @@ def _float32_at(typingctx, address):  # pragma: no cover - compiled
 
 
 @njit(**_JIT)
-def encode_segment(values, addresses, residuals, pieces, use_res, bits, block_size, raw):
+def encode_segment(base, addresses, residuals, pieces, use_res, bits, block_size, raw):
     """:func:`encode_blocks` over the pieces of one segment, tensors given by address.
 
     Args:
-        values: A flat float32 buffer that holds every tensor, or an empty array.
-        addresses: int64 per tensor: where its data starts, in bytes past the start of
-            ``values``, or (``values`` empty) as an absolute address. Each tensor is
-            C-contiguous float32, kept alive by the caller for the whole call, at least ``hi``
-            values long for every piece.
+        base: An address (see :func:`address`) added to every entry of ``addresses``: the
+            start of a flat float32 buffer that holds every tensor, or 0. An int, not the
+            buffer, so that one compiled version serves every caller (a read-only buffer
+            would otherwise compile another, ~10 s on 2 cores, at a learner's first upload).
+        addresses: int64 per tensor: where its data starts, in bytes past ``base``. Each
+            tensor is C-contiguous float32, kept alive by the caller for the whole call, at
+            least ``hi`` values long for every piece.
         residuals: Absolute addresses of the error-feedback residual of each tensor, alike
             (read and written if ``use_res``; ignored otherwise).
         pieces: int64 ``[k, 5]``: rows ``(tensor, lo, hi, first, units)``: values
@@ -584,7 +586,6 @@ def encode_segment(values, addresses, residuals, pieces, use_res, bits, block_si
     codes = raw[4 * m :]
     buf = np.empty(block_size, np.float32)  # work buffers, made once for all pieces
     scratch = np.empty(block_size, np.int8)
-    base = values.ctypes.data if values.size else 0
     for p in range(pieces.shape[0]):
         tensor, lo, hi, first, units = pieces[p]
         x = carray(_float32_at(base + addresses[tensor] + 4 * lo), hi - lo)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import math
 import re
+import subprocess
+import sys
 from itertools import accumulate, pairwise
 
 import ml_dtypes
@@ -1271,3 +1273,38 @@ def test_warm_up_compiles_every_kernel() -> None:
     from shared.codec import warm_up
 
     warm_up()  # encodes and decodes a sample with every codec, with and without feedback
+
+
+_WARM_UP_CHECK = """
+import numpy as np
+from shared import codec, quant
+
+kernels = [quant.encode_segment, quant.decode_blocks, quant.encode_bf16, quant.decode_bf16,
+           quant.encode_fp32, quant.decode_fp32]
+codec.warm_up()
+before = [len(k.signatures) for k in kernels]
+layout = codec.Layout({"a": (70,), "b": (3, 40)})
+shapes = dict(zip(layout.names, layout.shapes))
+for writable in (True, False):
+    values = np.linspace(-1, 1, layout.size, dtype=np.float32)
+    values.setflags(write=writable)
+    for name in codec.CODECS:
+        for feedback in (False, True) if name != "fp32" else (False,):
+            config = codec.CodecConfig(name, 16, error_feedback=feedback)
+            flat = codec.encode_flat(values, layout, config, codec.init_state(config, shapes))
+            codec.encode(layout.views(values), config, codec.init_state(config, shapes))
+            codec.decode_tensors(flat[0], flat[1])
+after = [len(k.signatures) for k in kernels]
+assert before == after, ("compiled after warm_up", before, after)
+"""
+
+
+def test_warm_up_compiles_every_kernel_version_that_encoding_and_decoding_use():
+    """Services call warm_up at start-up; nothing they encode or decode may compile a kernel
+    version of its own afterwards. One did (encode_flat's read-only offsets): with a cold Numba
+    cache, a learner's first upload compiled for ~10 s while its queue overflowed. A fresh
+    process, so that versions other tests compiled cannot hide a missing one."""
+    result = subprocess.run(
+        [sys.executable, "-c", _WARM_UP_CHECK], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]

@@ -233,8 +233,10 @@ def _segment(tensors: list[np.ndarray], bits: int, block_size: int, residuals=No
     raw[: 4 * first].view(np.float32)[:] = -1.0
     addresses = np.array([quant.address(x) for x in tensors], np.int64)
     res = addresses if residuals is None else np.array([quant.address(r) for r in residuals])
+    for array in (pieces, addresses, res):
+        array.setflags(write=False)  # as the codec passes them (one compiled version)
     returned = quant.encode_segment(
-        NO_RES, addresses, res, pieces, residuals is not None, bits, block_size, raw
+        0, addresses, res, pieces, residuals is not None, bits, block_size, raw
     )
     return raw[: 4 * first].view(np.float32), raw[4 * first :], returned
 
