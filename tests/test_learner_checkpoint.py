@@ -247,3 +247,44 @@ def test_full_queue_drops_the_oldest_upload_not_being_sent(tmp_path):
     assert [u.round for u in link._queue] == [2, 3]
     assert link.counters["dropped_unsent"] == 2
     assert UnitState(tmp_path / STATE_FILE).lifetime["dropped_unsent"] == 2
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["compiles", "fails"])
+def test_training_can_wait_for_the_codec_kernels(monkeypatch, nats_server, fails):
+    """The codec compiles on the encoder thread from link.start(); the training thread waits
+    for it (a cold Numba cache once made a fast unit drop its first uploads) and gets its
+    error if compiling fails."""
+    release = threading.Event()
+
+    def slow_warm_up():
+        release.wait(10)
+        if fails:
+            raise RuntimeError("no compiler")
+
+    monkeypatch.setattr("services.learner.link.codec.warm_up", slow_warm_up)
+    settings = LearnerSettings(job="t", model="tiny", nats_url=nats_server.url)
+    link = LearnerLink(settings, 1 << 20)
+    link.start()
+    outcome: list[BaseException | float] = []
+
+    def wait() -> None:
+        try:
+            outcome.append(link.wait_codec_ready())
+        except RuntimeError as err:
+            outcome.append(err)
+
+    try:
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        waiter.join(0.3)
+        assert waiter.is_alive() and not outcome  # still compiling
+        release.set()
+        waiter.join(5)
+        assert len(outcome) == 1
+        if fails:
+            assert isinstance(outcome[0], RuntimeError) and "no compiler" in str(outcome[0])
+        else:
+            assert link.wait_codec_ready() < 0.1  # compiled: returns at once
+    finally:
+        release.set()
+        link.stop(flush_timeout_s=0)

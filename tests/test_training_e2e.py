@@ -91,6 +91,8 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
         published = units[unit]["counters"]["published"]
         assert published >= fragments * 150 // 20  # about one upload per H = 10 steps
         assert outer["units"][str(unit)]["applied"] == published
+        # Nothing dropped: a full unsent queue drops its oldest uploads and the steps they carry.
+        assert units[unit]["counters"].get("dropped_unsent", 0) == 0, units[unit]["counters"]
         assert outer["units"][str(unit)]["tokens"] == fragments * tokens_per_fragment
     assert outer["applied"] == sum(units[u]["counters"]["published"] for u in (0, 1))
     assert outer["rejected"] == {}

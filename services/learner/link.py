@@ -94,6 +94,7 @@ class LearnerLink:
         # Uploads are encoded once, in queue order, on one worker thread (the error-feedback
         # state is sequential); keyed by (round, fragment).
         self._encoder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
+        self._codec_ready: concurrent.futures.Future[None] | None = None
         self._encodings: dict[tuple[int, int], asyncio.Future[bytes]] = {}
         self._queue_changed: asyncio.Event | None = None
         self._newest: dict[int, GlobalFragment] = {}
@@ -108,8 +109,27 @@ class LearnerLink:
     # ---- called from the training thread (all non-blocking) ----------------------------------
 
     def start(self) -> None:
-        """Start the background thread; returns at once."""
+        """Start the background thread, and the codec's compilation on the encoder thread;
+        returns at once."""
+        self._codec_ready = self._encoder.submit(codec.warm_up)
         self._thread.start()
+
+    def wait_codec_ready(self) -> float:
+        """Block until the codec kernels are compiled (or loaded from Numba's cache) on the
+        encoder thread; return the seconds waited. Call after :meth:`start`.
+
+        The training loop waits for this before its first step. Otherwise, with a cold Numba
+        cache (the first run after an install: tens of seconds on 2 cores), a fast unit filled
+        its ``max_unsent`` queue before anything could be encoded, and the oldest uploads,
+        with the steps they carried, were dropped.
+
+        Raises:
+            Exception: whatever compiling the kernels raised.
+        """
+        assert self._codec_ready is not None, "start() first"
+        started = time.monotonic()
+        self._codec_ready.result()
+        return time.monotonic() - started
 
     def restore_residual(self, residual: dict[str, np.ndarray] | None) -> None:
         """Continue error feedback from a checkpoint's residual (call before :meth:`start`)."""
@@ -192,8 +212,6 @@ class LearnerLink:
         self._loop = asyncio.get_running_loop()
         self._queue_changed = asyncio.Event()
         self._reconnected = asyncio.Event()
-        # Compile the codec kernels on the encoder thread before the first upload needs them.
-        self._encoder.submit(codec.warm_up)
         nc = await transport.connect_with_retry(
             self.settings,
             f"learner-{self.settings.job}-{self.settings.unit}",

@@ -139,6 +139,11 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
     # Compile the inner step now (the result is discarded), so that the first real step is as
     # fast as the others and a unit's reported speed and slowdown are right from the start.
     core.trainer.step(core.state, sampler.batch(0))[1].block_until_ready()
+    # The codec compiles on the encoder thread meanwhile; nothing trained is thrown away
+    # while it cannot encode yet (see LearnerLink.wait_codec_ready).
+    waited = link.wait_codec_ready()
+    if waited > 1:
+        log.info("waited %.1fs for the codec kernels to compile", waited)
     # Obey the desired state from the very first step (a unit created paused stays paused);
     # if NATS cannot be reached quickly, train anyway: the loop never waits for the network.
     # The link reads the outer's record of this unit before it sets desired_known.
