@@ -13,6 +13,8 @@ from services.outer import checkpoint
 from services.outer.core import OuterAlgorithm, OuterCore
 from services.outer.lease import Lease, LeaseLost
 from services.outer.policy import Arrival
+from services.outer.service import OuterService
+from services.outer.settings import OuterSettings
 from shared import model, pytree, subjects, transport
 from shared.settings import NatsSettings
 
@@ -171,3 +173,34 @@ def test_lease_one_holder_takeover_and_fencing(nats_server) -> None:
             await nc.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(300)
+def test_a_leader_that_never_committed_keeps_the_checkpoint_it_restored(nats_server, tmp_path):
+    """Leader 1 commits a checkpoint; leader 2 restores it and stops before it has anything
+    new to commit; leader 3 must still find that checkpoint. Leader 2 once deleted every
+    older epoch's chunks at start-up, the restored checkpoint's included, which left leader
+    3 a pointer to nothing (found by the outer-kill test)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 40)
+    settings = OuterSettings(
+        nats_url=nats_server.url, job="keep", model="tiny", corpus=str(corpus), num_units=1
+    )
+
+    async def lead_then_stop() -> OuterService:
+        service = OuterService(settings, asyncio.Event())
+        run = asyncio.create_task(service.run())
+        while service.state_name != "running":
+            assert not run.done(), run.exception()
+            await asyncio.sleep(0.05)
+        service.stop.set()
+        await run
+        return service
+
+    first = asyncio.run(lead_then_stop())
+    assert first.checkpoints == 1  # a new job's state is committed right away
+    second = asyncio.run(lead_then_stop())
+    assert second.restored_from["kind"] == "checkpoint" and second.checkpoints == 0
+    third = asyncio.run(lead_then_stop())
+    assert third.restored_from == second.restored_from  # the same checkpoint, still there
+    assert third.lease.epoch == 3

@@ -311,7 +311,7 @@ class OuterService:
             if self._dirty:
                 await self._commit(store)
             with contextlib.suppress(TimeoutError, nats.errors.Error):
-                await store.purge_epochs_before(self.lease.epoch)
+                await store.purge_epochs_before(self._purgeable_before())
             for fragment in range(self.core.plan.count):
                 # Announce the committed versions (a crash may have come between commit and
                 # publish); a version is always announced with the same params.
@@ -338,6 +338,18 @@ class OuterService:
         if self.lost is not None:
             raise self.lost
         return self.status_record()
+
+    def _purgeable_before(self) -> int:
+        """Checkpoint chunks of epochs below this one may be deleted: older than this
+        leader's epoch and than the committed checkpoint's. A leader that restored a
+        checkpoint and had nothing new to save has not committed one of its own yet; had it
+        purged every older epoch, a kill before its first commit left the next leader a
+        pointer to deleted chunks, which it could never restore (seen in the outer-kill test).
+        """
+        assert self.lease is not None
+        pointer = self.lease.pointer
+        committed = checkpoint.Pointer.from_dict(pointer).epoch if pointer else self.lease.epoch
+        return min(committed, self.lease.epoch)
 
     async def _serve(self, js: Any, sub: Any, store: checkpoint.CheckpointStore) -> None:
         reassembler = wire.Reassembler(
