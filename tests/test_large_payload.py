@@ -85,7 +85,7 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
                 len(m.data) + sum(len(k) + len(v) for k, v in m.headers.items()) for m in msgs
             ]
             await service.process(js, msgs, reassembler, chunk_msgs)
-            service.merge_due(now=float("inf"))
+            await service.merge_due(now=float("inf"))
         await nc.close()
         return before, max_payload, sizes
 

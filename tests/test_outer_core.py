@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -9,6 +13,8 @@ import pytest
 from services.outer.core import OuterAlgorithm, OuterCore, Rejected
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival, MergePolicy
+from services.outer.service import OuterService
+from services.outer.settings import OuterSettings
 from services.outer.staleness import StalenessRule
 from shared import fragments, model, pytree
 
@@ -162,3 +168,44 @@ def test_invalid_algorithm_choices_are_refused():
     ):
         with pytest.raises(ValueError):
             OuterAlgorithm(**kwargs)
+
+
+def test_the_outer_event_loop_keeps_running_while_a_merge_is_slow(tmp_path, monkeypatch):
+    """A merge that takes seconds (a compile, a large step) runs off the event loop, which
+    meanwhile renews the lease and sends heartbeats; the ledger is updated once it is done."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 40)
+    settings = OuterSettings(job="slow", model="tiny", corpus=str(corpus))
+    service = OuterService(settings, asyncio.Event())
+    service.build_math()
+    merge = service.core.merge
+
+    def slow_merge(fragment):
+        time.sleep(1.5)
+        return merge(fragment)
+
+    monkeypatch.setattr(service.core, "merge", slow_merge)
+    zeros = {k: np.zeros(v.shape, np.float32) for k, v in service.core.fragments[0].params.items()}
+    service.core.offer(0, dataclasses.replace(arrival(0, zeros), context=([], 3.0)))
+    service.accepted_uploads.add("u0r0")
+
+    async def scenario():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        ticker = asyncio.create_task(tick())
+        await asyncio.sleep(0)
+        results = await service.merge_due(time.monotonic())
+        ticker.cancel()
+        return results, ticks
+
+    results, ticks = asyncio.run(scenario())
+    assert [r.version for r in results] == [1]
+    assert ticks >= 10, ticks  # the loop ran during the 1.5 s merge (0 when it was blocked)
+    assert service.ledger.applied == 1 and service.ledger.merges == 1
+    assert service.accepted_uploads == set()

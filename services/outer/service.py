@@ -370,7 +370,7 @@ class OuterService:
                 await asyncio.sleep(0.5)
                 continue
             await self.process(js, msgs, reassembler, chunk_msgs)
-            results = self.merge_due(time.monotonic())
+            results = await self.merge_due(time.monotonic())
             if self._dirty and not await self._commit(store):
                 return  # stopping: nothing acknowledged, JetStream redelivers to the next outer
             for fragment in sorted({r.fragment for r in results}):
@@ -591,16 +591,28 @@ class OuterService:
         self.core.offer(envelope.fragment, arrival)
         self.accepted_uploads.add(upload)
 
-    def merge_due(self, now: float) -> list[MergeResult]:
+    async def merge_due(self, now: float) -> list[MergeResult]:
         """Merge every fragment whose policy says so and record it in the ledger.
 
-        Nothing is published or acknowledged here: that follows the next commit.
+        The merges run on a worker thread, so that the event loop goes on renewing the lease
+        and sending heartbeats: a merge can take seconds (each new number of units in a merge
+        compiles its combine, ~1 s per count on an idle CPU and several under load; a large
+        model's step is slow), and an outer that falls silent that long looks not ready, or
+        loses its lease to a standby. Nothing else changes the core meanwhile (this loop
+        fetches again only after the merges); the ledger, which the heartbeat reads, is
+        updated here on the loop. Nothing is published or acknowledged here: that follows
+        the next commit.
         """
+        loop = asyncio.get_running_loop()
+        results = await loop.run_in_executor(None, self._merge_all_due, now)
+        for result in results:
+            self._record(result)
+        return results
+
+    def _merge_all_due(self, now: float) -> list[MergeResult]:
         results = []
         while due := self.core.due(now):
             results += [self.core.merge(fragment) for fragment in due]
-        for result in results:
-            self._record(result)
         return results
 
     def _record(self, result: MergeResult) -> None:
