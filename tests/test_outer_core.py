@@ -206,6 +206,6 @@ def test_the_outer_event_loop_keeps_running_while_a_merge_is_slow(tmp_path, monk
 
     results, ticks = asyncio.run(scenario())
     assert [r.version for r in results] == [1]
-    assert ticks >= 10, ticks  # the loop ran during the 1.5 s merge (0 when it was blocked)
+    assert ticks >= 5, ticks  # the loop ran during the 1.5 s merge (~30 ticks; 0 if blocked)
     assert service.ledger.applied == 1 and service.ledger.merges == 1
     assert service.accepted_uploads == set()
