@@ -37,11 +37,12 @@ def job_flags(url: str, job: str) -> list[str]:
     return ["--nats-url", url, "--job", job, "--model", "tiny", "--seed", "1"]
 
 
-def start_outer(services, url: str, job: str, name: str, units: int):
+def start_outer(services, url: str, job: str, name: str, units: int, *extra: str):
     return services.start(
         name,
         "outer",
         *job_flags(url, job),
+        *extra,
         "--num-units",
         str(units),
         "--eval-every-s",
@@ -299,10 +300,14 @@ def test_replay_with_and_without_an_outer_crash_gives_bit_identical_params(
     the stream's) is applied by an outer that runs through, and by one killed midway and
     restarted (twice): the final global params are bit for bit the same."""
     count = 90
+    # One upload per fetch: each is merged and committed on its own, so the applied count
+    # climbs in small steps that the test can kill between (with a fetch of 32, a fast outer
+    # applied all 90 within one 0.3 s heartbeat and the kills came too late).
+    one_at_a_time = ("--fetch-batch", "1")
     results = {}
     for job, crash in (("replaya", False), ("replayb", True)):
         _publish_uploads(nats_server.url, job, count)
-        outer = start_outer(services, nats_server.url, job, f"outer-{job}", 3)
+        outer = start_outer(services, nats_server.url, job, f"outer-{job}", 3, *one_at_a_time)
         if crash:
             for kill in range(2):
                 wait_for(
@@ -315,7 +320,9 @@ def test_replay_with_and_without_an_outer_crash_gives_bit_identical_params(
                 )
                 assert outer_state(nats_server.url, job)["applied"] < count, "crash came too late"
                 kill9(outer)
-                outer = start_outer(services, nats_server.url, job, f"outer-{job}-{kill}", 3)
+                outer = start_outer(
+                    services, nats_server.url, job, f"outer-{job}-{kill}", 3, *one_at_a_time
+                )
         wait_for(
             lambda j=job: outer_state(nats_server.url, j).get("applied") == count,
             180,
