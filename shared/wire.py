@@ -2,10 +2,12 @@
 
 An :class:`Envelope` carries one compressed tensor payload (see :mod:`shared.codec`) plus the
 metadata the receiver needs. :func:`pack_envelope` turns it into one msgpack map with a wire
-version and a CRC-32 of the payload. NATS caps a message at the server's ``max_payload``
-(1 MiB by default), so a packed envelope is cut with :func:`split_chunks` and each chunk is
-published with :func:`chunk_headers`; the receiver parses those headers with
-:func:`parse_chunk_headers` and rebuilds the envelope with a :class:`Reassembler`.
+version and an XXH3-64 checksum of the payload (version 1 had a zlib CRC-32, which at 4.3 GB/s
+took longer than decoding an int8 payload; XXH3 runs at 19-62 GB/s here). NATS caps a message
+at the server's ``max_payload`` (1 MiB by default), so a packed envelope is cut with
+:func:`split_chunks` and each chunk is published with :func:`chunk_headers`; the receiver
+parses those headers with :func:`parse_chunk_headers` and rebuilds the envelope with a
+:class:`Reassembler`.
 
 Everything that parses received bytes treats them as hostile: any problem raises
 :class:`WireError` (a ``ValueError``), and sizes are checked before memory is committed.
@@ -16,7 +18,6 @@ from __future__ import annotations
 import math
 import numbers
 import re
-import zlib
 from collections import OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -24,6 +25,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+import xxhash
 
 __all__ = [
     "DEFAULT_MAX_ENVELOPE_SIZE",
@@ -36,13 +38,14 @@ __all__ = [
     "chunk_headers",
     "pack_envelope",
     "parse_chunk_headers",
+    "payload_checksum",
     "split_chunks",
     "unpack_envelope",
     "upload_id",
     "validate_job_name",
 ]
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 KINDS = ("pseudo_grad", "params")
 
 DEFAULT_MAX_ENVELOPE_SIZE = 1 << 30
@@ -206,7 +209,7 @@ def pack_envelope(env: Envelope) -> bytes:
         body[name] = int(body[name])
     body["train_loss"] = float(env.train_loss)
     body["sent_at"] = float(env.sent_at)
-    body["checksum"] = zlib.crc32(env.payload)
+    body["checksum"] = payload_checksum(env.payload)
     try:
         return msgpack.packb(body, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -325,7 +328,10 @@ def unpack_envelope(data: bytes, max_size: int = DEFAULT_MAX_ENVELOPE_SIZE) -> E
         raise WireError("envelope has no wire version field 'v'")
     version = _decode_field("v", spans.pop("v"))
     if not _is_int(version) or version != WIRE_VERSION:
-        raise WireError(f"unsupported wire version {version!r:.100}; expected {WIRE_VERSION}")
+        raise WireError(
+            f"unsupported wire version {version!r:.100}; expected {WIRE_VERSION} "
+            "(are all services on the same release?)"
+        )
     allowed = set(_FIELDS) | {"checksum"}
     unknown = sorted(set(spans) - allowed)
     missing = sorted((_REQUIRED | {"checksum"}) - set(spans))
@@ -337,12 +343,17 @@ def unpack_envelope(data: bytes, max_size: int = DEFAULT_MAX_ENVELOPE_SIZE) -> E
         values["train_loss"] = float(values["train_loss"])
     env = Envelope(**values)
     _validate(env)
-    if not _is_int(checksum) or checksum != zlib.crc32(env.payload):
+    actual = payload_checksum(env.payload)
+    if not _is_int(checksum) or checksum != actual:
         raise WireError(
-            f"payload checksum mismatch: header says {checksum!r:.40}, "
-            f"payload has {zlib.crc32(env.payload)}"
+            f"payload checksum mismatch: header says {checksum!r:.40}, payload has {actual}"
         )
     return env
+
+
+def payload_checksum(payload: bytes | memoryview) -> int:
+    """The envelope's ``checksum`` field: XXH3-64 of the payload bytes."""
+    return xxhash.xxh3_64_intdigest(payload)
 
 
 def upload_id(job: str, unit: int, round: int, fragment: int) -> str:

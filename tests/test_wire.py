@@ -6,7 +6,6 @@ import dataclasses
 import math
 import random
 import struct
-import zlib
 
 import msgpack
 import numpy as np
@@ -24,6 +23,7 @@ from shared.wire import (
     chunk_headers,
     pack_envelope,
     parse_chunk_headers,
+    payload_checksum,
     split_chunks,
     unpack_envelope,
     upload_id,
@@ -78,7 +78,7 @@ def test_round_trip_and_payload_decodes() -> None:
     out = unpack_envelope(data)
     assert out == env
     body = msgpack.unpackb(data, raw=False)
-    assert body["v"] == WIRE_VERSION and body["checksum"] == zlib.crc32(env.payload)
+    assert body["v"] == WIRE_VERSION and body["checksum"] == payload_checksum(env.payload)
     decoded = decode_tensors(out.payload, out.codec)
     assert decoded["w"].shape == (20, 30)
 
@@ -170,7 +170,7 @@ BAD_FIELDS = [
 def test_unpack_rejects_bad_field(field: str, value: object) -> None:
     changes = {field: value}
     if field == "payload" and isinstance(value, bytes | str):
-        changes["checksum"] = zlib.crc32(value.encode())  # type: ignore[union-attr]
+        changes["checksum"] = payload_checksum(value.encode())  # type: ignore[union-attr]
     with pytest.raises(WireError, match=field if field != "job" else "job name"):
         unpack_envelope(repack(**changes))
 
@@ -196,7 +196,8 @@ def test_unpack_rejects_missing_field(field: str) -> None:
     ("changes", "match"),
     [
         ({"v": ...}, "no wire version"),
-        ({"v": 2}, "unsupported wire version 2"),
+        ({"v": 1}, "unsupported wire version 1; expected 2 .are all services on the same"),
+        ({"v": 3}, "unsupported wire version 3"),
         ({"v": "1"}, "unsupported wire version '1'"),
         ({"v": 0}, "unsupported wire version 0"),
         ({"extra": 1}, r"unknown \['extra'\]"),
@@ -290,7 +291,7 @@ def test_mutated_envelope_raises_wire_error_or_is_valid(data: st.DataObject) -> 
     except WireError:
         return
     assert isinstance(env, Envelope)
-    assert zlib.crc32(env.payload) == msgpack.unpackb(bytes(blob), raw=False)["checksum"]
+    assert payload_checksum(env.payload) == msgpack.unpackb(bytes(blob), raw=False)["checksum"]
 
 
 # --------------------------------------------------------------------------- names and ids
