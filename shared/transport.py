@@ -266,14 +266,15 @@ async def publish_params(
     version: int,
     blob: bytes,
     chunk_size: int,
-    params_crc: int | None = None,
+    params_checksum: int | None = None,
 ) -> None:
     """Publish a fragment's global params: chunks first, then the head that points at them.
 
     The params stream keeps one message per subject, so the newest version replaces the old one
-    and a unit that starts late reads the newest (last-value semantics). ``params_crc`` (the
-    CRC-32 of the encoded params) goes into the head, so that anyone can check that a version
-    number always stands for the same params, however often it is announced.
+    and a unit that starts late reads the newest (last-value semantics). ``params_checksum``
+    (:func:`shared.wire.payload_checksum` of the encoded params) goes into the head, so that
+    anyone can check that a version number always stands for the same params, however often
+    it is announced.
     """
     upload = upload_id(job, -1, version, fragment)
     count = await publish_blob(
@@ -285,7 +286,7 @@ async def publish_params(
             "upload": upload,
             "chunks": count,
             "size": len(blob),
-            "params_crc": params_crc,
+            "params_checksum": params_checksum,
         }
     )
     await js.publish(

@@ -102,11 +102,11 @@ def current_leader(url: str, job: str, outers: dict[str, subprocess.Popen]) -> s
 
 
 class HeadRecorder:
-    """Records every params head announced for a job: (fragment, version) -> params CRCs."""
+    """Records every params head announced for a job: (fragment, version) -> params checksums."""
 
     def __init__(self, url: str, job: str) -> None:
         self.url, self.job = url, job
-        self.crcs: dict[tuple[int, int], set[int]] = defaultdict(set)
+        self.checksums: dict[tuple[int, int], set[int]] = defaultdict(set)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
@@ -119,7 +119,7 @@ class HeadRecorder:
         async def on_head(msg) -> None:
             head = json.loads(msg.data)
             fragment = int(msg.subject.split(".")[3])
-            self.crcs[fragment, int(head["version"])].add(head["params_crc"])
+            self.checksums[fragment, int(head["version"])].add(head["params_checksum"])
 
         await nc.subscribe(subjects.params_head_subject(self.job, "*"), cb=on_head)
         self._ready.set()
@@ -130,13 +130,13 @@ class HeadRecorder:
     def stop(self) -> dict[tuple[int, int], set[int]]:
         self._stop.set()
         self._thread.join(10)
-        return self.crcs
+        return self.checksums
 
 
-def assert_no_version_published_twice(crcs: dict[tuple[int, int], set[int]]) -> None:
-    twice = {key: values for key, values in crcs.items() if len(values) > 1}
+def assert_no_version_published_twice(checksums: dict[tuple[int, int], set[int]]) -> None:
+    twice = {key: values for key, values in checksums.items() if len(values) > 1}
     assert not twice, f"versions announced with different params: {twice}"
-    assert crcs, "no params announcement was recorded"
+    assert checksums, "no params announcement was recorded"
 
 
 def assert_books_balance(url: str, job: str) -> dict:

@@ -28,7 +28,6 @@ import logging
 import math
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -678,7 +677,7 @@ class OuterService:
             version,
             wire.pack_envelope(envelope),
             transport.chunk_size_for(js._nc),
-            params_crc=zlib.crc32(payload),
+            params_checksum=wire.payload_checksum(payload),
         )
 
     def _reject(self, msgs: list[Any], rejected: Rejected, upload: str | None) -> None:
