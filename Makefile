@@ -41,6 +41,7 @@ test-fast: $(STAMP)  ## unit tests only
 bench: $(STAMP)  ## the benchmarks that write BENCHMARKS.md (~1 h on 2 cores in all)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/codec.py --write
+	$(BIN)/python bench/codec_parts.py --write
 	$(BIN)/python bench/quality.py --write
 	$(BIN)/python bench/quality.py --codecs --write
 	$(BIN)/python bench/throughput.py --write
