@@ -3,16 +3,45 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Every runtime and `dev` package, pinned with its PyPI hashes; `make lock` writes it.
+LOCK := requirements.lock
 
-.PHONY: install run test test-fast lint format clean bench browser
+.PHONY: install lock run test test-fast lint format clean bench browser
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
+# The venv gets exactly the lock file's versions, then the project itself without resolving
+# its dependencies again. Editing pyproject.toml or the lock file reinstalls.
+$(STAMP): pyproject.toml $(LOCK)
+	@command -v $(PYTHON) >/dev/null 2>&1 || { \
+		echo "error: '$(PYTHON)' not found. Install Python 3.11 or newer (Debian/Ubuntu:" \
+			"apt-get install python3 python3-venv) or name one: make PYTHON=python3.11 ..." >&2; \
+		exit 1; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+		echo "error: '$(PYTHON)' is not Python 3.11 or newer, which this project needs;" \
+			"name one: make PYTHON=python3.11 ..." >&2; \
+		exit 1; }
+	@$(PYTHON) -m venv $(VENV) || { \
+		echo "error: '$(PYTHON) -m venv' failed. On Debian/Ubuntu the venv module is a separate" \
+			"package: apt-get install python3-venv (or python3.11-venv), then run make again." >&2; \
+		exit 1; }
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -r $(LOCK)
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP)  ## create .venv and install the project with its test tools
+
+# The exact command that wrote $(LOCK): every platform, CPython 3.11 and newer (--universal),
+# the `dev` extra included, `bench` not. Run it after editing the dependencies in
+# pyproject.toml. Pins already in the lock are kept where pyproject.toml allows them;
+# `make lock LOCK_ARGS=--upgrade` moves every package to its newest allowed release,
+# `make lock LOCK_ARGS="--upgrade-package numba"` one package. uv lives in its own venv.
+UV_VERSION := 0.13.9
+LOCK_TOOLS := $(VENV)/lock-tools
+lock:  ## regenerate requirements.lock from pyproject.toml (uv pip compile)
+	test -x $(LOCK_TOOLS)/bin/python || $(PYTHON) -m venv $(LOCK_TOOLS)
+	$(LOCK_TOOLS)/bin/python -m pip install --quiet uv==$(UV_VERSION)
+	$(LOCK_TOOLS)/bin/uv pip compile pyproject.toml --extra dev --universal --python-version 3.11 \
+		--generate-hashes --custom-compile-command 'make lock' --output-file $(LOCK) $(LOCK_ARGS)
 
 run: $(STAMP)  ## train with a local cluster: 4 learners on the small model, then print the summary
 	$(BIN)/diloco up $(ARGS)
@@ -36,8 +65,9 @@ browser:  ## install chromium + chromium-driver (Debian/Ubuntu) unless present
 	fi
 
 test-fast: $(STAMP)  ## unit tests only
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not slow and not nats" $(PYTEST_ARGS)
 
+# matplotlib (the `bench` extra) is not in the lock file; pip adds it to the locked venv.
 bench: $(STAMP)  ## the benchmarks that write BENCHMARKS.md (~1 h on 2 cores in all)
 	$(BIN)/python -m pip install --quiet -e '.[bench]'
 	$(BIN)/python bench/codec.py --write

@@ -1,0 +1,220 @@
+"""The private APIs of other packages that the code relies on, and the pins that protect them.
+
+pyproject.toml caps every package whose private API the code touches; requirements.lock pins
+the exact versions that ``make install``, the Dockerfile and CI install. When one of these
+tests fails after an upgrade, the message names the package, the private attribute and the
+file that uses it: adapt that file before raising the pin.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+import tomllib
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import numpy as np
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+import services.cli
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = ROOT / "pyproject.toml"
+LOCK = ROOT / "requirements.lock"
+
+# Package -> the file whose use of its private API the upper bound in pyproject.toml protects.
+PRIVATE_API_USERS = {
+    "numba": "shared/quant.py _float32_at / encode_segment (intrinsic, inttoptr, carray)",
+    "nats-py": "shared/transport.py (KeyValue's private _pre, _js, _stream)",
+}
+
+
+def _broken(package: str, what: str) -> str:
+    """The failure message: what changed, which pin protects it, and what to check."""
+    try:
+        installed = version(package)
+    except PackageNotFoundError:
+        installed = "not installed"
+    return (
+        f"{package} {installed}: {what}. The pin on {package} in pyproject.toml protects this "
+        f"private API; check {PRIVATE_API_USERS[package]} before raising it (or re-run "
+        f"`make install` if the installed version is not the one requirements.lock pins)."
+    )
+
+
+def _project_requirements() -> dict[str, Requirement]:
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    requirements = [*project["dependencies"], *project["optional-dependencies"]["dev"]]
+    parsed = [Requirement(text) for text in requirements]
+    return {canonicalize_name(req.name): req for req in parsed}
+
+
+def _used_attributes(path: str, obj: str) -> set[str]:
+    """Every ``<obj>.<name>`` that a source file of this project reads."""
+    return set(re.findall(rf"\b{obj}\.(\w+)", (ROOT / path).read_text()))
+
+
+# --------------------------------------------------------------------------- the pins
+
+
+@pytest.mark.parametrize("package", sorted(PRIVATE_API_USERS))
+def test_private_api_packages_have_an_upper_bound_the_installed_version_meets(
+    package: str,
+) -> None:
+    requirement = _project_requirements().get(package)
+    assert requirement is not None, f"{package} is no longer a dependency in pyproject.toml"
+    upper = [s for s in requirement.specifier if s.operator in ("<", "<=", "==", "~=", "===")]
+    assert upper, (
+        f"pyproject.toml requires {requirement} with no upper bound, but "
+        f"{PRIVATE_API_USERS[package]} uses its private API: cap it at the next release "
+        "that may change that API"
+    )
+    installed = Version(version(package))
+    assert requirement.specifier.contains(installed, prereleases=True), _broken(
+        package, f"the installed version is outside pyproject.toml's {requirement.specifier}"
+    )
+
+
+def _locked() -> dict[str, list[tuple[Requirement, Version]]]:
+    """requirements.lock's pins that apply to this interpreter and platform, by package."""
+    environment = default_environment()
+    pins: dict[str, list[tuple[Requirement, Version]]] = {}
+    for line in LOCK.read_text().splitlines():
+        if not line or line[0].isspace() or line.startswith(("#", "-")):
+            continue  # hashes, comments and options
+        requirement = Requirement(line.removesuffix("\\").strip())
+        if requirement.marker is None or requirement.marker.evaluate(environment):
+            (pinned,) = requirement.specifier
+            assert pinned.operator == "==", f"requirements.lock does not pin {line!r}"
+            pins.setdefault(canonicalize_name(requirement.name), []).append(
+                (requirement, Version(pinned.version))
+            )
+    return pins
+
+
+def test_the_lock_file_pins_every_dependency_within_pyproject_bounds() -> None:
+    locked = _locked()
+    assert locked, "requirements.lock lists no packages"
+    stale = []
+    for name, requirement in _project_requirements().items():
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        pins = locked.get(name, [])
+        if len(pins) != 1 or not requirement.specifier.contains(pins[0][1], prereleases=True):
+            stale.append(f"{requirement} (locked: {[str(pin) for pin, _ in pins] or 'none'})")
+    assert not stale, (
+        "requirements.lock does not match pyproject.toml; run `make lock` and commit both: "
+        + "; ".join(stale)
+    )
+
+
+# --------------------------------------------------------------------------- numba
+
+
+def test_numba_intrinsic_and_carray_still_exist() -> None:
+    import llvmlite.ir
+    import numba
+    import numba.extending
+
+    checks = {
+        "numba.extending.intrinsic": hasattr(numba.extending, "intrinsic"),
+        "numba.carray": hasattr(numba, "carray"),
+        "llvmlite.ir.IRBuilder.inttoptr": hasattr(llvmlite.ir.IRBuilder, "inttoptr"),
+    }
+    missing = [name for name, present in checks.items() if not present]
+    assert not missing, _broken("numba", f"{', '.join(missing)} missing")
+
+
+def test_encode_segment_reads_tensors_through_their_addresses() -> None:
+    """The compiled kernel follows integer addresses (intrinsic + inttoptr + carray)."""
+    from shared import quant
+
+    block = 16
+    tensors = [np.linspace(-1, 1, 2 * block, dtype=np.float32), np.full(block, 3, np.float32)]
+    tensors[1][:4] = -6.0
+    pieces = np.array([(0, 0, 2 * block, 0, 2), (1, 0, block, 2, 1)], np.int64)
+    addresses = np.array([quant.address(x) for x in tensors], np.int64)
+    for array in (pieces, addresses):
+        array.setflags(write=False)  # as the codec passes them (one compiled version)
+    raw = np.zeros(3 * (4 + block), np.uint8)  # int8: 3 float32 scales, then 3 blocks of codes
+    try:
+        returned = quant.encode_segment(0, addresses, addresses, pieces, False, 8, block, raw)
+    except Exception as err:  # typing or lowering errors of the intrinsic surface here
+        pytest.fail(_broken("numba", f"quant.encode_segment failed to compile or run: {err!r}"))
+    assert tuple(returned) == (-1, -1), _broken("numba", f"encode_segment returned {returned}")
+    scales = raw[:12].view(np.float32)
+    codes = raw[12:].view(np.int8).reshape(3, block)
+    decoded = codes * scales[:, None]
+    expected = np.concatenate(tensors).reshape(3, block)
+    np.testing.assert_allclose(
+        scales,
+        np.abs(expected).max(axis=1) / 127,
+        rtol=1e-6,
+        err_msg=_broken("numba", "encode_segment wrote wrong scales"),
+    )
+    assert np.all(np.abs(decoded - expected) <= scales[:, None] / 2 * (1 + 1e-6)), _broken(
+        "numba", "encode_segment read the wrong memory through its addresses"
+    )
+
+
+# --------------------------------------------------------------------------- nats-py
+
+
+def test_nats_key_value_keeps_the_private_attributes_transport_reads() -> None:
+    from nats.js.client import JetStreamContext
+    from nats.js.kv import KeyValue
+
+    used = {name for name in _used_attributes("shared/transport.py", "kv") if name[0] == "_"}
+    if not used:
+        pytest.skip("shared/transport.py reads no private KeyValue attribute any more")
+    js = object()  # stands in for the JetStreamContext
+    try:
+        kv = KeyValue(name="b", stream="KV_b", pre="$KV.b.", js=js, direct=False)
+    except TypeError as err:
+        pytest.fail(_broken("nats-py", f"KeyValue(name, stream, pre, js, direct) fails: {err}"))
+    meaning = {"_pre": "$KV.b.", "_stream": "KV_b", "_js": js}
+    absent = object()
+    wrong = [
+        name for name in sorted(used) if getattr(kv, name, absent) != meaning.get(name, absent)
+    ]
+    assert not wrong, _broken(
+        "nats-py",
+        f"KeyValue's {', '.join(wrong)} no longer hold(s) what shared/transport.py expects "
+        "(the stream name, the subject prefix and the JetStream context; extend this test "
+        "for any other)",
+    )
+    parameters = inspect.signature(JetStreamContext.stream_info).parameters
+    assert "subjects_filter" in parameters, _broken(
+        "nats-py", "JetStreamContext.stream_info() takes no subjects_filter any more"
+    )
+
+
+# --------------------------------------------------------------------------- diloco --version
+
+
+def test_version_prints_the_installed_package_version(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exited:
+        services.cli.main(["--version"])
+    assert exited.value.code in (0, None)
+    assert capsys.readouterr().out == f"diloco {version('decoupled-diloco')}\n"
+
+
+def test_version_does_not_import_jax() -> None:
+    code = (
+        "import sys\nfrom services.cli import main\ntry:\n    main(['--version'])\n"
+        "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules if m.startswith('jax')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("diloco "), result.stdout
+    assert lines[-1] == "[]", f"`diloco --version` imported {lines[-1]}"
