@@ -14,7 +14,8 @@ def write_section(section: str, table: str, path: Path = BENCHMARKS) -> None:
     if section in text:
         start = text.index(section)
         end = text.find("\n## ", start + 1)
-        text = text[:start] + table + (text[end + 1 :] if end != -1 else "")
+        rest = text[end + 1 :] if end != -1 else ""
+        text = text[:start] + table.rstrip("\n") + "\n" + ("\n" + rest if rest else "")
     else:
         text = text.rstrip("\n") + "\n\n" + table
     path.write_text(text)

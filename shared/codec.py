@@ -27,8 +27,8 @@ The bounds are per element, ``absmax`` being the largest ``|x|`` of the element'
 ``int8`` / ``int4`` add float32 rounding (a few ulps of ``absmax``) and at most one subnormal
 ulp (2^-149) where the scale is subnormal. A zero block always decodes to zeros. Bit for
 bit, ``bf16`` is ``x.astype(ml_dtypes.bfloat16)`` (a value that rounds to Inf is rejected).
-Typical relative L2 error on Gaussian values (block size 256): ``bf16`` 0.0017, ``int8``
-0.007, ``int4`` 0.13, ``int2`` 0.44.
+The relative L2 error each scheme reaches on real and Gaussian pseudo-gradients is measured
+by ``bench/codec.py`` (BENCHMARKS.md).
 
 Per-element quantisation kernels live in :mod:`shared.quant`. With ``error_feedback`` the
 codec keeps, per tensor, the residual ``e`` of what earlier rounds failed to send, and
@@ -41,7 +41,7 @@ checkpointed.
 
 The description (a plain msgpack-able dict) says everything needed to decode::
 
-    {"version": 3, "codec": "int4", "bits": 4, "block_size": 256, "segment": 2,
+    {"version": 1, "codec": "int4", "bits": 4, "block_size": 256, "segment": 2,
      "zstd_level": 1, "raw_size": 264, "frames": [38],
      "checksums": [3021263609467155988],
      "tensors": [["layer/b", [3], "float32"], ["layer/w", [2, 3], "float32"]]}
@@ -58,14 +58,13 @@ at least one), and each segment is one zstd frame:
   code blocks (planar packing, see :mod:`shared.quant`).
 
 ``frames`` lists the compressed size of every frame; the payload is the frames back to back,
-compressed straight into one buffer (see :mod:`shared.zstd`). ``checksums`` holds the
-XXH3-64 of every frame's bytes (as an unsigned int), which the decoder checks before it
-decompresses the frame, so corruption is detected; each frame also records its content size,
-so the decoder knows its exact output size before decompressing it. (Format 2 used zstd's
-own XXH64 frame checksum instead, at a sixth of XXH3's speed.) Segments keep the
-encoder's working set in cache (quantise 4 MiB, compress it while it is still there), let
-large payloads be coded on several threads (``threads``), and bound every allocation the
-decoder makes to one segment plus the output.
+each copied into one buffer as soon as it is compressed (see :mod:`shared.zstd`).
+``checksums`` holds the XXH3-64 of every frame's bytes (as an unsigned int), which the
+decoder checks before it decompresses the frame, so corruption is detected; each frame also
+records its content size, so the decoder knows its exact output size before decompressing
+it. Segments keep the encoder's working set in cache (quantise 4 MiB, compress it while it
+is still there), let large payloads be coded on several threads (``threads``), and bound
+every allocation the decoder makes to one segment plus the output.
 
 The decoder treats payload and description as hostile: every field is checked, the declared
 size is bounded *before* anything is decompressed, decoded scales, codes and values are
@@ -89,6 +88,17 @@ import numpy as np
 import xxhash
 
 from shared import quant, zstd
+from shared.codec_config import (
+    BITS,
+    BLOCK_CODECS,
+    BLOCK_MULTIPLE,
+    CODECS,
+    CodecConfig,
+    CodecError,
+    check_block_size,
+    check_zstd_level,
+    is_int,
+)
 
 __all__ = [
     "BLOCK_CODECS",
@@ -110,27 +120,15 @@ __all__ = [
     "make_codec",
 ]
 
-FORMAT_VERSION = 3
-BITS = {"fp32": 32, "bf16": 16, "int8": 8, "int4": 4, "int2": 2}
-CODECS = tuple(BITS)
-BLOCK_CODECS = ("int8", "int4", "int2")
-
-# Block sizes are multiples of 16 so that every packed block is a whole number of 32-bit
-# words (int2 packs 4 codes per byte) and every scale stays 4-byte aligned in the raw layout.
-BLOCK_MULTIPLE = 16
-MIN_BLOCK_SIZE = 16
-MAX_BLOCK_SIZE = 1 << 20
+FORMAT_VERSION = 1
 MAX_NDIM = 32
-# zstd accepts negative "fast" levels down to ZSTD_minCLevel() == -(1 << 17).
-MIN_ZSTD_LEVEL = zstd.MIN_LEVEL
-MAX_ZSTD_LEVEL = zstd.MAX_LEVEL
 DEFAULT_MAX_RAW_SIZE = 2**31
 DEFAULT_MAX_OUTPUT_BYTES = 2**34
 # Elements per segment (one zstd frame), nominally: 4 MiB of float32 (a payload's frames are
 # all of one size, within a factor 1.5 of this; see _plan). A segment's raw bytes (1 MiB for
 # int8) are still in cache when zstd reads them, and there are few enough frames that the
-# per-frame output buffers cost little (2^18 measured slower for int8 in bench/codec.py:
-# each frame's fresh output allocation page-faults).
+# per-frame output buffers cost little (each frame's fresh output allocation page-faults, so
+# many small frames are slower; bench/codec.py measures it).
 SEGMENT_ELEMENTS = 1 << 20
 MAX_SEGMENT_UNITS = 1 << 26
 # Payloads below this many raw bytes are coded on the calling thread whatever threads says.
@@ -143,23 +141,15 @@ _F32_MAX = float(np.finfo(np.float32).max)
 _EMPTY = np.zeros(0, np.float32)
 _LOCAL = threading.local()
 _MAX_SCRATCH_BYTES = 64 << 20
-# Formats 1 (no "version" key; int8/fp32 only) and 2 (zstd checksums, no "checksums" key)
-# are recognised only to say so clearly.
-_V1_DESCRIPTION_KEYS = frozenset({"codec", "block_size", "zstd_level", "raw_size", "tensors"})
-_V2_DESCRIPTION_KEYS = frozenset(
+_DESCRIPTION_KEYS = frozenset(
     {"version", "codec", "bits", "block_size", "segment", "zstd_level", "raw_size", "frames",
-     "tensors"}
+     "checksums", "tensors"}
 )  # fmt: skip
-_DESCRIPTION_KEYS = _V2_DESCRIPTION_KEYS | {"checksums"}
 _U64_MAX = (1 << 64) - 1
 _SEQUENCES = frozenset({list, tuple})
 _DTYPE_OF = operator.attrgetter("dtype")
 _SHAPE_OF = operator.attrgetter("shape")
 _C_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
-
-
-class CodecError(ValueError):
-    """Raised for any tensor that cannot be encoded or any payload that cannot be decoded."""
 
 
 @dataclass(frozen=True)
@@ -210,7 +200,7 @@ class Layout:
         checked = []
         for name in names:
             shape = shapes[name]
-            if not isinstance(shape, Iterable) or not all(_is_int(d) and d >= 0 for d in shape):
+            if not isinstance(shape, Iterable) or not all(is_int(d) and d >= 0 for d in shape):
                 raise CodecError(
                     f"tensor {name!r}: shape must be non-negative ints, got {shape!r:.100}"
                 )
@@ -261,38 +251,6 @@ class Layout:
                 self.names, self.shapes, self.sizes, self.offsets, strict=True
             )
         }
-
-
-@dataclass(frozen=True)
-class CodecConfig:
-    """How pseudo-gradients are encoded; validated on construction.
-
-    Attributes:
-        codec: One of :data:`CODECS`.
-        block_size: Elements per quantisation block (block codecs); a multiple of 16.
-        zstd_level: zstd level; negative levels are fast and barely compress.
-        threads: Worker threads (quantise + zstd) for payloads of at least 8 MiB raw; 0
-            codes on the calling thread, -1 uses one thread per CPU.
-        error_feedback: Keep the quantisation residual and add it to the next round.
-    """
-
-    codec: str = "int8"
-    block_size: int = 256
-    zstd_level: int = 1
-    threads: int = 0
-    error_feedback: bool = False
-
-    def __post_init__(self) -> None:
-        if self.codec not in CODECS:
-            raise CodecError(f"unknown codec {self.codec!r}; expected one of {CODECS}")
-        _check_block_size(self.block_size)
-        _check_zstd_level(self.zstd_level)
-        if not _is_int(self.threads) or self.threads < -1:
-            raise CodecError(f"threads must be an int >= -1, got {self.threads!r}")
-        if not isinstance(self.error_feedback, bool):
-            raise CodecError(f"error_feedback must be a bool, got {self.error_feedback!r}")
-        if self.error_feedback and self.codec == "fp32":
-            raise CodecError("error_feedback needs a lossy codec; fp32 loses nothing")
 
 
 @dataclass
@@ -361,19 +319,6 @@ def warm_up() -> None:
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _check_block_size(block_size: Any) -> int:
-    if (
-        not _is_int(block_size)
-        or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE
-        or block_size % BLOCK_MULTIPLE
-    ):
-        raise CodecError(
-            f"block_size must be a multiple of {BLOCK_MULTIPLE} in "
-            f"[{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], got {block_size!r:.100}"
-        )
-    return int(block_size)
 
 
 def _n_blocks(size: int, block_size: int) -> int:
@@ -495,8 +440,7 @@ def encode_flat(
 ) -> tuple[memoryview, dict, CodecState]:
     """:func:`encode` of tensors held back to back in one flat buffer: the same payload and
     description as ``encode(layout.views(values), config, state)``, without the work per
-    tensor (checks, addresses) that costs a payload of many small tensors ~20% of its
-    encoding time at 1M values.
+    tensor (checks, addresses) that weighs on a payload of many small tensors.
 
     Args:
         values: C-contiguous 1-D float32 array of ``layout.size`` values: each tensor's
@@ -766,12 +710,6 @@ def _parse_description(description: Any, max_raw_size: int) -> _Description:
     if not isinstance(description, Mapping):
         raise CodecError(f"description must be a mapping, got {type(description).__name__}")
     keys = set(description)
-    for old, old_keys in ((1, _V1_DESCRIPTION_KEYS), (2, _V2_DESCRIPTION_KEYS)):
-        if keys == old_keys:
-            raise CodecError(
-                f"payload uses codec format {old} (an older release); this decoder reads "
-                f"format {FORMAT_VERSION} only: run the same release on every service"
-            )
     if keys != _DESCRIPTION_KEYS:
         missing = sorted(map(str, _DESCRIPTION_KEYS - keys))
         unknown = sorted(map(repr, keys - _DESCRIPTION_KEYS))
@@ -780,7 +718,7 @@ def _parse_description(description: Any, max_raw_size: int) -> _Description:
             f"missing {missing}, unknown {unknown}"
         )
     version = description["version"]
-    if not _is_int(version) or version != FORMAT_VERSION:
+    if not is_int(version) or version != FORMAT_VERSION:
         raise CodecError(
             f"payload format version {version!r:.50} is not {FORMAT_VERSION}, the only one "
             "this decoder reads (are all services on the same release?)"
@@ -789,17 +727,17 @@ def _parse_description(description: Any, max_raw_size: int) -> _Description:
     if not isinstance(codec, str) or codec not in CODECS:
         raise CodecError(f"unknown codec {codec!r:.100}; expected one of {CODECS}")
     bits = description["bits"]
-    if not _is_int(bits) or bits != BITS[codec]:
+    if not is_int(bits) or bits != BITS[codec]:
         raise CodecError(f"codec {codec!r} has {BITS[codec]} bits, description says {bits!r:.50}")
-    block_size = _check_block_size(description["block_size"])
+    block_size = check_block_size(description["block_size"])
     segment = description["segment"]
-    if not _is_int(segment) or not 1 <= segment <= MAX_SEGMENT_UNITS:
+    if not is_int(segment) or not 1 <= segment <= MAX_SEGMENT_UNITS:
         raise CodecError(
             f"segment must be an int in [1, {MAX_SEGMENT_UNITS}], got {segment!r:.100}"
         )
-    _check_zstd_level(description["zstd_level"])
+    check_zstd_level(description["zstd_level"])
     raw_size = description["raw_size"]
-    if not _is_int(raw_size) or raw_size < 0:
+    if not is_int(raw_size) or raw_size < 0:
         raise CodecError(f"raw_size must be a non-negative int, got {raw_size!r:.100}")
     raw_size = int(raw_size)
     # Checked before anything else is computed or allocated.
@@ -820,7 +758,7 @@ def _parse_description(description: Any, max_raw_size: int) -> _Description:
             f"frames must list the compressed size of each of the {n_frames} frame(s), "
             f"got {frames!r:.100}"
         )
-    if not all(_is_int(f) and f > 0 for f in frames):
+    if not all(is_int(f) and f > 0 for f in frames):
         raise CodecError(f"frame sizes must be positive ints, got {frames!r:.100}")
     checksums = description["checksums"]
     if not isinstance(checksums, list | tuple) or len(checksums) != n_frames:
@@ -828,7 +766,7 @@ def _parse_description(description: Any, max_raw_size: int) -> _Description:
             f"checksums must list the XXH3-64 of each of the {n_frames} frame(s), "
             f"got {checksums!r:.100}"
         )
-    if not all(_is_int(c) and 0 <= c <= _U64_MAX for c in checksums):
+    if not all(is_int(c) and 0 <= c <= _U64_MAX for c in checksums):
         raise CodecError(f"checksums must be unsigned 64-bit ints, got {checksums!r:.100}")
     return _Description(
         codec,
@@ -917,7 +855,7 @@ def decode_tensors(
             a payload that is not exactly the described zstd frames, or decoded values that
             are not finite or not valid codes/scales.
     """
-    if not _is_int(threads) or threads < -1:
+    if not is_int(threads) or threads < -1:
         raise CodecError(f"threads must be an int >= -1, got {threads!r:.100}")
     layout = _parse_description(description, max_raw_size)
     if not isinstance(payload, bytes | bytearray | memoryview):
@@ -978,7 +916,7 @@ class _SegmentDecoder:
             raise CodecError(
                 f"payload frame {index} does not match its XXH3-64 checksum (corrupted?)"
             )
-        raw = _decompress(frame, _scratch(units * self.unit_bytes))
+        raw = _decompress(frame, units * self.unit_bytes)
         out = self.values[first * self.unit : (first + units) * self.unit]
         if layout.codec == "fp32":
             bad = quant.decode_fp32(raw.view(_F32), out)
@@ -1007,14 +945,6 @@ class _SegmentDecoder:
 # --------------------------------------------------------------------------- helpers
 
 
-def _is_int(value: Any) -> bool:
-    # bool is an int subclass, but True is never a meaningful size or count. The exact-type
-    # test first: descriptions hold thousands of plain ints, and it is 5x faster.
-    return type(value) is int or (
-        isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_)
-    )
-
-
 def _as_float32(name: Any, value: Any) -> np.ndarray:
     if not isinstance(name, str):
         raise CodecError(f"tensor names must be str, got {type(name).__name__} {name!r}")
@@ -1041,14 +971,6 @@ def _check_finite(name: str, arr: np.ndarray) -> None:
         )
 
 
-def _check_zstd_level(level: Any) -> int:
-    if not _is_int(level) or not MIN_ZSTD_LEVEL <= level <= MAX_ZSTD_LEVEL:
-        raise CodecError(
-            f"zstd_level must be an int in [{MIN_ZSTD_LEVEL}, {MAX_ZSTD_LEVEL}], got {level!r}"
-        )
-    return int(level)
-
-
 def _parse_tensor_entry(index: int, entry: Any) -> TensorSpec:
     if not isinstance(entry, list | tuple) or len(entry) != 3:
         raise CodecError(
@@ -1061,7 +983,7 @@ def _parse_tensor_entry(index: int, entry: Any) -> TensorSpec:
         raise CodecError(
             f"tensor {name!r}: shape must be a list of at most {MAX_NDIM} ints, got {shape!r:.200}"
         )
-    if not all(_is_int(d) and d >= 0 for d in shape):
+    if not all(is_int(d) and d >= 0 for d in shape):
         raise CodecError(f"tensor {name!r}: shape must hold non-negative ints, got {shape!r}")
     shape = tuple(map(int, shape))
     # Zero-size tensors pass the raw_size check whatever their other dimensions are, but
@@ -1085,7 +1007,7 @@ def _scratch(nbytes: int) -> np.ndarray:
 
     Reusing it keeps its pages mapped and in cache; at 8 MiB or more NumPy asks the kernel
     for transparent huge pages, so the kernels and zstd miss the TLB less. A segment larger
-    than ``_MAX_SCRATCH_BYTES`` (only a hostile description asks for one) gets its own buffer.
+    than ``_MAX_SCRATCH_BYTES`` gets its own buffer.
     """
     if nbytes > _MAX_SCRATCH_BYTES:
         return np.empty(nbytes, np.uint8)
@@ -1095,19 +1017,17 @@ def _scratch(nbytes: int) -> np.ndarray:
     return scratch[:nbytes]
 
 
-def _decompress(frame: memoryview, raw: np.ndarray) -> np.ndarray:
-    """Decompress exactly one zstd frame that must declare and hold ``raw.size`` bytes."""
+def _decompress(frame: memoryview, size: int) -> np.ndarray:
+    """Exactly one zstd frame that must declare and hold ``size`` bytes, decompressed
+    (a read-only uint8 array)."""
     try:
         declared = zstd.frame_content_size(frame)
     except zstd.ZstdError as exc:
         raise CodecError(f"payload frame is not a zstd frame: {exc}") from exc
-    if declared != raw.size:
+    if declared != size:
         found = "no content size" if declared is None else f"{declared} bytes"
-        raise CodecError(f"zstd frame declares {found}; the description implies {raw.size}")
+        raise CodecError(f"zstd frame declares {found}; the description implies {size}")
     try:
-        size = zstd.decompress_into(frame, raw)
+        return zstd.decompress(frame, size)
     except zstd.ZstdError as exc:
         raise CodecError(f"payload frame failed to decompress: {exc}") from exc
-    if size != raw.size:
-        raise CodecError(f"payload frame decompressed to {size} bytes, expected {raw.size}")
-    return raw

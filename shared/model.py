@@ -20,80 +20,24 @@ the trunk's gradient, which flows through the head, becomes non-zero after the f
 """
 
 import math
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
-# -------------------------------------------------------------------------------------------------
-# Configuration
+# Sizes are defined without JAX (settings and the gateway read them); the model's users find
+# them here too.
+from shared.model_config import SIZES, ModelConfig, ModelSize, get_config
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Hyper-parameters of one model size. Frozen, so it is hashable and can be a static jit arg.
-
-    Attributes:
-        name: Size name, a key of `SIZES`.
-        d_model: Width of the residual stream (C).
-        n_layers: Number of transformer blocks.
-        n_heads: Number of attention heads; must divide d_model.
-        d_ff: Hidden width of the MLP.
-        seq_len: Context length used for training/eval windows; also the number of learned
-            position embeddings, so it is the longest sequence `forward` accepts.
-        vocab_size: 256, one token per byte value.
-    """
-
-    name: str
-    d_model: int
-    n_layers: int
-    n_heads: int
-    d_ff: int
-    seq_len: int
-    vocab_size: int = 256
-
-    def __post_init__(self) -> None:
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"{self.name}: d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
-            )
-
-
-# Parameter counts (see param_count) are noted next to each size.
-SIZES: dict[str, ModelConfig] = {
-    # For unit tests: compiles and runs in well under a second on a laptop CPU.
-    "tiny": ModelConfig(name="tiny", d_model=48, n_layers=2, n_heads=4, d_ff=192, seq_len=64),
-    # The 2-core CPU demo.
-    "small": ModelConfig(name="small", d_model=128, n_layers=3, n_heads=4, d_ff=512, seq_len=128),
-    # For a single accelerator.
-    "medium": ModelConfig(
-        name="medium", d_model=384, n_layers=6, n_heads=6, d_ff=1536, seq_len=512
-    ),
-    # GPT-2-small-like width, a little deeper, for real accelerators.
-    "large": ModelConfig(
-        name="large", d_model=768, n_layers=14, n_heads=12, d_ff=3072, seq_len=1024
-    ),
-}
-
-
-def get_config(name: str) -> ModelConfig:
-    """Look up a model size by name.
-
-    Args:
-        name: One of the keys of `SIZES` ("tiny", "small", "medium", "large").
-
-    Returns:
-        The matching `ModelConfig`.
-
-    Raises:
-        ValueError: If `name` is not a known size; the message lists the valid sizes.
-    """
-    try:
-        return SIZES[name]
-    except KeyError:
-        valid = ", ".join(SIZES)
-        raise ValueError(f"unknown model size {name!r}; valid sizes are: {valid}") from None
-
+__all__ = [
+    "SIZES",
+    "ModelConfig",
+    "ModelSize",
+    "forward",
+    "get_config",
+    "init_params",
+    "loss_fn",
+    "param_count",
+]
 
 # -------------------------------------------------------------------------------------------------
 # Parameters

@@ -35,7 +35,6 @@ been written.
 
 from __future__ import annotations
 
-import cffi
 import numpy as np
 from numba import carray, njit, types
 from numba.extending import intrinsic
@@ -61,9 +60,9 @@ _FASTMATH = {"nsz", "contract"}
 _JIT = {"nogil": True, "cache": True, "boundscheck": False, "fastmath": _FASTMATH}
 # Helpers are inlined into the kernels at Numba-IR level: compiled as separate functions, their
 # array arguments lose what LLVM knows about them (fresh, non-aliasing scratch) and the loops
-# vectorise worse (~30% slower encode). Two are deliberately not inlined, to keep flags of
-# their own: _quantize_exact (strict IEEE) and _quantize_ternary (reassociation, which its
-# float sums need to vectorise: 6x faster int2).
+# vectorise worse. Two are deliberately not inlined, to keep flags of their own:
+# _quantize_exact (strict IEEE) and _quantize_ternary (reassociation, which its float sums
+# need to vectorise).
 _INLINE = {**_JIT, "inline": "always"}
 _REDUCE = {**_JIT, "fastmath": _FASTMATH | {"reassoc"}}
 
@@ -281,13 +280,12 @@ def _encode_groups(x, xbits, bits, block_size, qmax, scales, codes, codes8, scra
     """int8/int4 codes of the whole blocks of ``x`` (no error feedback), _GROUP at a time.
 
     The absmax reductions of a group are independent of each other, so the CPU overlaps
-    them; one block at a time, each waited for its own reduction and divisions (~20% slower).
+    them; one block at a time, each would wait for its own reduction and divisions.
     Returns the number of blocks done: it stops before the first group holding a non-finite
     value, and leaves the tail (fewer than _GROUP blocks) to the caller's block loop.
 
-    The per-block dispatch below repeats the one in :func:`_encode_blocks` on purpose: moved
-    into a shared inline helper, the same codes came out ~18% slower (int8 and int4, 4M values,
-    in cache), the fast paths no longer vectorising as well.
+    The per-block dispatch below repeats the one in :func:`_encode_blocks` on purpose: in a
+    shared inline helper the fast paths do not vectorise as well (``bench/codec.py`` shows it).
     """
     bpb = block_size * bits // 8
     group = np.empty(_GROUP, np.uint32)
@@ -537,17 +535,9 @@ def decode_bf16(raw, out):  # pragma: no cover - compiled
     return 0 if bad else -1
 
 
-_FFI = cffi.FFI()
-# cffi's backend, called directly: FFI.cast and FFI.from_buffer add a Python-level layer
-# that, for a payload of many small tensors, costs more than the rest of the call.
-_BACKEND = _FFI._backend
-_INTPTR = _FFI.typeof("intptr_t")
-_BYTES = _FFI.typeof("char[]")
-
-
 def address(array: np.ndarray) -> int:
     """The data address of a contiguous ``array``, for :func:`encode_segment`."""
-    return int(_BACKEND.cast(_INTPTR, _BACKEND.from_buffer(_BYTES, array, False)))
+    return array.ctypes.data
 
 
 @intrinsic
@@ -568,7 +558,7 @@ def encode_segment(base, addresses, residuals, pieces, use_res, bits, block_size
         base: An address (see :func:`address`) added to every entry of ``addresses``: the
             start of a flat float32 buffer that holds every tensor, or 0. An int, not the
             buffer, so that one compiled version serves every caller (a read-only buffer
-            would otherwise compile another, ~10 s on 2 cores, at a learner's first upload).
+            would otherwise compile another one at a learner's first upload).
         addresses: int64 per tensor: where its data starts, in bytes past ``base``. Each
             tensor is C-contiguous float32, kept alive by the caller for the whole call, at
             least ``hi`` values long for every piece.

@@ -1,30 +1,28 @@
-"""zstd frames compressed into and decompressed out of caller-owned buffers.
+"""zstd frames for the codec, through python-zstandard's public API.
 
-python-zstandard's ``compress`` / ``decompress`` return a fresh ``bytes`` object per call.
-For a payload of hundreds of MiB that costs a page fault per 4 KiB page written (and the
-codec then joined the frames into yet another ``bytes``), which took more time than
-quantising. This module calls libzstd through the cffi bindings that python-zstandard
-ships (``zstandard._cffi``, the same library and version as its C backend), so that
+* :meth:`Compressor.compress_into` compresses one frame (``ZstdCompressor.compress``) and
+  copies it at once into a slice of the caller's payload buffer, so that a payload of many
+  frames is one NumPy buffer (allocated once per payload; NumPy asks for huge pages) and
+  never a ``b"".join`` of them.
+* :func:`decompress` returns one frame's bytes as a read-only NumPy view, after checking
+  that the frame declares, and decompresses to, exactly the size the caller expects; the
+  dequantiser reads that view directly.
 
-* :meth:`Compressor.compress_into` writes one frame straight into a slice of the payload
-  buffer (allocated once per payload, by NumPy, which asks for huge pages), and
-* :func:`decompress_into` writes one frame into a reused per-thread scratch buffer that
-  is still in cache when the dequantiser reads it.
-
-cffi releases the GIL around every libzstd call, so worker threads compress in parallel.
-Frames are ordinary zstd frames with the content size; anything that reads zstd reads
-them. They carry zstd's own XXH64 checksum only if asked (``checksum=True``): the codec
-checks each frame with XXH3 instead, which is about six times faster here (63 vs 11 GB/s),
-and zstd's checksum was a third of the time of decompressing an int8 frame.
+python-zstandard's C backend releases the GIL while libzstd compresses or decompresses, so
+worker threads code frames in parallel. Frames are ordinary zstd frames with the content
+size; anything that reads zstd reads them. They carry zstd's own XXH64 checksum only if
+asked (``checksum=True``): the codec checks each frame with XXH3 instead, which is several
+times faster (docs/CODEC.md).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
 
 import numpy as np
-from zstandard._cffi import ffi, lib
+import zstandard
+
+from shared.codec_config import MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL
 
 __all__ = [
     "FAST_HASH_LOG",
@@ -33,13 +31,21 @@ __all__ = [
     "Compressor",
     "ZstdError",
     "compress_bound",
-    "decompress_into",
+    "decompress",
     "frame_content_size",
 ]
 
-MIN_LEVEL = int(lib.ZSTD_minCLevel())
+# libzstd's ZSTD_minCLevel(), which python-zstandard does not expose; lower levels would be
+# clamped to it.
+MIN_LEVEL = MIN_ZSTD_LEVEL
+MAX_LEVEL = zstandard.MAX_COMPRESSION_LEVEL
+if MAX_LEVEL != MAX_ZSTD_LEVEL:
+    raise ImportError(
+        f"libzstd's highest level is {MAX_LEVEL}, shared/codec_config.py says "
+        f"{MAX_ZSTD_LEVEL}: update codec_config to this libzstd"
+    )
 FAST_HASH_LOG = 10
-MAX_LEVEL = int(lib.ZSTD_maxCLevel())
+_BOUND_MARGIN_BELOW = 128 << 10
 _LOCAL = threading.local()
 
 
@@ -48,14 +54,12 @@ class ZstdError(ValueError):
 
 
 def compress_bound(size: int) -> int:
-    """Largest frame :meth:`Compressor.compress_into` can write for ``size`` input bytes."""
-    return int(lib.ZSTD_compressBound(size))
+    """Largest frame :meth:`Compressor.compress_into` can write for ``size`` input bytes.
 
-
-def _check(code: int, what: str) -> int:
-    if lib.ZSTD_isError(code):
-        raise ZstdError(f"{what}: {ffi.string(lib.ZSTD_getErrorName(code)).decode()}")
-    return int(code)
+    zstd's ``ZSTD_COMPRESSBOUND`` (zstd.h), a formula that is part of its stable API.
+    """
+    margin = (_BOUND_MARGIN_BELOW - size) >> 11 if size < _BOUND_MARGIN_BELOW else 0
+    return size + (size >> 8) + margin
 
 
 class Compressor:
@@ -63,11 +67,11 @@ class Compressor:
 
     Negative (fast) levels also cap zstd's match-finder hash table at 2^FAST_HASH_LOG
     entries (zstd's own choice for a 1 MiB input is 2^13, 32 KiB): a table of 4 KiB stays in
-    L1 beside the data. On the codec's payloads (``bench/codec.py`` data, 10M values, level
-    -1) that compressed 1.4-1.8x faster; the ratio of int8, bf16 and fp32 payloads did not
-    change in the fourth digit, int4 lost 0.6% and int2 3% of zstd's (small) gain.
+    L1 beside the data, which compresses int8 payloads faster for almost no loss of ratio
+    (docs/CODEC.md, "Speed", "Fast zstd levels", with the command that measures it).
 
-    A compression context is not thread-safe; :meth:`for_thread` hands each thread its own.
+    A ``zstandard.ZstdCompressor`` is not thread-safe; :meth:`for_thread` hands each thread
+    its own.
     """
 
     def __init__(self, level: int, checksum: bool = False) -> None:
@@ -75,18 +79,24 @@ class Compressor:
             raise ValueError(f"zstd level must be in [{MIN_LEVEL}, {MAX_LEVEL}], got {level}")
         self.level = level
         self.checksum = checksum
-        self._cctx = ffi.gc(lib.ZSTD_createCCtx(), lib.ZSTD_freeCCtx)
-        if self._cctx == ffi.NULL:
-            raise MemoryError("cannot allocate a zstd compression context")
-        parameters = [
-            (lib.ZSTD_c_compressionLevel, level),
-            (lib.ZSTD_c_checksumFlag, int(checksum)),
-            (lib.ZSTD_c_contentSizeFlag, 1),
-        ]
-        if level < 0:
-            parameters.append((lib.ZSTD_c_hashLog, FAST_HASH_LOG))
-        for parameter, value in parameters:
-            _check(lib.ZSTD_CCtx_setParameter(self._cctx, parameter, value), "zstd parameter")
+        # The level's own parameters (which libzstd adapts to each input's size), only the
+        # hash log set explicitly.
+        self.parameters = (
+            zstandard.ZstdCompressionParameters(
+                compression_level=level,
+                hash_log=FAST_HASH_LOG,
+                write_checksum=int(checksum),
+                write_content_size=1,
+            )
+            if level < 0
+            else None
+        )
+        if self.parameters is None:
+            self._cctx = zstandard.ZstdCompressor(
+                level=level, write_checksum=checksum, write_content_size=True
+            )
+        else:
+            self._cctx = zstandard.ZstdCompressor(compression_params=self.parameters)
 
     @classmethod
     def for_thread(cls, level: int, checksum: bool = False) -> Compressor:
@@ -101,25 +111,25 @@ class Compressor:
         """Compress contiguous ``src`` into one frame at the start of ``dst``; return its size.
 
         ``dst`` (contiguous uint8) needs ``compress_bound(src.nbytes)`` bytes to be sure of
-        room; with less, :class:`ZstdError` may be raised.
+        room; with less, :class:`ZstdError` may be raised, and nothing is written.
         """
-        n = lib.ZSTD_compress2(
-            self._cctx,
-            ffi.from_buffer(dst, require_writable=True),
-            dst.nbytes,
-            ffi.from_buffer(src),
-            src.nbytes,
-        )
-        return _check(n, "zstd compression failed")
+        try:
+            frame = self._cctx.compress(src)
+        except zstandard.ZstdError as exc:
+            raise ZstdError(f"zstd compression failed: {exc}") from exc
+        size = len(frame)
+        if size > dst.nbytes:
+            raise ZstdError(
+                f"zstd compression failed: a frame of {size} bytes does not fit in {dst.nbytes}"
+            )
+        dst[:size] = np.frombuffer(frame, np.uint8)
+        return size
 
 
-def _dctx() -> Any:
+def _dctx() -> zstandard.ZstdDecompressor:
     dctx = getattr(_LOCAL, "dctx", None)
     if dctx is None:
-        dctx = ffi.gc(lib.ZSTD_createDCtx(), lib.ZSTD_freeDCtx)
-        if dctx == ffi.NULL:
-            raise MemoryError("cannot allocate a zstd decompression context")
-        _LOCAL.dctx = dctx
+        dctx = _LOCAL.dctx = zstandard.ZstdDecompressor()
     return dctx
 
 
@@ -129,25 +139,66 @@ def frame_content_size(frame: memoryview) -> int | None:
     Raises:
         ZstdError: ``frame`` does not start with a valid zstd frame header.
     """
-    size = lib.ZSTD_getFrameContentSize(ffi.from_buffer(frame), len(frame))
-    if size == lib.ZSTD_CONTENTSIZE_ERROR:
-        raise ZstdError("not a zstd frame (bad magic number or header)")
-    return None if size == lib.ZSTD_CONTENTSIZE_UNKNOWN else int(size)
+    try:
+        size = zstandard.frame_content_size(frame)
+    except zstandard.ZstdError as exc:
+        raise ZstdError(f"not a zstd frame (bad magic number or header): {exc}") from exc
+    return None if size < 0 else size
 
 
-def decompress_into(frame: memoryview, dst: np.ndarray) -> int:
-    """Decompress ``frame``, which must be exactly one zstd frame, into ``dst``.
+def decompress(frame: memoryview, size: int) -> np.ndarray:
+    """``frame``, which must be exactly one zstd frame of ``size`` bytes, decompressed.
 
-    Returns the number of bytes written. libzstd never writes past ``dst`` and verifies the
-    frame's checksum, if it has one.
+    Returns a read-only uint8 array of ``size`` bytes. The frame's header must declare
+    ``size`` (checked before anything is allocated); libzstd verifies the frame's checksum,
+    if it has one.
 
     Raises:
         ZstdError: ``frame`` is not exactly one well-formed frame (trailing bytes included),
-            fails its checksum, or needs more room than ``dst`` has.
+            does not declare ``size`` bytes or decompress to them, or fails its checksum.
     """
-    src = ffi.from_buffer(frame)
-    size = _check(lib.ZSTD_findFrameCompressedSize(src, len(frame)), "not a whole zstd frame")
-    if size != len(frame):
-        raise ZstdError(f"{len(frame) - size} bytes follow the zstd frame")
-    dst_ptr = ffi.from_buffer(dst, require_writable=True)
-    return _check(lib.ZSTD_decompressDCtx(_dctx(), dst_ptr, dst.nbytes, src, size), "bad frame")
+    declared = frame_content_size(frame)
+    if declared != size:
+        found = "no content size" if declared is None else f"{declared} bytes"
+        raise ZstdError(f"zstd frame declares {found}, expected {size}")
+    try:
+        if size:
+            out = _dctx().decompress(frame, max_output_size=size, allow_extra_data=False)
+        else:  # python-zstandard returns b"" for such a frame without reading it
+            out = _decompress_streaming(frame)
+    except zstandard.ZstdError as exc:
+        raise ZstdError(_why(frame, exc)) from exc
+    if len(out) != size:
+        raise ZstdError(f"zstd frame decompressed to {len(out)} bytes, expected {size}")
+    return np.frombuffer(out, np.uint8)
+
+
+def _decompress_streaming(frame: memoryview) -> bytes:
+    """``frame`` decompressed through a stream, which reads all of it; raises
+    ``zstandard.ZstdError`` unless it is exactly one whole frame."""
+    stream = _dctx().decompressobj()
+    out = stream.decompress(frame)
+    if not stream.eof:
+        raise zstandard.ZstdError("the frame is truncated")
+    if stream.unused_data:
+        raise zstandard.ZstdError(f"{len(stream.unused_data)} bytes of unused data")
+    return out
+
+
+def _why(frame: memoryview, error: zstandard.ZstdError) -> str:
+    """What is wrong with a frame that failed to decompress (found again through a stream,
+    for the message: python-zstandard's one-shot errors do not say where the frame ends).
+
+    The frame declares the size the caller expects, and libzstd stops a frame whose blocks
+    outgrow its declared content size, so the stream holds at most that much.
+    """
+    stream = _dctx().decompressobj()
+    try:
+        stream.decompress(frame)
+    except zstandard.ZstdError:
+        return f"bad zstd frame: {error}"
+    if not stream.eof:
+        return f"not a whole zstd frame (truncated): {error}"
+    if stream.unused_data:
+        return f"{len(stream.unused_data)} bytes follow the zstd frame"
+    return f"bad zstd frame: {error}"

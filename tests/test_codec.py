@@ -813,12 +813,11 @@ def test_frames_may_be_numpy_ints_or_a_tuple() -> None:
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"version": 1}, "version 1 is not 3"),
-        ({"version": 2}, "version 2 is not 3"),
-        ({"version": 4}, "version 4 is not 3"),
-        ({"version": "3"}, "version '3' is not 3"),
-        ({"version": True}, "version True is not 3"),
-        ({"version": 3.0}, "version 3.0 is not 3"),
+        ({"version": 0}, "version 0 is not 1"),
+        ({"version": 2}, "version 2 is not 1"),
+        ({"version": "1"}, "version '1' is not 1"),
+        ({"version": True}, "version True is not 1"),
+        ({"version": 1.0}, "version 1.0 is not 1"),
         ({"version": None}, "version None"),
         ({"codec": "int3"}, "unknown codec 'int3'"),
         ({"codec": None}, "unknown codec"),
@@ -880,29 +879,12 @@ def test_bad_description_is_rejected(changes: dict, match: str) -> None:
         decode_tensors(payload, _with(description, **changes))
 
 
-def test_format_1_description_is_named() -> None:
-    payload, description = _corruptible()
-    old = {k: description[k] for k in ("codec", "block_size", "zstd_level", "raw_size", "tensors")}
-    with pytest.raises(CodecError, match="codec format 1"):
-        decode_tensors(payload, old)
-
-
-def test_format_2_description_is_named() -> None:
-    """Format 2 had zstd's checksums in the frames and no "checksums" key."""
-    payload, description = _corruptible()
-    old = _with(description, version=2)
-    del old["checksums"]
-    with pytest.raises(CodecError, match="codec format 2"):
-        decode_tensors(payload, old)
-
-
 def test_missing_or_unknown_description_keys() -> None:
     payload, description = _corruptible()
     for key in description:
         partial = _with(description)
         del partial[key]
-        match = "codec format 2" if key == "checksums" else rf"missing \['{key}'\]"
-        with pytest.raises(CodecError, match=match):
+        with pytest.raises(CodecError, match=rf"missing \['{key}'\]"):
             decode_tensors(payload, partial)
     with pytest.raises(CodecError, match="unknown"):
         decode_tensors(payload, _with(description, extra=1))
@@ -914,7 +896,7 @@ def test_missing_or_unknown_description_keys() -> None:
 
 
 def _fp32_description(raw_size: int, shape: list[int], frames: list[bytes]) -> dict:
-    return {"version": 3, "codec": "fp32", "bits": 32, "block_size": 256,
+    return {"version": FORMAT_VERSION, "codec": "fp32", "bits": 32, "block_size": 256,
             "segment": SEGMENT_ELEMENTS, "zstd_level": 1, "raw_size": raw_size,
             "frames": [len(f) for f in frames],
             "checksums": [xxhash.xxh3_64_intdigest(f) for f in frames],
@@ -937,7 +919,7 @@ def test_output_too_large_to_allocate_is_a_codec_error() -> None:
     # describe more output than any machine has. Either the allocation fails (CodecError)
     # or, with memory overcommit, the one-byte frames do.
     n = 1 << 42  # 16 TiB of float32 in 2^22 blocks, 2^10 to a frame
-    description = {"version": 3, "codec": "int2", "bits": 2, "block_size": 1 << 20,
+    description = {"version": FORMAT_VERSION, "codec": "int2", "bits": 2, "block_size": 1 << 20,
                    "segment": 1 << 10, "zstd_level": 1, "raw_size": (n >> 20) * (4 + (1 << 18)),
                    "frames": [1] * (1 << 12),
                    "checksums": [xxhash.xxh3_64_intdigest(b"\0")] * (1 << 12),
@@ -989,8 +971,9 @@ def _crafted(codec: str, scales: list[float], codes: bytes, block_size: int = 16
     """A hand-made one-frame payload of ``len(scales)`` blocks and its description."""
     raw = np.array(scales, np.float32).tobytes() + codes
     frame = _frame(raw)
-    description = {"version": 3, "codec": codec, "bits": BITS[codec], "block_size": block_size,
-                   "segment": SEGMENT_ELEMENTS // block_size, "zstd_level": 1,
+    description = {"version": FORMAT_VERSION, "codec": codec, "bits": BITS[codec],
+                   "block_size": block_size, "segment": SEGMENT_ELEMENTS // block_size,
+                   "zstd_level": 1,
                    "raw_size": len(raw), "frames": [len(frame)],
                    "checksums": [xxhash.xxh3_64_intdigest(frame)],
                    "tensors": [["a", [len(scales) * block_size], "float32"]]}  # fmt: skip
@@ -1270,9 +1253,16 @@ def test_hostile_tensors_raise_codec_error_or_round_trip(
 
 
 def test_warm_up_compiles_every_kernel() -> None:
+    from shared import quant
     from shared.codec import warm_up
 
     warm_up()  # encodes and decodes a sample with every codec, with and without feedback
+    kernels = {
+        name: getattr(quant, name)
+        for name in ("encode_segment", "decode_blocks", "encode_bf16", "decode_bf16",
+                     "encode_fp32", "decode_fp32")
+    }  # fmt: skip
+    assert {name: bool(k.signatures) for name, k in kernels.items()} == dict.fromkeys(kernels, True)
 
 
 _WARM_UP_CHECK = """

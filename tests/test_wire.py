@@ -196,7 +196,7 @@ def test_unpack_rejects_missing_field(field: str) -> None:
     ("changes", "match"),
     [
         ({"v": ...}, "no wire version"),
-        ({"v": 1}, "unsupported wire version 1; expected 2 .are all services on the same"),
+        ({"v": 2}, "unsupported wire version 2; expected 1 .are all services on the same"),
         ({"v": 3}, "unsupported wire version 3"),
         ({"v": "1"}, "unsupported wire version '1'"),
         ({"v": 0}, "unsupported wire version 0"),
