@@ -10,8 +10,9 @@ exactly: every round a unit published is applied once or rejected with a reason.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+
+from shared.records import Books, LedgerRecord, OuterStatus, UnitBooks, UnitStatus
 
 __all__ = ["RoundSet", "balance"]
 
@@ -98,40 +99,36 @@ class RoundSet:
         return True
 
 
-def balance(outer: dict[str, Any] | None, units: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """Balance the books of a job from status records (the outer's and each unit's).
+def balance(outer: OuterStatus | None, units: Mapping[int, UnitStatus]) -> Books:
+    """Balance the books of a job from its status records (the outer's and each unit's).
 
     Every round a unit published (JetStream accepted it) must have been applied exactly once
     or rejected with a reason; no round may be both; the outer's ``applied`` counter must equal
     the number of distinct applied rounds (nothing applied twice).
 
     Args:
-        outer: The outer's status record (``applied``, ``applied_rounds``,
-            ``rejected_rounds``, ``rejected``).
-        units: Unit index -> that unit's status record (``published_rounds``).
-
-    Returns:
-        ``{"balanced": bool, "problems": [...], "per_unit": {unit: {...}}, "applied": n,
-        "published": n, "rejected": n}``.
+        outer: The outer's status record (None: no outer has reported).
+        units: Unit index -> that unit's status record.
     """
-    outer = outer or {}
-    applied = {int(u): RoundSet(r) for u, r in (outer.get("applied_rounds") or {}).items()}
-    rejected = {int(u): RoundSet(r) for u, r in (outer.get("rejected_rounds") or {}).items()}
+    ledger = outer if outer is not None else LedgerRecord()
+    applied = {u: RoundSet(r) for u, r in ledger.applied_rounds.items()}
+    rejected = {u: RoundSet(r) for u, r in ledger.rejected_rounds.items()}
     problems: list[str] = []
-    per_unit: dict[int, dict[str, Any]] = {}
+    per_unit: dict[int, UnitBooks] = {}
     published_total = 0
     for unit in sorted(set(units) | set(applied) | set(rejected)):
-        published = RoundSet((units.get(unit) or {}).get("published_rounds") or [])
+        status = units.get(unit)
+        published = RoundSet(status.published_rounds if status is not None else ())
         done, refused = applied.get(unit, RoundSet()), rejected.get(unit, RoundSet())
         missing = [r for r in published if r not in done and r not in refused]
         both = [r for r in done if r in refused]
         published_total += len(published)
-        per_unit[unit] = {
-            "published": len(published),
-            "applied": len(done),
-            "rejected": len(refused),
-            "missing": missing[:20],
-        }
+        per_unit[unit] = UnitBooks(
+            published=len(published),
+            applied=len(done),
+            rejected=len(refused),
+            missing=missing[:20],
+        )
         if missing:
             problems.append(
                 f"unit {unit}: {len(missing)} published round(s) neither applied nor "
@@ -140,16 +137,15 @@ def balance(outer: dict[str, Any] | None, units: dict[int, dict[str, Any]]) -> d
         if both:
             problems.append(f"unit {unit}: rounds both applied and rejected: {both[:5]}")
     distinct = sum(len(r) for r in applied.values())
-    if outer and outer.get("applied") != distinct:
+    if outer is not None and outer.applied != distinct:
         problems.append(
-            f"outer applied {outer.get('applied')} updates but {distinct} distinct rounds "
-            "(applied twice?)"
+            f"outer applied {outer.applied} updates but {distinct} distinct rounds (applied twice?)"
         )
-    return {
-        "balanced": not problems,
-        "problems": problems,
-        "per_unit": per_unit,
-        "applied": distinct,
-        "published": published_total,
-        "rejected": sum((outer.get("rejected") or {}).values()),
-    }
+    return Books(
+        balanced=not problems,
+        problems=problems,
+        per_unit=per_unit,
+        applied=distinct,
+        published=published_total,
+        rejected=sum(ledger.rejected.values()),
+    )

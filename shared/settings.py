@@ -18,8 +18,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.model_config import ModelSize
+from shared.records import JOB_NAME_PATTERN
+
 ENV_PREFIX = "DILOCO_"
-JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 
 class SettingsError(ValueError):
@@ -52,13 +54,13 @@ class NatsSettings(BaseSettings):
         return [url.strip() for url in self.nats_url.split(",")]
 
 
-class JobSpec(BaseSettings):
-    """What defines a training job; every learner and the outer of a job must agree on it."""
+class CommonJobSettings(BaseSettings):
+    """What every learner and the outer of one job must agree on."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
     job: str = Field("demo", description="job name (letters, digits, '_' and '-')")
-    model: str = Field("small", description="model size: tiny, small, medium or large")
+    model: ModelSize = Field("small", description="model size: tiny, small, medium or large")
     seed: int = Field(0, ge=0, description="seed of the initial parameters and the data order")
     corpus: str | None = Field(
         None,
@@ -81,17 +83,8 @@ class JobSpec(BaseSettings):
             raise ValueError("expected 1-64 letters, digits, '_' or '-' (starting alphanumeric)")
         return value
 
-    @field_validator("model")
-    @classmethod
-    def _check_model(cls, value: str) -> str:
-        from shared.model import SIZES
 
-        if value not in SIZES:
-            raise ValueError(f"unknown model size {value!r}; choose one of {sorted(SIZES)}")
-        return value
-
-
-class JobSettings(NatsSettings, JobSpec):
+class JobSettings(NatsSettings, CommonJobSettings):
     """A service of one job: NATS connection plus the job's definition."""
 
 

@@ -81,6 +81,13 @@ def unit_status_key(job: str, unit: int) -> str:
     return f"{job}.unit.{unit}"
 
 
+def unit_of_status_key(job: str, key: str) -> int | None:
+    """The unit of a key made by :func:`unit_status_key` for ``job`` (None for other keys)."""
+    prefix = f"{job}.unit."
+    number = key[len(prefix) :] if key.startswith(prefix) else ""
+    return int(number) if number.isdigit() and len(number) < 10 else None
+
+
 def outer_status_key(job: str) -> str:
     """KV key (bucket STATUS_BUCKET) of the outer optimizer's heartbeat and status."""
     return f"{job}.outer"

@@ -3,15 +3,15 @@
 Everything here has an explicit timeout. Pseudo-gradients and parameters travel as msgpack
 envelopes (``shared.wire``) split into chunks no larger than the server's ``max_payload`` minus
 header slack; every chunk carries a ``Nats-Msg-Id`` so that a retried publish is deduplicated by
-JetStream. See docs/ARCHITECTURE.md for the layout and research notes on why it looks like this.
+JetStream. Typed KV records are read and written with ``shared.kv``. docs/ARCHITECTURE.md
+describes the layout.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +28,9 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from shared import subjects
+from shared import records, subjects
+from shared.records import ParamsHead
+from shared.retry import QUICK, Backoff, retry
 from shared.settings import NatsSettings
 from shared.wire import (
     ChunkInfo,
@@ -48,12 +50,12 @@ GRADS_DUPLICATE_WINDOW_S = 3600.0  # longer than any learner retry window
 GRADS_MAX_BYTES = 8 << 30  # a full grads stream refuses new uploads instead of losing old ones
 STATUS_TTL_S = 24 * 3600.0  # status keys of long-gone units eventually disappear
 PUBLISH_TIMEOUT_S = 10.0
-PUBLISH_RETRIES = 6
+PUBLISH_ATTEMPTS = 6
 RETRYABLE_API_CODES = {429, 503}
-RECONNECT_BACKOFF_MAX_S = 5.0
-# What the gateway may ask of a unit (bucket diloco_desired). ``idle``: created, not training
-# yet; ``paused``: stopped training until resumed; ``stopped``: flush uploads and exit (final).
-DESIRED_STATES = ("idle", "running", "paused", "stopped")
+# nats-py waits a fixed time between reconnect attempts; each client draws its own from this
+# range, so that after a server restart the clients do not all reconnect at the same moments.
+RECONNECT_WAIT_S = (0.5, 1.5)
+TORN_READ_BACKOFF = Backoff(initial_s=0.05, max_s=0.5, jitter_s=0.05)
 
 
 class TransportError(RuntimeError):
@@ -73,7 +75,7 @@ async def connect(settings: NatsSettings, name: str, **callbacks: Callable[..., 
     """
 
     async def error_cb(err: Exception) -> None:
-        # Denied publishes and server-side errors only surface here (research/nats.md §4).
+        # Denied publishes and other server-side errors only surface here.
         log.warning("nats error (%s): %s", name, err)
 
     try:
@@ -82,7 +84,7 @@ async def connect(settings: NatsSettings, name: str, **callbacks: Callable[..., 
             name=name,
             connect_timeout=settings.connect_timeout_s,
             max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
+            reconnect_time_wait=random.uniform(*RECONNECT_WAIT_S),
             allow_reconnect=True,
             error_cb=callbacks.pop("error_cb", error_cb),
             **callbacks,
@@ -98,53 +100,21 @@ async def connect_with_retry(
     on_error: Callable[[str], None] | None = None,
     **callbacks: Callable[..., Any],
 ) -> NatsClient | None:
-    """``connect``, retried with backoff (0.5 s doubling to 5 s) until it works or ``stopping()``.
+    """``connect``, retried (``shared.retry``) until it works or ``stopping()``.
 
     Returns:
         The connection, or None if ``stopping()`` became true first.
     """
-    backoff = 0.5
-    while not stopping():
-        try:
-            return await connect(settings, name, **callbacks)
-        except TransportError as err:
-            if on_error is not None:
-                on_error(str(err))
-            log.warning("%s; retrying in %.1fs", err, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(RECONNECT_BACKOFF_MAX_S, backoff * 2)
-    return None
-
-
-async def retry_with_backoff(
-    make_call: Callable[[], Any],
-    what: str,
-    *,
-    first_backoff_s: float = 0.5,
-    stopping: Callable[[], bool] | None = None,
-    on_error: Callable[[str], None] | None = None,
-) -> Any:
-    """``await make_call()`` until it succeeds, retrying NATS errors with backoff (to 5 s).
-
-    Args:
-        make_call: makes a fresh awaitable for each attempt.
-        what: names the call in the log and in ``on_error`` messages.
-        first_backoff_s: the first wait; it doubles up to ``RECONNECT_BACKOFF_MAX_S``.
-        stopping: when it returns true after a failure, that failure is raised instead.
-        on_error: told ``"<what>: <error>"`` after every failure.
-    """
-    backoff = first_backoff_s
-    while True:
-        try:
-            return await make_call()
-        except (TimeoutError, nats.errors.Error, TransportError) as err:
-            if stopping is not None and stopping():
-                raise
-            if on_error is not None:
-                on_error(f"{what}: {err}")
-            log.warning("%s failed (%r); retrying in %.1fs", what, err, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(RECONNECT_BACKOFF_MAX_S, backoff * 2)
+    try:
+        return await retry(
+            lambda: connect(settings, name, **dict(callbacks)),
+            f"connect to NATS as {name}",
+            on=(TransportError,),
+            stopping=stopping,
+            on_error=on_error,
+        )
+    except TransportError:
+        return None
 
 
 def chunk_size_for(nc: NatsClient) -> int:
@@ -216,8 +186,9 @@ async def publish_blob(
 ) -> int:
     """Publish ``blob`` as chunk messages with a bounded window of in-flight publishes.
 
-    Each chunk is retried with the same ``Nats-Msg-Id`` on timeouts and on the server's
-    "busy" answers, which JetStream deduplicates: a timed-out publish may still have been stored.
+    Each chunk is retried (``shared.retry``) with the same ``Nats-Msg-Id`` on timeouts and on
+    the server's "busy" answers, which JetStream deduplicates: a timed-out publish may still have
+    been stored.
 
     Args:
         js: JetStream context.
@@ -237,23 +208,31 @@ async def publish_blob(
     chunks = split_chunks(blob, chunk_size)
     window = asyncio.Semaphore(inflight)
 
+    def retryable(err: BaseException) -> bool:
+        if isinstance(err, nats.js.errors.APIError):
+            return err.code in RETRYABLE_API_CODES  # busy: try again; anything else is final
+        return isinstance(err, TimeoutError | nats.errors.Error)
+
     async def send(index: int, data: bytes) -> None:
         headers = chunk_headers(ChunkInfo(upload, index, len(chunks), len(blob)))
         if extra_headers:
             headers.update(extra_headers)
         target = subject(index) if callable(subject) else subject
         async with window:
-            for attempt in range(PUBLISH_RETRIES):
-                try:
-                    await js.publish(target, data, headers=headers, timeout=PUBLISH_TIMEOUT_S)
-                    return
-                except nats.js.errors.APIError as err:
-                    if err.code not in RETRYABLE_API_CODES:
-                        raise TransportError(f"server rejected {target}: {err}") from err
-                except (TimeoutError, nats.errors.Error) as err:
-                    log.info("publish %s chunk %d attempt %d: %r", upload, index, attempt, err)
-                await asyncio.sleep(min(5.0, 0.2 * 2**attempt))
-            raise TransportError(f"chunk {index} of {upload} failed after {PUBLISH_RETRIES} tries")
+            try:
+                await retry(
+                    lambda: js.publish(target, data, headers=headers, timeout=PUBLISH_TIMEOUT_S),
+                    f"publish {upload} chunk {index}",
+                    on=retryable,
+                    attempts=PUBLISH_ATTEMPTS,
+                    backoff=QUICK,
+                )
+            except nats.js.errors.APIError as err:
+                raise TransportError(f"server rejected {target}: {err}") from err
+            except (TimeoutError, nats.errors.Error) as err:
+                raise TransportError(
+                    f"chunk {index} of {upload} failed after {PUBLISH_ATTEMPTS} tries: {err!r}"
+                ) from err
 
     await asyncio.gather(*(send(i, c) for i, c in enumerate(chunks)))
     return len(chunks)
@@ -280,35 +259,34 @@ async def publish_params(
     count = await publish_blob(
         js, lambda i: subjects.params_chunk_subject(job, fragment, i), blob, upload, chunk_size
     )
-    head = json.dumps(
-        {
-            "version": version,
-            "upload": upload,
-            "chunks": count,
-            "size": len(blob),
-            "params_checksum": params_checksum,
-        }
+    head = ParamsHead(
+        version=version,
+        upload=upload,
+        chunks=count,
+        size=len(blob),
+        params_checksum=params_checksum,
     )
     await js.publish(
         subjects.params_head_subject(job, fragment),
-        head.encode(),
+        records.encode(head),
         headers={"Nats-Msg-Id": f"{upload}:head"},
         timeout=PUBLISH_TIMEOUT_S,
     )
 
 
-async def read_params_head(js: JetStreamContext, job: str, fragment: int) -> dict[str, Any] | None:
-    """Return a fragment's newest params head (``{"version", "upload", "chunks", "size"}``)."""
+async def read_params_head(js: JetStreamContext, job: str, fragment: int) -> ParamsHead | None:
+    """A fragment's newest params head; None when none was published (or it is malformed:
+    then it is rejected, see ``shared.records``)."""
+    subject = subjects.params_head_subject(job, fragment)
     try:
-        msg = await js.get_last_msg(
-            subjects.PARAMS_STREAM, subjects.params_head_subject(job, fragment), direct=True
-        )
+        msg = await js.get_last_msg(subjects.PARAMS_STREAM, subject, direct=True)
     except nats.js.errors.NotFoundError:
         return None
-    head = json.loads(msg.data)
-    if not isinstance(head, dict) or not isinstance(head.get("version"), int):
-        raise WireError(f"malformed params head for job {job}: {msg.data[:200]!r}")
-    return head
+    return records.decode(ParamsHead, msg.data, subject)
+
+
+class TornRead(TransportError):
+    """A newer params version replaced chunks while they were being read."""
 
 
 async def read_latest_params(
@@ -323,69 +301,34 @@ async def read_latest_params(
         TransportError: if no consistent read succeeds within ``attempts``.
         WireError: if the stored data is malformed.
     """
-    for _ in range(attempts):
+
+    async def read_once() -> tuple[int, bytes] | None:
         head = await read_params_head(js, job, fragment)
         if head is None:
             return None
         reassembler = Reassembler(max_upload_bytes=max_bytes, max_pending_uploads=1)
         blob = None
-        torn = False
-        for index in range(int(head["chunks"])):
+        for index in range(head.chunks):
             msg = await js.get_last_msg(
                 subjects.PARAMS_STREAM,
                 subjects.params_chunk_subject(job, fragment, index),
                 direct=True,
             )
             info = parse_chunk_headers(msg.headers)
-            if info.upload != head["upload"]:
-                torn = True
-                break
+            if info.upload != head.upload:
+                raise TornRead(f"params of job {job} fragment {fragment} changed while read")
             blob = reassembler.add(info, msg.data)
-        if not torn and blob is not None:
-            return int(head["version"]), blob
-        await asyncio.sleep(0.05)
-    raise TransportError(f"could not read consistent params of job {job} fragment {fragment}")
+        if blob is None:
+            raise TornRead(f"params of job {job} fragment {fragment} incomplete")
+        return head.version, blob
 
-
-async def put_status(kv: Any, key: str, status: dict[str, Any]) -> None:
-    """Write a heartbeat/status record (JSON, with the writer's wall-clock time)."""
-    status = {**status, "time": time.time()}
-    await kv.put(key, json.dumps(status).encode())
-
-
-async def put_desired(kv: Any, job: str, unit: int, state: str) -> None:
-    """Write a unit's desired state (one of ``DESIRED_STATES``) to the desired-state bucket."""
-    if state not in DESIRED_STATES:
-        raise ValueError(f"desired state must be one of {DESIRED_STATES}, got {state!r}")
-    record = json.dumps({"state": state, "time": time.time()}).encode()
-    await kv.put(subjects.desired_key(job, unit), record)
-
-
-async def kv_keys(kv: Any) -> list[str]:
-    """The keys of a KV bucket that hold a value or a delete marker, from its stream's info.
-
-    Use this, not nats-py's ``KeyValue.keys()``: that starts a watcher and reports "no keys"
-    when its first message is still in flight as it checks the consumer, so under load it
-    sometimes lists nothing for a bucket that has keys (seen in a full test run: ``GET /jobs``
-    answered ``[]`` with a job in the registry). A deleted key is listed until its marker is
-    purged; reading it raises ``KeyNotFoundError`` (``KeyDeletedError``).
-    """
-    # nats-py's KeyValue keeps its stream name and subject prefix ("$KV.<bucket>.") privately.
-    prefix = kv._pre
-    info = await kv._js.stream_info(kv._stream, subjects_filter=f"{prefix}>")
-    return [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
-
-
-async def get_json(kv: Any, key: str) -> dict[str, Any] | None:
-    """Read a JSON KV value, or None when the key is missing or deleted."""
-    try:
-        entry = await kv.get(key)
-    except nats.js.errors.KeyNotFoundError:
-        return None
-    if entry.value is None or not entry.value:
-        return None
-    value = json.loads(entry.value)
-    return value if isinstance(value, dict) else None
+    return await retry(
+        read_once,
+        f"read params of job {job} fragment {fragment}",
+        on=(TornRead,),
+        attempts=attempts,
+        backoff=TORN_READ_BACKOFF,
+    )
 
 
 HEADER_REASON = "Diloco-Reason"
@@ -423,7 +366,6 @@ async def dead_letter(js: JetStreamContext, job: str, reason: str, msg: Any) -> 
 
 
 __all__ = [
-    "DESIRED_STATES",
     "TransportError",
     "WireError",
     "chunk_size_for",
@@ -431,12 +373,8 @@ __all__ = [
     "connect_with_retry",
     "dead_letter",
     "ensure_streams",
-    "get_json",
     "publish_blob",
     "publish_params",
-    "put_desired",
-    "put_status",
     "read_latest_params",
     "read_params_head",
-    "retry_with_backoff",
 ]

@@ -7,6 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.ledger import RoundSet, balance
+from shared.records import OuterStatus, UnitStatus
 
 ops = st.lists(
     st.one_of(
@@ -47,20 +48,30 @@ def test_bad_ranges_are_refused() -> None:
         RoundSet().add(-1)
 
 
+def _outer(**fields) -> OuterStatus:
+    return OuterStatus(state="running", model="tiny", holder="h", **fields)
+
+
 def test_balance_finds_missing_double_and_conflicting_rounds() -> None:
-    units = {0: {"published_rounds": [[0, 9]]}, 1: {"published_rounds": [[0, 4]]}}
-    outer = {
+    units = {
+        0: UnitStatus(unit=0, published_rounds=[(0, 9)]),
+        1: UnitStatus(unit=1, published_rounds=[(0, 4)]),
+    }
+    ledger = {
         "applied": 14,
-        "applied_rounds": {"0": [[0, 8]], "1": [[0, 4]]},
-        "rejected_rounds": {"0": [[9, 9]]},
+        "applied_rounds": {0: [(0, 8)], 1: [(0, 4)]},
+        "rejected_rounds": {0: [(9, 9)]},
         "rejected": {"bad_payload": 1},
     }
-    books = balance(outer, units)
-    assert books["balanced"], books["problems"]
-    assert books["published"] == 15 and books["applied"] == 14 and books["rejected"] == 1
-    missing = balance({**outer, "rejected_rounds": {}}, units)
-    assert not missing["balanced"] and "unit 0: 1 published" in missing["problems"][0]
-    double = balance({**outer, "applied": 15}, units)
-    assert any("applied twice" in p for p in double["problems"])
-    both = balance({**outer, "rejected_rounds": {"0": [[8, 9]]}}, units)
-    assert any("both applied and rejected" in p for p in both["problems"])
+    books = balance(_outer(**ledger), units)
+    assert books.balanced, books.problems
+    assert books.published == 15 and books.applied == 14 and books.rejected == 1
+    missing = balance(_outer(**{**ledger, "rejected_rounds": {}}), units)
+    assert not missing.balanced and "unit 0: 1 published" in missing.problems[0]
+    assert missing.per_unit[0].missing == [9]
+    double = balance(_outer(**{**ledger, "applied": 15}), units)
+    assert any("applied twice" in p for p in double.problems)
+    both = balance(_outer(**{**ledger, "rejected_rounds": {0: [(8, 9)]}}), units)
+    assert any("both applied and rejected" in p for p in both.problems)
+    nothing = balance(None, units)
+    assert not nothing.balanced and nothing.applied == 0

@@ -31,7 +31,7 @@ def test_flags_override_environment_which_overrides_defaults(monkeypatch):
     [
         (["--unit", "4", "--num-units", "4"], "unit 4 must be < num-units 4"),
         (["--job", "bad job!"], "--job"),
-        (["--model", "huge"], "unknown model size 'huge'"),
+        (["--model", "huge"], "--model (env DILOCO_MODEL) = 'huge': Input should be 'tiny'"),
         (["--inner-lr", "-1"], "--inner-lr"),
         (["--nats-url", "http://x"], "expected nats://host:port"),
         (["--codec", "int3"], "unknown codec 'int3'"),
@@ -122,13 +122,13 @@ def test_config_file_errors_are_clear(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["--outer-optimizer", "adam"], "outer optimizer must be one of"),
-        (["--merge-policy", "sometimes"], "merge policy must be one of"),
-        (["--combine", "median"], "combine must be one of"),
-        (["--token-weighting", "bytes"], "token weighting must be one of"),
-        (["--staleness-rule", "linear"], "staleness rule must be one of"),
+        (["--outer-optimizer", "adam"], "--outer-optimizer (env DILOCO_OUTER_OPTIMIZER) = 'adam'"),
+        (["--merge-policy", "sometimes"], "Input should be 'each' or 'quorum'"),
+        (["--combine", "median"], "Input should be 'weighted' or 'rda'"),
+        (["--token-weighting", "bytes"], "--token-weighting (env DILOCO_TOKEN_WEIGHTING)"),
+        (["--staleness-rule", "linear"], "Input should be 'constant', 'polynomial'"),
         (["--min-quorum", "3", "--num-units", "2"], "min-quorum 3 > num-units 2"),
-        (["--grace-min-s", "5", "--grace-max-s", "1"], "grace_min_s <= grace_max_s"),
+        (["--grace-min-s", "5", "--grace-max-s", "1"], "grace-min-s 5.0 > grace-max-s 1.0"),
         (["--dn-period", "-1"], "--dn-period"),
     ],
 )
@@ -156,7 +156,7 @@ def test_invalid_learner_sync_options_are_named(argv, fragment):
 
 
 def test_up_shares_the_budget_by_speed_and_validates_slowdowns():
-    from services.cluster import UpSettings
+    from services.local.settings import UpSettings
 
     up = parse(UpSettings, ["--learners", "4", "--max-steps", "110", "--slowdowns", "1,1,2,4"])
     assert up.unit_steps() == [160, 160, 80, 40]

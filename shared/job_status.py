@@ -1,0 +1,81 @@
+"""A job's status records, read in one go: the outer's and every unit's, each with its age.
+
+The gateway, ``diloco up`` and the tests all read a job's liveness and progress through
+:func:`read_job_status`, so they see the same thing and judge it by the same rule
+(``shared.records.unit_liveness`` / ``outer_liveness``, on the NATS server's clock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+
+from shared import kv, records, subjects
+from shared.records import JOB_NAME_PATTERN, OuterStatus, Stamped, UnitStatus
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """What the status bucket held about one job when it was read.
+
+    Attributes:
+        job: the job's name.
+        outer: the leading outer's status (None: no outer ever reported).
+        units: each reporting unit's status, by unit index.
+        server_time: the NATS server's clock at the read (unix seconds).
+    """
+
+    job: str
+    outer: Stamped[OuterStatus] | None = None
+    units: dict[int, Stamped[UnitStatus]] = field(default_factory=dict)
+    server_time: float = 0.0
+
+    @property
+    def found(self) -> bool:
+        """Whether anything of this job has ever reported."""
+        return self.outer is not None or bool(self.units)
+
+    def unit_records(self) -> dict[int, UnitStatus]:
+        """Every unit's status record, without the stamps."""
+        return {unit: entry.record for unit, entry in self.units.items()}
+
+    def outer_record(self) -> OuterStatus | None:
+        """The outer's status record, without the stamp."""
+        return self.outer.record if self.outer is not None else None
+
+
+async def read_job_status(nc: NatsClient, js: JetStreamContext, job: str) -> JobStatus:
+    """Read the outer's and every unit's status record of ``job``.
+
+    A malformed record reads as missing (and is counted, see ``shared.records``).
+
+    Raises:
+        kv.KvError, TimeoutError, nats.errors.Error: the bucket cannot be read.
+    """
+    bucket = subjects.STATUS_BUCKET
+    view = await kv.snapshot(nc, bucket, prefix=f"{job}.")
+    outer = await kv.read_stamped(
+        js, bucket, subjects.outer_status_key(job), OuterStatus, view.server_time
+    )
+    units: dict[int, Stamped[UnitStatus]] = {}
+    for key in view.keys:
+        unit = subjects.unit_of_status_key(job, key)
+        if unit is None:
+            continue
+        entry = await kv.read_stamped(js, bucket, key, UnitStatus, view.server_time)
+        if entry is None:
+            continue
+        if entry.record.unit != unit:
+            records.rejections.add("UnitStatus", "unit differs from its key", key)
+            continue
+        units[unit] = entry
+    return JobStatus(job, outer, units, view.server_time)
+
+
+async def jobs_with_status(nc: NatsClient) -> list[str]:
+    """Every job that has a record in the status bucket, by name."""
+    view = await kv.snapshot(nc, subjects.STATUS_BUCKET)
+    jobs = {key.split(".", 1)[0] for key in view.keys}
+    return sorted(job for job in jobs if JOB_NAME_PATTERN.match(job))

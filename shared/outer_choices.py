@@ -1,0 +1,21 @@
+"""The names of the outer optimizer's choices, without their JAX implementations.
+
+The outer's settings, the job spec and the gateway validate a choice against these names;
+``services/outer/`` implements each one (docs/ALGORITHMS.md explains them).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+OuterOptimizerName = Literal["sgd", "nesterov", "delayed_nesterov"]
+MergePolicyName = Literal["each", "quorum"]
+StalenessRuleName = Literal["constant", "polynomial", "hinge", "exponential"]
+CombineName = Literal["weighted", "rda"]
+TokenWeightingName = Literal["uniform", "tokens", "tokens2_per_step"]
+
+OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizerName)
+POLICIES: tuple[str, ...] = get_args(MergePolicyName)
+STALENESS_RULES: tuple[str, ...] = get_args(StalenessRuleName)
+COMBINES: tuple[str, ...] = get_args(CombineName)
+TOKEN_WEIGHTINGS: tuple[str, ...] = get_args(TokenWeightingName)

@@ -1,0 +1,578 @@
+"""One typed model for every record one process writes and another reads.
+
+* :class:`UnitStatus` — KV ``diloco_status`` key ``J.unit.<u>``: learner u's heartbeat, read
+  by the gateway, ``diloco up`` and the other learners (their speeds).
+* :class:`OuterStatus` — same bucket, ``J.outer``: the leading outer's heartbeat and ledger,
+  read by the gateway, ``diloco up`` and learners (the rounds applied).
+* :class:`StandbyStatus` — same bucket, ``J.outer_standby.<holder>``: a standby outer.
+* :class:`DesiredRecord` — KV ``diloco_desired``, ``J.<u>``: written by the gateway and
+  ``diloco up``, polled by learner u.
+* :class:`JobRecord` (with :class:`JobSpec`) — KV ``diloco_jobs``, ``J``: the registry,
+  written by the gateway, read by the gateway and ``diloco up``.
+* :class:`LeaseRecord` (with :class:`CheckpointPointer`) — KV ``diloco_outer``, ``J``: the
+  outers' leader lease, changed by compare-and-set only.
+* :class:`ParamsHead` — stream ``DILOCO_PARAMS``, ``diloco.J.params.<p>.head``: written by
+  the outer, read by learners and a restarted outer.
+* :class:`LedgerRecord` — the outer's books, inside its status record and checkpoints.
+* :class:`UnitStateFile`, :class:`LearnerCheckpointMeta` — a learner's files under
+  ``<checkpoint-dir>/J/unit-<u>/``, read by the same unit after a restart.
+* :class:`PidsFile`, :class:`RunSummary` — ``diloco up``'s ``pids.json`` and
+  ``summary.json``, read by ``bench/chaos.py`` and tests.
+
+Binary stream messages have their own parsers: the wire envelope and chunk headers
+(``shared/wire.py``) and the outer's checkpoint blob (``services/outer/checkpoint.py``, whose
+ledger and evaluation parts are the models here).
+
+Writers build a model and store :func:`encode` of it. Readers call :func:`decode`, which never
+raises: a record that does not fit its model is *rejected* — logged, counted in
+:data:`rejections` by record and reason, and read as missing — so no reader crashes on what
+another process (or an attacker on the network) wrote.
+
+Liveness is judged without comparing two machines' clocks: a status record carries no writer
+time; its age is the NATS server's clock at the read minus the server's stamp on the KV entry
+(both from the server, see ``shared/kv.py``), and :func:`liveness` turns that age into the
+state a reader shows.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import re
+import threading
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Annotated, Generic, Literal, TypeVar, get_args
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    ValidationError,
+    model_validator,
+)
+
+from shared.codec_config import CodecName
+from shared.model_config import ModelSize
+from shared.outer_choices import MergePolicyName, OuterOptimizerName, StalenessRuleName
+
+log = logging.getLogger(__name__)
+
+# ---- vocabularies ---------------------------------------------------------------------------
+
+#: What the gateway may ask of a unit. ``idle``: created, not training yet; ``paused``: stopped
+#: training until resumed; ``stopped``: upload what is left and exit (final).
+DesiredState = Literal["idle", "running", "paused", "stopped"]
+DESIRED_STATES: tuple[str, ...] = get_args(DesiredState)
+#: What a unit reports about itself.
+UnitState = Literal["starting", "idle", "running", "paused", "finishing", "finished", "stopped"]
+UNIT_STATES: tuple[str, ...] = get_args(UnitState)
+#: Unit states in which a silent unit is not lost: it ended on purpose.
+ENDED_STATES = ("finished", "stopped")
+#: What an outer reports about itself (``deposed``: it lost its lease and stops).
+OuterState = Literal["starting", "standby", "restoring", "running", "stopped", "deposed"]
+JobState = Literal["created", "running", "paused", "stopped"]
+JOB_STATES: tuple[str, ...] = get_args(JobState)
+MAX_UNITS = 64
+MAX_RECORD_BYTES = 8 << 20  # larger than any record a writer makes; bounds a hostile one
+MAX_ERROR_CHARS = 1000
+
+Count = NonNegativeInt
+#: Rounds as sorted, merged inclusive ranges ``[[first, last], ...]`` (``shared.ledger.RoundSet``).
+RoundRanges = list[tuple[NonNegativeInt, NonNegativeInt]]
+JOB_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+JobName = Annotated[str, Field(pattern=JOB_NAME_PATTERN.pattern)]
+
+
+class Record(BaseModel):
+    """Base of every record: unknown keys are ignored, NaN and Inf refused."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+R = TypeVar("R", bound=Record)
+
+
+# ---- encoding, decoding and rejections ------------------------------------------------------
+
+
+def encode(record: Record) -> bytes:
+    """The bytes a writer stores (JSON)."""
+    return record.model_dump_json().encode()
+
+
+class Rejections:
+    """Process-wide counts of records that did not fit their model, by record and reason."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def add(self, record: str, reason: str, source: str) -> None:
+        """Count one rejection; the first of each (record, reason) is logged as a warning."""
+        with self._lock:
+            self._counts[record, reason] += 1
+            first = self._counts[record, reason] == 1
+        level = logging.WARNING if first else logging.DEBUG
+        log.log(level, "rejected %s record %s: %s", record, source or "", reason)
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """``{(record, reason): count}`` so far."""
+        with self._lock:
+            return dict(self._counts)
+
+    def total(self) -> int:
+        """Rejections so far, of every record."""
+        with self._lock:
+            return sum(self._counts.values())
+
+
+rejections = Rejections()
+
+
+def _reason(err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(part) for part in first["loc"]) or "record"
+    return f"{where}: {first['msg']}"[:200]
+
+
+def decode(model: type[R], data: bytes | str | None, source: str = "") -> R | None:
+    """Parse a stored record; ``None`` when it is missing, or malformed (then rejected).
+
+    Args:
+        model: the record's model.
+        data: the stored bytes (JSON); ``None`` or empty for a missing or deleted key.
+        source: where it was read (a KV key or a path), for the log.
+    """
+    if not data:
+        return None
+    if len(data) > MAX_RECORD_BYTES:
+        rejections.add(model.__name__, f"larger than {MAX_RECORD_BYTES} bytes", source)
+        return None
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as err:
+        rejections.add(model.__name__, _reason(err), source)
+        return None
+
+
+# ---- liveness -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stamped(Generic[R]):
+    """A record read from KV, with its age on the NATS server's clock.
+
+    Attributes:
+        record: the parsed record.
+        age_s: server time of the read minus the server's stamp on the entry (never negative).
+        stamp: the server's stamp on the entry (unix seconds; shown, never compared with
+            another machine's clock).
+        revision: the entry's revision (its stream sequence).
+    """
+
+    record: R
+    age_s: float
+    stamp: float
+    revision: int
+
+
+def liveness(state: str, age_s: float, timeout_s: float, ended: Collection[str] = ()) -> str:
+    """The state a reader shows: ``lost`` for a record older than ``timeout_s`` whose writer
+    had not ended on purpose (``state`` in ``ended``), else the reported ``state``."""
+    return "lost" if age_s > timeout_s and state not in ended else state
+
+
+def unit_liveness(entry: Stamped[UnitStatus] | None, timeout_s: float) -> str:
+    """A unit's shown state: ``absent`` (never reported), ``lost``, or what it reports."""
+    if entry is None:
+        return "absent"
+    return liveness(entry.record.state, entry.age_s, timeout_s, ENDED_STATES)
+
+
+def outer_liveness(entry: Stamped[OuterStatus] | None, timeout_s: float) -> str:
+    """The outer's shown state: ``absent``, ``lost`` or what it reports."""
+    if entry is None:
+        return "absent"
+    return liveness(entry.record.state, entry.age_s, timeout_s)
+
+
+# ---- unit status ----------------------------------------------------------------------------
+
+
+class UnitStatus(Record):
+    """A learner unit's heartbeat (every ``--status-interval-s``)."""
+
+    unit: Count
+    state: UnitState = "starting"
+    desired: DesiredState = "running"
+    step: Count = 0
+    max_steps: Count | None = None
+    round: Count = Field(0, description="the next round number this unit hands out")
+    base_version: Count = Field(0, description="sum of the fragments' base versions")
+    base_versions: list[Count] = []
+    train_loss: float | None = None
+    tokens: Count = Field(0, description="tokens trained, across restarts (with checkpoints)")
+    tokens_per_s: NonNegativeFloat = 0.0
+    slowdown: float = Field(1.0, ge=1.0)
+    unsent: Count = Field(0, description="uploads queued, not yet accepted by JetStream")
+    counters: dict[str, Count] = Field({}, description="this process's counters")
+    lifetime: dict[str, Count] = Field({}, description="upload counters across restarts")
+    published_rounds: RoundRanges = Field([], description="rounds JetStream accepted (lifetime)")
+    next_round: Count = 0
+    last_published_round: Count | None = None
+    restored_from_step: Count | None = None
+    last_error: str = Field("", max_length=MAX_ERROR_CHARS)
+
+    def counter(self, name: str) -> int:
+        """One of this process's counters (0 when it was never counted)."""
+        return self.counters.get(name, 0)
+
+
+# ---- outer status and ledger ----------------------------------------------------------------
+
+
+class UnitLedger(Record):
+    """What the outer has applied from one unit."""
+
+    applied: Count = 0
+    last_round: int = Field(-1, ge=-1)
+    last_staleness: Count = 0
+    tokens: Count = 0
+    last_train_loss: float | None = None
+
+
+class LedgerRecord(Record):
+    """The outer's books, in its status record and every checkpoint: every upload it received
+    is applied exactly once (``applied_rounds``) or rejected with a reason (``rejected``,
+    ``rejected_rounds``)."""
+
+    applied: Count = 0
+    merges: Count = 0
+    deduplicated: Count = Field(0, description="redelivered chunks of uploads applied before")
+    tokens_applied: Count = 0
+    rejected: dict[str, Count] = Field({}, description="rejected uploads by reason")
+    units: dict[Count, UnitLedger] = {}
+    staleness: dict[Count, Count] = Field({}, description="applied uploads by staleness")
+    codecs: dict[str, Count] = Field({}, description="accepted uploads by codec")
+    payload_bytes: Count = Field(0, description="compressed bytes of accepted uploads")
+    applied_rounds: dict[Count, RoundRanges] = {}
+    rejected_rounds: dict[Count, RoundRanges] = {}
+
+
+class EvalRecord(Record):
+    """One held-out evaluation of the global params (a loss is None when it is not finite:
+    the model diverged)."""
+
+    version: Count
+    tokens: Count
+    nats_per_byte: float | None
+    bits_per_byte: float | None
+
+
+class EvalPoint(Record):
+    """One evaluation of the global model on held-out data."""
+
+    version: Count = Field(description="global version evaluated")
+    tokens: Count = Field(description="tokens applied by the outer when it was evaluated")
+    nats_per_byte: float | None = Field(
+        description="held-out loss in nats per byte (null when not finite: the model diverged)"
+    )
+
+
+class TrainPoint(Record):
+    """The mean train loss of the uploads applied by one merge."""
+
+    tokens: Count = Field(description="tokens applied by the outer after the merge")
+    train_loss: float = Field(description="mean train loss reported by the merged uploads")
+
+
+class EvaluationRecord(Record):
+    """The outer's evaluations: the first, the last, and a bounded history."""
+
+    init: EvalRecord | None = None
+    last: EvalRecord | None = None
+    history: list[EvalPoint] = []
+
+
+class CheckpointInfo(Record):
+    """The outer's last committed checkpoint."""
+
+    id: str
+    bytes: Count
+    versions: list[Count]
+    seconds: NonNegativeFloat
+
+
+class RestoredFrom(Record):
+    """What the leading outer started from."""
+
+    kind: Literal["new", "checkpoint", "params"] = "new"
+    id: str | None = None
+    versions: list[Count] = []
+
+
+class OuterStatus(LedgerRecord):
+    """The leading outer's heartbeat: its ledger, versions, evaluations and checkpoints."""
+
+    state: OuterState
+    model: str
+    holder: str
+    epoch: Count | None = None
+    version: Count = Field(0, description="sum of the fragments' versions")
+    versions: list[Count] = []
+    buffered: Count = Field(0, description="uploads accepted, waiting for a merge")
+    checkpoints: Count = 0
+    last_checkpoint: CheckpointInfo | None = None
+    restored_from: RestoredFrom = RestoredFrom()
+    evaluation: EvaluationRecord = EvaluationRecord()
+    train_history: list[TrainPoint] = []
+
+    def unit_ledger(self, unit: int) -> UnitLedger | None:
+        """The outer's ledger of one unit (None before it applied anything of it)."""
+        return self.units.get(unit)
+
+    def next_round(self, unit: int) -> int:
+        """1 + the last round of ``unit`` the outer applied (0 when none)."""
+        ledger = self.units.get(unit)
+        return ledger.last_round + 1 if ledger is not None else 0
+
+
+class StandbyStatus(Record):
+    """A standby outer's heartbeat: who it is and who leads."""
+
+    state: Literal["standby"] = "standby"
+    model: str
+    holder: str
+    leader: str = ""
+
+
+# ---- control: desired states and the job registry -------------------------------------------
+
+
+class DesiredRecord(Record):
+    """A unit's desired state, written by the gateway (or ``diloco up``), polled by the unit."""
+
+    state: DesiredState
+
+
+class JobSpec(Record):
+    """Everything that defines a job. Field names are those of the services' options
+    (``diloco learner/outer --help``), so a spec maps one to one onto their flags."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        allow_inf_nan=False,
+        json_schema_extra={
+            "examples": [
+                {
+                    "job": "demo",
+                    "model": "tiny",
+                    "units": 4,
+                    "h_steps": 30,
+                    "codec": "int8",
+                    "outer_optimizer": "delayed_nesterov",
+                    "outer_lr": 0.7,
+                    "outer_momentum": 0.9,
+                    "merge_policy": "each",
+                    "staleness_rule": "polynomial",
+                    "seed": 0,
+                    "max_steps": 300,
+                }
+            ]
+        },
+    )
+
+    job: JobName = Field(
+        description="job name: 1-64 letters, digits, '_' or '-', starting alphanumeric",
+        examples=["demo"],
+    )
+    model: ModelSize = Field("small", description="model size")
+    corpus: str | None = Field(
+        None,
+        max_length=4096,
+        description="text file or folder to train on (default: the Python standard library)",
+    )
+    units: int = Field(4, ge=1, le=MAX_UNITS, description="number of learner units")
+    h_steps: int = Field(
+        30, ge=1, le=1_000_000, description="inner steps between uploads of a fragment (H)"
+    )
+    codec: CodecName = Field("int8", description="pseudo-gradient codec")
+    outer_optimizer: OuterOptimizerName = Field("delayed_nesterov", description="outer optimizer")
+    outer_lr: float = Field(0.7, gt=0, le=10, description="outer learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer (Nesterov) momentum")
+    merge_policy: MergePolicyName = Field(
+        "each", description="each (apply every arrival alone) or quorum (quorum + grace window)"
+    )
+    min_quorum: int = Field(1, ge=1, le=MAX_UNITS, description="arrivals needed for a merge (K)")
+    staleness_rule: StalenessRuleName = Field(
+        "polynomial", description="how an update's weight falls with its staleness"
+    )
+    max_staleness: int | None = Field(
+        None, ge=0, le=1_000_000, description="drop updates staler than this (default: keep all)"
+    )
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of initial params and data order")
+    max_steps: int | None = Field(
+        None,
+        ge=1,
+        le=100_000_000,
+        description="inner steps each unit trains (default 300 unless token_budget is given)",
+    )
+    token_budget: int | None = Field(
+        None,
+        ge=1,
+        le=10**15,
+        description="tokens the whole job trains on, shared by the units (instead of max_steps)",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> JobSpec:
+        if self.max_steps is not None and self.token_budget is not None:
+            raise ValueError("give max_steps or token_budget, not both")
+        if self.max_steps is None and self.token_budget is None:
+            self.max_steps = 300
+        if self.min_quorum > self.units:
+            raise ValueError(f"min_quorum {self.min_quorum} > units {self.units}")
+        return self
+
+
+class JobRecord(Record):
+    """A job as the registry (KV ``diloco_jobs``, key ``<job>``) stores it."""
+
+    spec: JobSpec = Field(description="the job's definition")
+    state: JobState = Field(description="created, running, paused or stopped")
+    units: int = Field(ge=1, le=MAX_UNITS, description="current number of units (after scaling)")
+    created: float = Field(description="creation time, seconds since the epoch")
+    updated: float = Field(description="time of the last change, seconds since the epoch")
+
+
+# ---- the outer's lease and its params ---------------------------------------------------------
+
+
+class CheckpointPointer(Record):
+    """Where the committed checkpoint of the outer lies (inside the lease record)."""
+
+    id: str = Field(max_length=200)
+    epoch: Count
+    slot: Literal[0, 1]
+    chunks: int = Field(ge=1, le=1 << 24)
+    size: Count
+    crc: int = Field(ge=0, lt=1 << 32, description="zlib CRC-32 of the checkpoint blob")
+    versions: list[Count]
+
+
+class LeaseRecord(Record):
+    """The leader lease of one job's outer (changed by compare-and-set only)."""
+
+    holder: str = Field(max_length=300)
+    epoch: Count
+    beat: Count
+    released: bool = False
+    pointer: CheckpointPointer | None = None
+
+
+class ParamsHead(Record):
+    """The newest global params of one fragment: which upload holds them, in how many chunks."""
+
+    version: Count
+    upload: str = Field(max_length=200)
+    chunks: int = Field(ge=1, le=1 << 24)
+    size: Count
+    params_checksum: int | None = Field(
+        None, ge=0, lt=1 << 64, description="XXH3-64 of the encoded params (shared.wire)"
+    )
+
+
+# ---- learner files ---------------------------------------------------------------------------
+
+
+class UnitStateFile(Record):
+    """A learner's small durable record: rounds used and published, desired state, lifetime
+    counters (``services/learner/unit_state.py``)."""
+
+    job: str
+    unit: Count
+    next_round: Count = Field(0, description="first round number never handed out yet")
+    desired: DesiredState = "running"
+    published: RoundRanges = Field([], description="rounds JetStream accepted (lifetime)")
+    lifetime: dict[str, Count] = {}
+
+
+class FragmentSyncRecord(Record):
+    """Where one fragment of a learner stands between two uploads."""
+
+    base_version: Count
+    steps: Count
+    tokens: Count
+    loss_sum: float
+    target: int = Field(ge=1)
+
+
+class UnitIdentity(Record):
+    """Which unit a learner checkpoint belongs to."""
+
+    job: str
+    unit: Count
+    model: str
+    fragments: int = Field(ge=1)
+
+
+class LearnerCheckpointMeta(Record):
+    """The ``meta`` entry of a learner's ``checkpoint.npz`` (``services/learner/checkpoint.py``)."""
+
+    identity: UnitIdentity
+    step: Count
+    round: Count
+    current_h: int = Field(ge=1)
+    syncs: list[FragmentSyncRecord]
+    tokens_total: Count
+    param_names: list[str]
+    opt_leaves: Count
+    residual_names: list[str] = []
+    taken_at: float = Field(description="unix time of the snapshot (for humans)")
+
+
+# ---- diloco up's files -----------------------------------------------------------------------
+
+
+class PidsFile(Record):
+    """``<data-dir>/pids.json``: the live children of ``diloco up``, for chaos tests."""
+
+    supervisor: int
+    nats_url: str | None = None
+    pids: dict[str, int] = {}
+    restarts: dict[str, Count] = {}
+
+
+class UnitBooks(Record):
+    """One unit's line of the ledger balance."""
+
+    published: Count = 0
+    applied: Count = 0
+    rejected: Count = 0
+    missing: list[Count] = Field([], description="published rounds neither applied nor rejected")
+
+
+class Books(Record):
+    """Whether a job's books balance (``shared.ledger.balance``)."""
+
+    balanced: bool
+    problems: list[str] = []
+    per_unit: dict[Count, UnitBooks] = {}
+    applied: Count = 0
+    published: Count = 0
+    rejected: Count = 0
+
+
+class RunSummary(Record):
+    """``<data-dir>/summary.json``: how a ``diloco up`` run ended."""
+
+    reason: str
+    elapsed_s: NonNegativeFloat
+    outer: OuterStatus | None = None
+    units: dict[Count, UnitStatus] = {}
+    tokens_per_s: NonNegativeFloat | None = None
+    restarts: dict[str, Count] = {}
+    ledger: Books

@@ -1,0 +1,114 @@
+"""Helpers the tests share: waiting for a condition, reading status records, service processes.
+
+Fixtures live in ``conftest.py``; everything a test module imports lives here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from shared import transport
+from shared.job_status import JobStatus, read_job_status
+from shared.records import OuterStatus, UnitStatus
+from shared.settings import NatsSettings
+
+REPO = Path(__file__).resolve().parents[1]
+GATEWAY_TOKEN = "testtoken"  # tests start gateways with --token testtoken
+AUTH = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
+
+T = TypeVar("T")
+
+
+def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail with ``what`` on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def job_status(nats_url: str, job: str) -> JobStatus:
+    """The outer's and every unit's status record of ``job``, with their ages."""
+
+    async def read() -> JobStatus:
+        nc = await transport.connect(NatsSettings(nats_url=nats_url), "test-reader")
+        try:
+            js = nc.jetstream()
+            await transport.ensure_streams(js)
+            return await read_job_status(nc, js, job)
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+def read_status(nats_url: str, job: str) -> tuple[OuterStatus | None, dict[int, UnitStatus]]:
+    """The outer's and every unit's status record of ``job`` (without their ages)."""
+    status = job_status(nats_url, job)
+    return status.outer_record(), status.unit_records()
+
+
+class ServiceProcesses:
+    """Starts ``diloco <service>`` processes and guarantees they are gone after the test."""
+
+    def __init__(self, workdir: Path, jax_cache: Path) -> None:
+        self.workdir = workdir
+        self.jax_cache = jax_cache
+        self.children: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        """Start ``diloco <args>`` logging to ``<workdir>/<name>.log``."""
+        log_path = self.workdir / f"{name}.log"
+        env = {
+            **os.environ,
+            "DILOCO_JAX_CACHE": str(self.jax_cache),
+            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+            "PYTHONUNBUFFERED": "1",
+        }
+        with open(log_path, "ab") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *args],
+                cwd=REPO,
+                env=env,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        self.children.append((name, process, log_path))
+        return process
+
+    def log(self, name: str) -> str:
+        """The log of the process started as ``name``."""
+        for child_name, _, path in self.children:
+            if child_name == name:
+                return path.read_text(errors="replace")
+        return ""
+
+    def logs(self) -> str:
+        """The tail of every process's log (for assertion messages)."""
+        return "\n".join(
+            f"==== {n} ====\n{p.read_text(errors='replace')[-3000:]}" for n, _, p in self.children
+        )
+
+    def stop_all(self) -> None:
+        """SIGTERM every process still running, then SIGKILL those that do not stop in 20 s."""
+        for _, process, _ in self.children:
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + 20
+        for _, process, _ in self.children:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
