@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import types
@@ -12,7 +11,6 @@ import jax
 import numpy as np
 import pytest
 
-from services.learner.atomic import temp_file
 from services.learner.checkpoint import (
     CheckpointWriter,
     load_checkpoint,
@@ -25,11 +23,13 @@ from services.learner.service import hand_off
 from services.learner.settings import LearnerSettings
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from services.learner.unit_state import STATE_FILE, UnitState
-from shared import model, pytree
+from shared import model, pytree, records
+from shared.atomic import temp_file
+from shared.records import OuterStatus, UnitIdentity, UnitLedger, UnitStateFile
 
 CFG = model.get_config("tiny")
 TOKENS = 4 * CFG.seq_len
-IDENTITY = {"job": "t", "unit": 0, "model": "tiny", "fragments": 2}
+IDENTITY = UnitIdentity(job="t", unit=0, model="tiny", fragments=2)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_state_file_round_trips_and_a_crash_mid_write_leaves_it_intact(tmp_path)
     state.record("dropped_unsent")
     state.set_desired("paused")
     # A crash in the middle of the next write leaves a torn temporary file behind.
-    temp_file(path).write_bytes(b'{"version": 1, "next_round": 99, "publ')
+    temp_file(path).write_bytes(b'{"job": "t", "unit": 0, "next_round": 99, "publ')
 
     again = UnitState(path, "t", 0)
     assert again.loaded
@@ -64,7 +64,7 @@ def test_state_file_round_trips_and_a_crash_mid_write_leaves_it_intact(tmp_path)
     assert again.published.ranges() == [[0, 2], [4, 4]]
     assert again.lifetime == {"published": 4, "dropped_unsent": 1, "rejected_local": 0}
     again.reserve(7)  # the next write goes through despite the leftover
-    assert json.loads(path.read_text())["next_round"] == 7
+    assert records.decode(UnitStateFile, path.read_bytes()).next_round == 7
     assert not temp_file(path).exists()
 
 
@@ -85,7 +85,7 @@ def test_rounds_are_persisted_before_they_reach_the_link(tmp_path, trainer):
 
     def submit(upload):
         # What a restarted unit would read at this very moment.
-        assert json.loads(path.read_text())["next_round"] > upload.round
+        assert records.decode(UnitStateFile, path.read_bytes()).next_round > upload.round
         handed.append(upload.round)
 
     link = types.SimpleNamespace(submit=submit, residual_copy=lambda: None)
@@ -123,7 +123,7 @@ def test_checkpoint_restores_a_core_that_continues_bit_identically(tmp_path, tra
     for name, core in (("original", original), ("restored", restored_core)):
         losses[name], uploads[name] = [], []
         for _ in range(5):
-            losses[name].append(core.train_step(batch(core.step)))
+            losses[name].append(float(core.train_step(batch(core.step))))
             uploads[name] += core.due_uploads()
     assert losses["restored"] == losses["original"]
     assert [(u.round, u.fragment) for u in uploads["restored"]] == [
@@ -205,12 +205,13 @@ def test_link_starts_from_the_persisted_desired_state_and_reports_lifetime(tmp_p
 
     link = LearnerLink(settings, 1 << 20, UnitState(path, "t", 1))  # not started: NATS is down
     assert link.desired_state == "paused"
-    record = link._status_record()
-    assert record["published_rounds"] == [[0, 0]]
-    assert record["next_round"] == 3
-    assert record["lifetime"] == {"published": 1, "dropped_unsent": 0, "rejected_local": 0}
-    assert record["restored_from_step"] is None
-    assert record["counters"] == {}
+    record = link.heartbeat.record()
+    assert (record.unit, record.state, record.desired) == (1, "starting", "paused")
+    assert record.published_rounds == [(0, 0)]
+    assert record.next_round == 3
+    assert record.lifetime == {"published": 1, "dropped_unsent": 0, "rejected_local": 0}
+    assert record.restored_from_step is None
+    assert record.counters == {"records_rejected": records.rejections.total()}
 
 
 def test_outer_next_round_comes_from_the_outers_status_record():
@@ -218,16 +219,19 @@ def test_outer_next_round_comes_from_the_outers_status_record():
     link = LearnerLink(settings, 1 << 20)
 
     class FakeKV:
-        def __init__(self, value):
+        def __init__(self, value: bytes):
             self.value = value
 
         async def get(self, _key):
-            return types.SimpleNamespace(value=json.dumps(self.value).encode())
+            return types.SimpleNamespace(value=self.value, revision=1)
 
-    read = link._read_outer_next_round
-    assert asyncio.run(read(FakeKV({"units": {"1": {"last_round": 41}}}))) == 42
-    assert asyncio.run(read(FakeKV({"units": {"0": {"last_round": 41}}}))) == 0
-    assert asyncio.run(read(FakeKV({"state": "running"}))) == 0
+    def outer(units):
+        return records.encode(OuterStatus(state="running", model="tiny", holder="h", units=units))
+
+    read = link.control.read_outer_next_round
+    assert asyncio.run(read(FakeKV(outer({1: UnitLedger(last_round=41)})))) == 42
+    assert asyncio.run(read(FakeKV(outer({0: UnitLedger(last_round=41)})))) == 0
+    assert asyncio.run(read(FakeKV(outer({})))) == 0
 
 
 def test_full_queue_drops_the_oldest_upload_not_being_sent(tmp_path):
@@ -237,14 +241,15 @@ def test_full_queue_drops_the_oldest_upload_not_being_sent(tmp_path):
     def upload(round_number):
         return types.SimpleNamespace(round=round_number, fragment=0)
 
+    sender = link.sender
     link.submit(upload(0))
     link.submit(upload(1))
-    link._in_flight = link._queue[0]  # the publisher is sending round 0
+    sender._in_flight = sender._queue[0]  # the publisher is sending round 0
     link.submit(upload(2))
-    assert [u.round for u in link._queue] == [0, 2]
-    link._in_flight = None
+    assert [u.round for u in sender._queue] == [0, 2]
+    sender._in_flight = None
     link.submit(upload(3))
-    assert [u.round for u in link._queue] == [2, 3]
+    assert [u.round for u in sender._queue] == [2, 3]
     assert link.counters["dropped_unsent"] == 2
     assert UnitState(tmp_path / STATE_FILE).lifetime["dropped_unsent"] == 2
 
@@ -261,7 +266,7 @@ def test_training_can_wait_for_the_codec_kernels(monkeypatch, nats_server, fails
         if fails:
             raise RuntimeError("no compiler")
 
-    monkeypatch.setattr("services.learner.link.codec.warm_up", slow_warm_up)
+    monkeypatch.setattr("services.learner.encoder.codec.warm_up", slow_warm_up)
     settings = LearnerSettings(job="t", model="tiny", nats_url=nats_server.url)
     link = LearnerLink(settings, 1 << 20)
     link.start()

@@ -159,3 +159,59 @@ def test_one_fragment_no_overlap_no_mixing_is_the_plain_update():
 )
 def test_dynamic_h_scales_h_by_relative_speed(own, rates, expected):
     assert dynamic_h(30, own, rates) == expected
+
+
+class CountedLoss:
+    """A loss whose reads on the host are counted."""
+
+    reads = 0
+
+    def __init__(self, value: jax.Array) -> None:
+        self.value = value
+
+    def __float__(self) -> float:
+        CountedLoss.reads += 1
+        return float(self.value)
+
+
+class CountingTrainer:
+    """The real trainer, with every step's loss wrapped in a :class:`CountedLoss`."""
+
+    def __init__(self, trainer: InnerTrainer) -> None:
+        self.trainer = trainer
+
+    def init(self, params):
+        return self.trainer.init(params)
+
+    def step(self, state, batch_):
+        state, loss = self.trainer.step(state, batch_)
+        return state, CountedLoss(loss)
+
+
+def test_losses_are_read_on_the_host_only_when_uploads_are_taken():
+    trainer = CountingTrainer(InnerTrainer(CFG, inner_optimizer(3e-3, 2, 50, 0.0)))
+    params = model.init_params(CFG, jax.random.PRNGKey(0))
+    core = LearnerCore(trainer, params, SyncSchedule(h_steps=4, fragments=2), TOKENS)
+    CountedLoss.reads = 0
+    losses, uploads, boundaries = [], [], []
+    for _ in range(8):  # fragment 1 uploads at steps 2 and 6, fragment 0 at steps 4 and 8
+        losses.append(core.train_step(batch(core.step)))
+        due = core.due_uploads()
+        if due:
+            boundaries.append(core.step)
+        # Every loss up to the last boundary was read there, once; none after it yet.
+        assert CountedLoss.reads == (boundaries[-1] if boundaries else 0)
+        uploads += [(core.step, upload) for upload in due]
+    assert boundaries == [2, 4, 6, 8]
+    values = [float(loss.value) for loss in losses]
+    for step, upload in uploads:
+        first = step - upload.inner_steps
+        assert upload.train_loss == sum(values[first:step]) / upload.inner_steps
+
+
+def test_a_step_returns_its_loss_on_the_device():
+    core = make_core(SyncSchedule(h_steps=3))
+    loss = core.train_step(batch(0))
+    assert isinstance(loss, jax.Array) and loss.shape == ()
+    core.read_losses()
+    assert core.syncs[0].loss_sum == float(loss)

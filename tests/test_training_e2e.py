@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
-from tests.conftest import read_status, wait_for
+from tests.helpers import read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -37,13 +39,14 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
         str(fragments),
     ]
     services.start("outer", "outer", *job_flags, "--num-units", "2", "--eval-every-s", "2")
+
     # Start the units once the outer serves, and pace them (--slowdown 3): tiny units are so
     # fast that they would otherwise finish before the outer has compiled its first merge.
-    wait_for(
-        lambda: (read_status(nats_server.url, job)[0] or {}).get("state") == "running",
-        120,
-        "the outer to run",
-    )
+    def outer_runs() -> bool:
+        outer = read_status(nats_server.url, job)[0]
+        return outer is not None and outer.state == "running"
+
+    wait_for(outer_runs, 120, "the outer to run")
     learners = [
         services.start(
             f"learner-{unit}",
@@ -76,8 +79,10 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
 
     def outer_caught_up():
         outer, units = read_status(nats_server.url, job)
-        published = sum(u["counters"].get("published", 0) for u in units.values())
-        if outer and outer["applied"] >= published and outer["eval"]["version"] == outer["version"]:
+        if outer is None or outer.evaluation.last is None:
+            return None
+        published = sum(u.counter("published") for u in units.values())
+        if outer.applied >= published and outer.evaluation.last.version == outer.version:
             return outer, units
         return None
 
@@ -88,28 +93,28 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
     # version, so the number of uploads depends on timing, the work they carry does not).
     tokens_per_fragment = 150 * 16 * 64  # steps x batch x seq_len of the tiny model
     for unit in (0, 1):
-        published = units[unit]["counters"]["published"]
+        published = units[unit].counter("published")
         assert published >= fragments * 150 // 20  # about one upload per H = 10 steps
-        assert outer["units"][str(unit)]["applied"] == published
+        assert outer.units[unit].applied == published
         # Nothing dropped: a full unsent queue drops its oldest uploads and the steps they carry.
-        assert units[unit]["counters"].get("dropped_unsent", 0) == 0, units[unit]["counters"]
-        assert outer["units"][str(unit)]["tokens"] == fragments * tokens_per_fragment
-    assert outer["applied"] == sum(units[u]["counters"]["published"] for u in (0, 1))
-    assert outer["rejected"] == {}
-    expected_codecs: dict[str, int] = {}
+        assert units[unit].counter("dropped_unsent") == 0, units[unit].counters
+        assert outer.units[unit].tokens == fragments * tokens_per_fragment
+        assert units[unit].counter("records_rejected") == 0, units[unit].counters
+    assert outer.applied == sum(units[u].counter("published") for u in (0, 1))
+    assert outer.rejected == {}
+    expected_codecs: collections.Counter[str] = collections.Counter()
     for unit in (0, 1):
-        expected_codecs[codecs[unit]] = (
-            expected_codecs.get(codecs[unit], 0) + units[unit]["counters"]["published"]
-        )
-    assert outer["codecs"] == expected_codecs
+        expected_codecs[codecs[unit]] += units[unit].counter("published")
+    assert outer.codecs == dict(expected_codecs)
     for unit in (0, 1):  # int8 ~4x smaller than fp32, int4 ~8x, int2 ~15x (zstd adds more)
-        counters = units[unit]["counters"]
-        ratio = counters["fp32_bytes_encoded"] / counters["payload_bytes_encoded"]
+        status = units[unit]
+        ratio = status.counter("fp32_bytes_encoded") / status.counter("payload_bytes_encoded")
         assert ratio > {"int8": 3.9, "int4": 7.5, "int2": 14}[codecs[unit]], ratio
-    assert len(outer["versions"]) == fragments and outer["version"] == sum(outer["versions"])
-    assert outer["merges"] >= fragments  # each merge: one outer step on one fragment
-    init_loss = outer["eval_init"]["nats_per_byte"]
-    final_loss = outer["eval"]["nats_per_byte"]
+    assert len(outer.versions) == fragments and outer.version == sum(outer.versions)
+    assert outer.merges >= fragments  # each merge: one outer step on one fragment
+    assert outer.evaluation.init is not None
+    init_loss = outer.evaluation.init.nats_per_byte
+    final_loss = outer.evaluation.last.nats_per_byte
     assert init_loss == pytest.approx(5.55, abs=0.15)
     if fragments == 1:
         assert final_loss < init_loss - 1.0, (init_loss, final_loss)

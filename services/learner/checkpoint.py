@@ -3,9 +3,10 @@
 A checkpoint (``<checkpoint_dir>/<job>/unit-<u>/checkpoint.npz``, replaced atomically) holds
 everything a restarted unit needs to continue as if it had not stopped:
 
-* ``meta`` (a JSON string): format version, identity (job, unit, model, fragments), step, round
-  counter, current H, per-fragment sync state ``[base_version, steps, tokens, loss_sum,
-  target]``, the unit's ``tokens_total``, the names of the stored tensors and the time;
+* ``meta`` (a JSON string, ``shared.records.LearnerCheckpointMeta``): identity (job, unit,
+  model, fragments), step, round counter, current H, each fragment's sync state (base version,
+  steps, tokens, loss sum, target), the unit's ``tokens_total``, the names of the stored
+  tensors and the time of the snapshot;
 * ``params_<i>`` and ``anchor_<i>``: θ_local and the anchor, tensor i of ``meta.param_names``;
 * ``opt_<i>``: leaf i of the inner optimizer state (``jax.tree_util`` order); restored with the
   tree structure of a freshly initialised state, after checking every shape and dtype;
@@ -27,7 +28,7 @@ are trained again after a crash (the data position is the step, so on the same b
 from __future__ import annotations
 
 import collections
-import json
+import dataclasses
 import logging
 import threading
 import time
@@ -40,15 +41,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from services.learner.atomic import atomic_write
-from services.learner.core import LearnerCore
+from services.learner.core import FragmentSync, LearnerCore
 from services.learner.trainer import InnerState
-from shared import pytree
+from shared import pytree, records
+from shared.atomic import atomic_write
+from shared.records import FragmentSyncRecord, LearnerCheckpointMeta, UnitIdentity
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.npz"
-CHECKPOINT_VERSION = 1
 
 
 class CheckpointMismatchError(ValueError):
@@ -62,7 +63,7 @@ class Snapshot:
     step: int
     round: int
     current_h: int
-    syncs: tuple[tuple[int, int, int, float, int], ...]
+    syncs: tuple[FragmentSync, ...]  # copies, without the global fragments held for adoption
     state: InnerState
     tokens_total: int
     residual: Mapping[str, np.ndarray] | None
@@ -83,14 +84,16 @@ class Restored:
 def take_snapshot(
     core: LearnerCore, tokens_total: int, residual: Mapping[str, np.ndarray] | None = None
 ) -> Snapshot:
-    """Snapshot ``core`` (references only; never blocks on the device).
+    """Snapshot ``core`` (references only; waits for the device only for losses not read yet,
+    which right after taking uploads there are none of).
 
     Args:
         core: the unit's core, right after it took uploads.
         tokens_total: tokens the unit has trained on so far.
         residual: the link's error-feedback residual copy (:meth:`LearnerLink.residual_copy`).
     """
-    syncs = tuple((s.base_version, s.steps, s.tokens, s.loss_sum, s.target) for s in core.syncs)
+    core.read_losses()
+    syncs = tuple(dataclasses.replace(sync, pending=None) for sync in core.syncs)
     return Snapshot(
         core.step,
         core.round,
@@ -103,36 +106,46 @@ def take_snapshot(
     )
 
 
-def save_checkpoint(path: Path, snapshot: Snapshot, identity: Mapping[str, Any]) -> None:
+def save_checkpoint(path: Path, snapshot: Snapshot, identity: UnitIdentity) -> None:
     """Write ``snapshot`` to ``path`` atomically (slow: converts device arrays to numpy).
 
     Args:
         path: the ``checkpoint.npz`` file.
         snapshot: what to write.
-        identity: job, unit, model and fragments of the unit (recorded, for humans and checks).
+        identity: the unit's job, unit, model and fragments (recorded, for humans and checks).
 
     Raises:
         OSError: when the file cannot be written (the previous checkpoint is then kept).
+        pydantic.ValidationError: when the snapshot does not fit the meta record (a loss sum
+            that is NaN or infinite).
     """
     params = pytree.flatten_named(snapshot.state.params)
     anchor = pytree.flatten_named(snapshot.state.anchor)
     names = list(params)
     opt_leaves = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(snapshot.state.opt_state)]
     residual = dict(snapshot.residual or {})
-    meta = {
-        "version": CHECKPOINT_VERSION,
-        "identity": dict(identity),
-        "step": snapshot.step,
-        "round": snapshot.round,
-        "current_h": snapshot.current_h,
-        "syncs": [list(s) for s in snapshot.syncs],
-        "tokens_total": snapshot.tokens_total,
-        "param_names": names,
-        "opt_leaves": len(opt_leaves),
-        "residual_names": list(residual),
-        "time": snapshot.taken_at,
-    }
-    arrays: dict[str, np.ndarray] = {"meta": np.array(json.dumps(meta))}
+    meta = LearnerCheckpointMeta(
+        identity=identity,
+        step=snapshot.step,
+        round=snapshot.round,
+        current_h=snapshot.current_h,
+        syncs=[
+            FragmentSyncRecord(
+                base_version=s.base_version,
+                steps=s.steps,
+                tokens=s.tokens,
+                loss_sum=s.loss_sum,
+                target=s.target,
+            )
+            for s in snapshot.syncs
+        ],
+        tokens_total=snapshot.tokens_total,
+        param_names=names,
+        opt_leaves=len(opt_leaves),
+        residual_names=list(residual),
+        taken_at=snapshot.taken_at,
+    )
+    arrays: dict[str, np.ndarray] = {"meta": np.array(records.encode(meta).decode())}
     for i, name in enumerate(names):
         arrays[f"params_{i}"] = params[name]
         arrays[f"anchor_{i}"] = anchor[name]
@@ -148,58 +161,55 @@ def load_checkpoint(path: Path, core: LearnerCore) -> Restored | None:
 
     A missing checkpoint returns None; one that cannot be read or does not match the core's
     model, optimizer or fragments is ignored with a logged warning (None; the core is then
-    untouched).
+    untouched). A ``meta`` entry that does not fit its record is counted in
+    ``shared.records.rejections``.
     """
     if not path.exists():
         return None
     try:
         with np.load(path, allow_pickle=False) as stored:
-            meta = json.loads(str(stored["meta"]))
-            if not isinstance(meta, dict) or meta.get("version") != CHECKPOINT_VERSION:
-                raise CheckpointMismatchError(f"unsupported checkpoint format {meta!r:.100}")
+            meta = records.decode(LearnerCheckpointMeta, str(stored["meta"]), str(path))
+            if meta is None:
+                raise CheckpointMismatchError("its meta entry is not a learner checkpoint's")
+            if len(meta.syncs) != len(core.syncs):
+                raise CheckpointMismatchError(
+                    f"checkpoint has {len(meta.syncs)} fragments, this unit {len(core.syncs)}"
+                )
             state, residual = _read_arrays(stored, meta, core)
-        syncs = [tuple(s) for s in meta["syncs"]]
-        if len(syncs) != len(core.syncs) or any(len(s) != 5 for s in syncs):
-            raise CheckpointMismatchError(
-                f"checkpoint has {len(syncs)} fragments, this unit {len(core.syncs)}"
-            )
-        step, round_number = int(meta["step"]), int(meta["round"])
-        current_h, tokens_total = int(meta["current_h"]), int(meta["tokens_total"])
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as err:
         log.warning("ignoring checkpoint %s: %s", path, err)
         return None
+    core.read_losses()  # losses of steps before the restore are not part of the restored sums
     core.state = state
-    core.step, core.round, core.current_h = step, round_number, current_h
-    for sync, (base_version, steps, tokens, loss_sum, target) in zip(
-        core.syncs, syncs, strict=True
-    ):
-        sync.base_version, sync.steps, sync.tokens = int(base_version), int(steps), int(tokens)
-        sync.loss_sum, sync.target, sync.pending = float(loss_sum), int(target), None
-    written_at = float(meta.get("time", 0.0))
+    core.step, core.round, core.current_h = meta.step, meta.round, meta.current_h
+    for sync, stored_sync in zip(core.syncs, meta.syncs, strict=True):
+        sync.base_version, sync.steps = stored_sync.base_version, stored_sync.steps
+        sync.tokens, sync.loss_sum = stored_sync.tokens, stored_sync.loss_sum
+        sync.target, sync.pending = stored_sync.target, None
     log.info(
         "restored checkpoint %s: step %d, round %d, base versions %s",
         path,
-        step,
-        round_number,
+        meta.step,
+        meta.round,
         core.base_versions(),
     )
-    return Restored(step, round_number, tokens_total, residual, written_at)
+    return Restored(meta.step, meta.round, meta.tokens_total, residual, meta.taken_at)
 
 
 def _read_arrays(
-    stored: Any, meta: dict[str, Any], core: LearnerCore
+    stored: Any, meta: LearnerCheckpointMeta, core: LearnerCore
 ) -> tuple[InnerState, dict[str, np.ndarray] | None]:
     """The inner state and residual of a checkpoint, checked against ``core``'s fresh state."""
-    names = meta["param_names"]
+    names = meta.param_names
     params = {name: stored[f"params_{i}"] for i, name in enumerate(names)}
     anchor = {name: stored[f"anchor_{i}"] for i, name in enumerate(names)}
     # unflatten_named checks names and shapes against the model (PytreeMismatchError).
     params_tree = pytree.unflatten_named(core.template, params)
     anchor_tree = pytree.unflatten_named(core.template, anchor)
     fresh, treedef = jax.tree_util.tree_flatten(core.state.opt_state)
-    if int(meta["opt_leaves"]) != len(fresh):
+    if meta.opt_leaves != len(fresh):
         raise CheckpointMismatchError(
-            f"optimizer state has {meta['opt_leaves']} leaves, expected {len(fresh)}"
+            f"optimizer state has {meta.opt_leaves} leaves, expected {len(fresh)}"
         )
     opt_leaves = []
     for i, leaf in enumerate(fresh):
@@ -211,8 +221,8 @@ def _read_arrays(
             )
         opt_leaves.append(value)
     residual = None
-    if meta.get("residual_names"):
-        residual = {name: stored[f"residual_{i}"] for i, name in enumerate(meta["residual_names"])}
+    if meta.residual_names:
+        residual = {name: stored[f"residual_{i}"] for i, name in enumerate(meta.residual_names)}
         expected = _piece_shapes(core)
         wrong = [n for n, v in residual.items() if expected.get(n) != v.shape]
         if wrong:
@@ -253,9 +263,9 @@ class CheckpointWriter:
     def __init__(
         self,
         path: Path,
-        identity: Mapping[str, Any],
+        identity: UnitIdentity,
         on_count: Callable[[str], None] | None = None,
-        save: Callable[[Path, Snapshot, Mapping[str, Any]], None] = save_checkpoint,
+        save: Callable[[Path, Snapshot, UnitIdentity], None] = save_checkpoint,
     ) -> None:
         """Args:
         path: the ``checkpoint.npz`` file.
@@ -264,7 +274,7 @@ class CheckpointWriter:
         save: the function that writes one snapshot (``save_checkpoint``; tests replace it).
         """
         self.path = path
-        self.identity = dict(identity)
+        self.identity = identity
         self.counters: collections.Counter[str] = collections.Counter()
         self.last_written_step: int | None = None
         self._on_count = on_count

@@ -4,6 +4,9 @@ link; the quality benchmark's simulator drives it on a simulated clock.
 
 Per fragment p (``shared/fragments.py``) the core keeps a base version, the steps, tokens and
 loss since p's last upload, and the *anchor* pieces the unsent local progress is measured from.
+An inner step's loss stays on the device until a boundary needs it (taking uploads, a
+snapshot): reading it on the host waits for the step, which would stop JAX from dispatching the
+next step while this one runs.
 
 * **Upload.** When p's step counter reaches its target (H, or H − offset(p) the first time, so
   fragments are staggered), Δ_p = anchor_p − θ_p goes out and anchor_p ← θ_p.
@@ -64,7 +67,10 @@ class Upload:
 
 
 @dataclass
-class _FragmentSync:
+class FragmentSync:
+    """Where one fragment stands since its last upload (``loss_sum`` covers the steps whose
+    losses were read: see :meth:`LearnerCore.read_losses`)."""
+
     base_version: int = 0
     steps: int = 0
     tokens: int = 0
@@ -115,7 +121,7 @@ class LearnerCore:
             for fragment in self.plan.fragments
         ]
         self.syncs = [
-            _FragmentSync(
+            FragmentSync(
                 target=max(1, schedule.h_steps - sync_offset(p, self.plan.count, schedule.h_steps))
             )
             for p in range(self.plan.count)
@@ -123,21 +129,37 @@ class LearnerCore:
         self.round = first_round
         self.step = 0
         self.current_h = schedule.h_steps
+        # Losses of the steps since the last read, on the device, in step order.
+        self._unread_losses: list[jax.Array] = []
 
     def base_versions(self) -> list[int]:
         """Global version of each fragment this unit last adopted."""
         return [sync.base_version for sync in self.syncs]
 
-    def train_step(self, batch: Any) -> float:
-        """One inner step; returns the loss."""
+    def train_step(self, batch: Any) -> jax.Array:
+        """One inner step, dispatched without waiting for it to finish.
+
+        Returns:
+            The step's loss as a device scalar; reading it on the host waits for the step.
+        """
         self.state, loss = self.trainer.step(self.state, batch)
-        loss_value = float(loss)
+        self._unread_losses.append(loss)
         self.step += 1
         for sync in self.syncs:
             sync.steps += 1
             sync.tokens += self.tokens_per_step
-            sync.loss_sum += loss_value
-        return loss_value
+        return loss
+
+    def read_losses(self) -> None:
+        """Add the losses of the steps since the last read to every fragment's ``loss_sum``,
+        in step order (waits for those steps to finish). Taking uploads reads them first."""
+        if not self._unread_losses:
+            return
+        values = [float(loss) for loss in jax.device_get(self._unread_losses)]
+        self._unread_losses.clear()
+        for sync in self.syncs:
+            for value in values:
+                sync.loss_sum += value
 
     def due_uploads(self, current_h: int | None = None) -> list[Upload]:
         """Uploads whose time has come.
@@ -158,6 +180,7 @@ class LearnerCore:
     def _take(self, fragments: list[int], next_h: int) -> list[Upload]:
         if not fragments:
             return []
+        self.read_losses()
         params = pytree.flatten_named(self.state.params)
         anchor = pytree.flatten_named(self.state.anchor)
         uploads = []

@@ -16,12 +16,12 @@ round number is ever used twice.
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import threading
 import time
 
 import jax
-import numpy as np
 
 from services.learner.checkpoint import (
     CHECKPOINT_FILE,
@@ -36,6 +36,7 @@ from services.learner.settings import LearnerSettings
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from services.learner.unit_state import UnitState, unit_dir
 from shared import data, model
+from shared.records import UnitIdentity
 from shared.runtime import configure_jax
 
 log = logging.getLogger(__name__)
@@ -82,12 +83,9 @@ def checkpoint_writer(settings: LearnerSettings, link: LearnerLink) -> Checkpoin
     """The unit's background checkpoint writer (None without ``--checkpoint-dir``)."""
     if settings.checkpoint_dir is None:
         return None
-    identity = {
-        "job": settings.job,
-        "unit": settings.unit,
-        "model": settings.model,
-        "fragments": settings.fragments,
-    }
+    identity = UnitIdentity(
+        job=settings.job, unit=settings.unit, model=settings.model, fragments=settings.fragments
+    )
     path = unit_dir(settings.checkpoint_dir, settings.job, settings.unit) / CHECKPOINT_FILE
     return CheckpointWriter(path, identity, on_count=link.count)
 
@@ -130,8 +128,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
     restored = restore_core(settings, core)
     link = LearnerLink(settings, 2 * param_bytes + (1 << 20), unit_state)
     if restored is not None:
-        link.restore_residual(restored.residual)
-        link.restored_from_step = restored.step
+        link.restore_from(restored.step, restored.residual)
     writer = checkpoint_writer(settings, link)
     if writer is not None:
         writer.start()
@@ -162,6 +159,8 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
 
     tokens_total = restored.tokens_total if restored is not None else 0
     loss_ema = float("nan")
+    # The steps' losses, on the device until a status report reads them (in step order).
+    unread_losses: list[jax.Array] = []
     rate_window: list[tuple[float, int]] = [(time.monotonic(), tokens_total)]
     last_status = 0.0
     state_name = "running"
@@ -171,12 +170,20 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         now = time.monotonic()
         return (tokens_total - tokens0) / (now - t0) if now > t0 else 0.0
 
+    def read_losses() -> None:
+        nonlocal loss_ema
+        for loss in jax.device_get(unread_losses):
+            value = float(loss)
+            loss_ema = value if math.isnan(loss_ema) else 0.9 * loss_ema + 0.1 * value
+        unread_losses.clear()
+
     def report(force: bool = False) -> None:
         nonlocal last_status
         now = time.monotonic()
         if not force and now - last_status < settings.status_interval_s / 2:
             return
         last_status = now
+        read_losses()
         tokens_per_s = rate()
         rate_window.append((now, tokens_total))
         del rate_window[:-10]
@@ -188,7 +195,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             round=core.round,
             base_version=sum(versions),
             base_versions=versions,
-            train_loss=None if np.isnan(loss_ema) else round(loss_ema, 4),
+            train_loss=round(loss_ema, 4) if math.isfinite(loss_ema) else None,
             tokens=tokens_total,
             tokens_per_s=round(tokens_per_s, 1),
             slowdown=settings.slowdown,
@@ -219,10 +226,12 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         started = time.monotonic()
         loss = core.train_step(sampler.batch(core.step))
         if settings.slowdown > 1:
-            # Emulate slower hardware: same math, (slowdown - 1)x the step's time idle.
+            # Emulate slower hardware: same math, (slowdown - 1)x the step's time idle (the
+            # step is dispatched asynchronously: wait for it to measure its time).
+            loss.block_until_ready()
             stop.wait((settings.slowdown - 1) * (time.monotonic() - started))
+        unread_losses.append(loss)
         tokens_total += core.tokens_per_step
-        loss_ema = loss if np.isnan(loss_ema) else 0.9 * loss_ema + 0.1 * loss
 
         next_h = settings.h_steps
         if settings.dynamic_h:
@@ -253,7 +262,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         "rounds": core.round,
         "tokens": tokens_total,
         "train_loss": loss_ema,
-        "counters": dict(link.counters),
+        "counters": link.counters.as_dict(),
         "restored_from_step": None if restored is None else restored.step,
     }
     log.info("unit %d done: %s", settings.unit, summary)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.codec import CODECS, CodecConfig, CodecError
+from shared.codec_config import CODECS, CodecConfig, CodecError
 from shared.settings import ENV_PREFIX, JobSettings
 
 

@@ -2,16 +2,16 @@
 state and lifetime counters, so that a restarted unit never reuses a round number and obeys
 the desired state it last knew even when NATS is unreachable.
 
-The file lives in ``<checkpoint_dir>/<job>/unit-<u>/state.json``::
+The file lives in ``<checkpoint_dir>/<job>/unit-<u>/state.json`` and holds one
+``shared.records.UnitStateFile``::
 
-    {"version": 1, "job": "J", "unit": 0,
+    {"job": "J", "unit": 0,
      "next_round": 42,                  # first round number never handed out yet
      "desired": "running",              # last known desired state (idle|running|paused|stopped)
      "published": [[0, 37], [39, 41]],  # rounds JetStream accepted (RoundSet ranges, lifetime)
-     "lifetime": {"published": 41, "dropped_unsent": 1, "rejected_local": 0},
-     "time": 1712345678.9}
+     "lifetime": {"published": 41, "dropped_unsent": 1, "rejected_local": 0}}
 
-It is rewritten atomically (``services/learner/atomic.py``) by the training thread when
+It is rewritten atomically (``shared/atomic.py``) by the training thread when
 uploads are taken, *before* they are handed to the link (so a round is persisted before it can
 be published), and by the link thread after each publish and when the desired state changes.
 Both threads share one :class:`UnitState`, whose lock orders the writes. Without a checkpoint
@@ -20,22 +20,19 @@ folder the same object keeps the record in memory only (for the status record).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
-import time
 from pathlib import Path
-from typing import Any
 
-from services.learner.atomic import atomic_write_bytes
+from shared import records
+from shared.atomic import atomic_write_bytes
 from shared.ledger import RoundSet
+from shared.records import DESIRED_STATES, DesiredState, UnitStateFile
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
-STATE_VERSION = 1
 LIFETIME_COUNTERS = ("published", "dropped_unsent", "rejected_local")
-DESIRED_STATES = ("idle", "running", "paused", "stopped")  # = shared.transport.DESIRED_STATES
 
 
 def unit_dir(checkpoint_dir: str | Path, job: str, unit: int) -> Path:
@@ -63,7 +60,7 @@ class UnitState:
         self.job = job
         self.unit = unit
         self.next_round = 0
-        self.desired = "running"
+        self.desired: DesiredState = "running"
         self.published = RoundSet()
         self.lifetime: dict[str, int] = dict.fromkeys(LIFETIME_COUNTERS, 0)
         self.loaded = False
@@ -108,8 +105,12 @@ class UnitState:
                 self.next_round = max(self.next_round, round_number + 1)
             self._write()
 
-    def set_desired(self, state: str) -> None:
-        """Remember the desired state (one of ``DESIRED_STATES``) across restarts."""
+    def set_desired(self, state: DesiredState) -> None:
+        """Remember the desired state across restarts.
+
+        Raises:
+            ValueError: ``state`` is not one of ``shared.records.DESIRED_STATES``.
+        """
         if state not in DESIRED_STATES:
             raise ValueError(f"desired state must be one of {DESIRED_STATES}, got {state!r}")
         with self._lock:
@@ -120,21 +121,20 @@ class UnitState:
 
     # ---- reading -----------------------------------------------------------------------------
 
-    def record_dict(self) -> dict[str, Any]:
-        """The record as written to the file (JSON-ready), without ``time``."""
+    def as_record(self) -> UnitStateFile:
+        """The record as written to the file."""
         with self._lock:
             return self._record()
 
-    def _record(self) -> dict[str, Any]:
-        return {
-            "version": STATE_VERSION,
-            "job": self.job,
-            "unit": self.unit,
-            "next_round": self.next_round,
-            "desired": self.desired,
-            "published": self.published.ranges(),
-            "lifetime": dict(self.lifetime),
-        }
+    def _record(self) -> UnitStateFile:
+        return UnitStateFile(
+            job=self.job,
+            unit=self.unit,
+            next_round=self.next_round,
+            desired=self.desired,
+            published=self.published.ranges(),
+            lifetime=dict(self.lifetime),
+        )
 
     # ---- the file ----------------------------------------------------------------------------
 
@@ -142,9 +142,8 @@ class UnitState:
         """Write the record through (the caller holds the lock)."""
         if self.path is None:
             return
-        record = {**self._record(), "time": time.time()}
         try:
-            atomic_write_bytes(self.path, json.dumps(record).encode())
+            atomic_write_bytes(self.path, records.encode(self._record()))
         except OSError as err:
             self.write_errors += 1
             log.error("cannot write unit state %s: %s", self.path, err)
@@ -157,26 +156,19 @@ class UnitState:
         except OSError as err:
             log.warning("cannot read unit state %s (%s); starting afresh", path, err)
             return
+        record = records.decode(UnitStateFile, raw, str(path))
         try:
-            record = json.loads(raw)
-            if not isinstance(record, dict) or record.get("version") != STATE_VERSION:
-                raise ValueError(f"unsupported record {str(record)[:100]!r}")
-            published = RoundSet(record.get("published", []))
-            next_round = int(record.get("next_round", 0))
-            desired = record.get("desired", "running")
-            if desired not in DESIRED_STATES:
-                raise ValueError(f"bad desired state {desired!r}")
-            lifetime = dict.fromkeys(LIFETIME_COUNTERS, 0)
-            for name, value in (record.get("lifetime") or {}).items():
-                if name in lifetime:
-                    lifetime[name] = int(value)
-        except (ValueError, TypeError) as err:
+            if record is None:
+                raise ValueError("not a unit state record")
+            published = RoundSet(record.published)
+        except ValueError as err:
             log.warning("ignoring unreadable unit state %s: %s", path, err)
             return
         self.published = published
-        self.next_round = max(next_round, published.max() + 1, 0)
-        self.desired = desired
-        self.lifetime = lifetime
+        self.next_round = max(record.next_round, published.max() + 1, 0)
+        self.desired = record.desired
+        for name in LIFETIME_COUNTERS:
+            self.lifetime[name] = record.lifetime.get(name, 0)
         self.loaded = True
         log.info(
             "unit state %s: next round %d, desired %s, %d rounds published",

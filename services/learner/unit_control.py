@@ -1,0 +1,126 @@
+"""What the rest of the job tells one learner unit: its desired state, where its round numbers
+continue, and its peers' speeds.
+
+* The desired state (``shared.records.DesiredRecord`` in KV ``diloco_desired``) is polled every
+  ``DESIRED_POLL_S``. It starts from the one the unit's state file remembers, so a paused unit
+  restarted while NATS is down stays paused, and every change is remembered there.
+* The outer's next round for this unit (``OuterStatus.next_round``) is read once at start-up, so
+  that a unit without a state file never reuses a round the outer has applied.
+* With Dynamic Local Updates, every unit's speed (``UnitStatus.tokens_per_s`` of the running
+  units) is polled every ``RATES_POLL_S``.
+
+A missing record reads as no news; a malformed one is rejected (``shared.records``) and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+from services.learner.settings import LearnerSettings
+from services.learner.unit_state import UnitState
+from shared import kv, subjects
+from shared.records import DesiredRecord, DesiredState, OuterStatus, UnitStatus
+from shared.retry import NATS_ERRORS
+
+log = logging.getLogger(__name__)
+
+DESIRED_POLL_S = 0.5
+RATES_POLL_S = 2.0
+OUTER_STATUS_TIMEOUT_S = 2.0
+
+
+class UnitControl:
+    """The unit's desired state, the outer's next round for it and its peers' speeds.
+
+    The training thread reads the attributes at step boundaries; the link's event loop updates
+    them.
+
+    Attributes:
+        desired_state: what the unit should do (``idle``, ``running``, ``paused``, ``stopped``).
+        desired_known: set after the first read of the desired state; by then
+            ``outer_next_round`` is known too.
+        outer_next_round: 1 + the last round of this unit the outer applied (0 if none).
+        unit_rates: tokens/s of every running unit that reported a speed.
+    """
+
+    def __init__(self, settings: LearnerSettings, unit_state: UnitState) -> None:
+        """Args:
+        settings: the unit's settings (job, unit, units, ``initial_state``).
+        unit_state: the unit's durable record; its desired state is the starting one when it
+            was loaded from a file, and every change is written to it.
+        """
+        self.settings = settings
+        self.unit_state = unit_state
+        initial: DesiredState = "idle" if settings.initial_state == "idle" else "running"
+        self._initial = initial
+        self.desired_state: DesiredState = unit_state.desired if unit_state.loaded else initial
+        self.desired_known = threading.Event()
+        self.outer_next_round = 0
+        self.unit_rates: dict[int, float] = {}
+
+    async def read_outer_next_round(self, status_kv: Any) -> int:
+        """1 + the last round of this unit the outer has applied, from the outer's status
+        record (0 when there is none, it is malformed or it cannot be read quickly)."""
+        key = subjects.outer_status_key(self.settings.job)
+        try:
+            outer = await asyncio.wait_for(
+                kv.get(status_kv, key, OuterStatus), timeout=OUTER_STATUS_TIMEOUT_S
+            )
+        except NATS_ERRORS as err:
+            log.info("outer status not read: %r", err)
+            return 0
+        return outer.next_round(self.settings.unit) if outer is not None else 0
+
+    async def poll_desired(self, desired_kv: Any) -> None:
+        """Follow the unit's desired state (forever)."""
+        while True:
+            try:
+                await self.read_desired(desired_kv)
+            except NATS_ERRORS as err:
+                log.info("desired-state poll: %r", err)
+            await asyncio.sleep(DESIRED_POLL_S)
+
+    async def read_desired(self, desired_kv: Any) -> None:
+        """Read the desired state once: a missing record means the ``--initial-state``, a
+        malformed one changes nothing; then ``desired_known`` is set.
+
+        Raises:
+            TimeoutError, OSError, nats.errors.Error: NATS unreachable.
+        """
+        key = subjects.desired_key(self.settings.job, self.settings.unit)
+        found = await kv.get_with_revision(desired_kv, key, DesiredRecord)
+        if found is None:
+            state = self._initial
+        else:
+            record, _revision = found
+            state = record.state if record is not None else self.desired_state
+        if state != self.desired_state:
+            log.info("desired state of unit %d: %s", self.settings.unit, state)
+            self.desired_state = state
+            self.unit_state.set_desired(state)  # remembered across restarts
+        self.desired_known.set()
+
+    async def poll_rates(self, status_kv: Any) -> None:
+        """Follow every unit's measured speed, for Dynamic Local Updates (forever)."""
+        while True:
+            self.unit_rates = await self.read_rates(status_kv)
+            await asyncio.sleep(RATES_POLL_S)
+
+    async def read_rates(self, status_kv: Any) -> dict[int, float]:
+        """Tokens/s of every unit whose status record says it is running at a known speed
+        (a unit whose record is missing, malformed or unreadable is left out)."""
+        rates = {}
+        for unit in range(self.settings.num_units):
+            key = subjects.unit_status_key(self.settings.job, unit)
+            try:
+                status = await kv.get(status_kv, key, UnitStatus)
+            except NATS_ERRORS as err:
+                log.debug("speed of unit %d: %r", unit, err)
+                continue
+            if status is not None and status.state == "running" and status.tokens_per_s > 0:
+                rates[unit] = status.tokens_per_s
+        return rates
