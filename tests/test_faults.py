@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import random
 import signal
 import subprocess
@@ -22,11 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared import codec, subjects, transport, wire
-from shared.broker import NatsServer, start_nats_server
+from services.local.broker import NatsServer, start_nats_server
+from shared import codec, records, subjects, transport, wire
 from shared.ledger import balance
+from shared.records import Books, OuterStatus, ParamsHead, UnitStatus
 from shared.settings import NatsSettings
-from tests.conftest import read_status, wait_for
+from tests.helpers import job_status, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -85,16 +85,30 @@ def kill9(process: subprocess.Popen) -> None:
     process.wait(timeout=10)
 
 
-def outer_state(url: str, job: str) -> dict:
-    return read_status(url, job)[0] or {}
+def outer_status(url: str, job: str) -> OuterStatus | None:
+    return read_status(url, job)[0]
+
+
+def outer_running(url: str, job: str) -> bool:
+    status = outer_status(url, job)
+    return status is not None and status.state == "running"
+
+
+def outer_applied(url: str, job: str) -> int:
+    status = outer_status(url, job)
+    return status.applied if status is not None else 0
+
+
+def unit_status(url: str, job: str, unit: int) -> UnitStatus | None:
+    return read_status(url, job)[1].get(unit)
 
 
 def current_leader(url: str, job: str, outers: dict[str, subprocess.Popen]) -> str | None:
     """Name of the live outer process that leads the job (by its fresh heartbeat), if any."""
-    status = outer_state(url, job)
-    if status.get("state") != "running" or time.time() - status.get("time", 0) > 1.0:
+    entry = job_status(url, job).outer
+    if entry is None or entry.record.state != "running" or entry.age_s > 1.0:
         return None
-    pid = status["holder"].split(":")[1]
+    pid = entry.record.holder.split(":")[1]
     for name, process in outers.items():
         if process.poll() is None and str(process.pid) == pid:
             return name
@@ -106,7 +120,8 @@ class HeadRecorder:
 
     def __init__(self, url: str, job: str) -> None:
         self.url, self.job = url, job
-        self.checksums: dict[tuple[int, int], set[int]] = defaultdict(set)
+        self.checksums: dict[tuple[int, int], set[int | None]] = defaultdict(set)
+        self.malformed = 0
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
@@ -117,9 +132,12 @@ class HeadRecorder:
         nc = await transport.connect(NatsSettings(nats_url=self.url), "head-recorder")
 
         async def on_head(msg) -> None:
-            head = json.loads(msg.data)
+            head = records.decode(ParamsHead, msg.data, msg.subject)
+            if head is None:
+                self.malformed += 1
+                return
             fragment = int(msg.subject.split(".")[3])
-            self.checksums[fragment, int(head["version"])].add(head["params_checksum"])
+            self.checksums[fragment, head.version].add(head.params_checksum)
 
         await nc.subscribe(subjects.params_head_subject(self.job, "*"), cb=on_head)
         self._ready.set()
@@ -127,23 +145,24 @@ class HeadRecorder:
             await asyncio.sleep(0.1)
         await nc.close()
 
-    def stop(self) -> dict[tuple[int, int], set[int]]:
+    def stop(self) -> dict[tuple[int, int], set[int | None]]:
         self._stop.set()
         self._thread.join(10)
+        assert self.malformed == 0, f"{self.malformed} malformed params heads"
         return self.checksums
 
 
-def assert_no_version_published_twice(checksums: dict[tuple[int, int], set[int]]) -> None:
+def assert_no_version_published_twice(checksums: dict[tuple[int, int], set[int | None]]) -> None:
     twice = {key: values for key, values in checksums.items() if len(values) > 1}
     assert not twice, f"versions announced with different params: {twice}"
     assert checksums, "no params announcement was recorded"
 
 
-def assert_books_balance(url: str, job: str) -> dict:
+def assert_books_balance(url: str, job: str) -> Books:
     outer, units = read_status(url, job)
     books = balance(outer, units)
-    print("ledger:", json.dumps(books))
-    assert books["balanced"], books["problems"]
+    print("ledger:", books.model_dump_json())
+    assert books.balanced, books.problems
     return books
 
 
@@ -152,12 +171,12 @@ def wait_caught_up(url: str, job: str, timeout_s: float = 120) -> None:
 
     def caught_up() -> bool:
         outer, units = read_status(url, job)
-        return bool(outer) and outer.get("state") == "running" and balance(outer, units)["balanced"]
+        return outer is not None and outer.state == "running" and balance(outer, units).balanced
 
     wait_for(caught_up, timeout_s, "the outer to apply every published round", interval_s=0.5)
 
 
-def stop_units_and_balance(services, learners: list, url: str, job: str) -> dict:
+def stop_units_and_balance(services, learners: list, url: str, job: str) -> Books:
     """SIGTERM the units (they upload what they have and exit 0), wait until the outer has
     dealt with every published round, and check that the books balance."""
     for learner in learners:
@@ -175,50 +194,52 @@ def stop_units_and_balance(services, learners: list, url: str, job: str) -> dict
 def test_outer_killed_at_random_moments_loses_and_duplicates_nothing(
     nats_server, services, tmp_path
 ) -> None:
-    """18 kill -9s of the leading outer at seeded random moments (some during start-up or
-    restore), with a standby outer running beside it for the second half (so a standby takes
-    over): the job never has two leaders, never announces a version twice, and the books
-    balance. With the replay test's two, the tests kill an outer 20 times."""
-    job, units, kills = "killouter", 2, 18
+    """10 kill -9s of the leading outer at seeded random moments (some right after it took
+    over), with two more outers standing by, so that most takeovers are by a warm standby
+    and none waits for a killed process to restart: the job never has two leaders, never
+    announces a version twice, and the books balance. Every killed outer is restarted and
+    stands by in its turn. With the replay test's two, the tests kill an outer 12 times."""
+    job, units, kills = "killouter", 2, 10
     rng = random.Random(20261130)
     recorder = HeadRecorder(nats_server.url, job)
     outers = {"a": start_outer(services, nats_server.url, job, "outer-a", units)}
-    wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "outer a")
     learners = [
         start_learner(services, nats_server.url, job, u, units, tmp_path / "units", 100_000)
         for u in range(units)
     ]
-    wait_for(lambda: outer_state(nats_server.url, job).get("applied", 0) >= 2, 120, "training")
+    wait_for(lambda: outer_applied(nats_server.url, job) >= 2, 180, "training")
+    for name in ("b", "c"):  # standbys, ready while the first kills come
+        outers[name] = start_outer(services, nats_server.url, job, f"outer-{name}", units)
     killed_holders: list[str] = []
     killed_names: list[str] = []
     for kill in range(kills):
-        if kill == kills // 2:
-            outers["b"] = start_outer(services, nats_server.url, job, "outer-b", units)
         # The leader is whichever live outer holds the lease and heartbeats now.
         leader = wait_for(
             lambda: current_leader(nats_server.url, job, outers),
             120,
             f"a leader before kill {kill}",
         )
-        status = outer_state(nats_server.url, job)
+        status = outer_status(nats_server.url, job)
+        assert status is not None
         if rng.random() < 0.3:
-            time.sleep(rng.uniform(0.0, 0.3))  # right after it took over: mid-restore, often
+            time.sleep(rng.uniform(0.0, 0.3))  # right after it took over
         else:
             time.sleep(rng.uniform(0.2, 3.0))
-        killed_holders.append(status["holder"])
+        killed_holders.append(status.holder)
         killed_names.append(leader)
         kill9(outers[leader])
         outers[leader] = start_outer(services, nats_server.url, job, f"outer-{leader}", units)
     # Let it run a little after the last kill, then stop the units (they flush what they have).
-    wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "leader")
+    wait_for(lambda: outer_running(nats_server.url, job), 120, "leader")
     books = stop_units_and_balance(services, learners, nats_server.url, job)
-    assert books["applied"] >= 10 and books["rejected"] == 0
-    status = outer_state(nats_server.url, job)
-    assert status["holder"] not in killed_holders
-    assert set(killed_names[kills // 2 :]) == {"a", "b"}, "a standby must have taken over"
-    assert status["epoch"] >= kills + 1  # every kill of a leader led to a new leadership epoch
-    assert status["version"] == status["merges"], "each merge must make exactly one version"
-    assert status["restored_from"]["kind"] == "checkpoint"
+    assert books.applied >= 10 and books.rejected == 0
+    status = outer_status(nats_server.url, job)
+    assert status is not None and status.holder not in killed_holders
+    assert len(set(killed_names)) >= 2, "standbys must have taken over"
+    assert status.epoch is not None
+    assert status.epoch >= kills + 1  # every kill of a leader led to a new leadership epoch
+    assert status.version == status.merges, "each merge must make exactly one version"
+    assert status.restored_from.kind == "checkpoint"
     assert_no_version_published_twice(recorder.stop())
     # Never two leaders: every outer that lost the lease exited with the lease-lost code, and
     # each process that was not killed by us is either the leader or a standby.
@@ -311,27 +332,25 @@ def test_replay_with_and_without_an_outer_crash_gives_bit_identical_params(
         if crash:
             for kill in range(2):
                 wait_for(
-                    lambda k=kill, j=job: (
-                        outer_state(nats_server.url, j).get("applied", 0) >= 15 + 30 * k
-                    ),
+                    lambda k=kill, j=job: outer_applied(nats_server.url, j) >= 15 + 30 * k,
                     120,
                     f"{job}: applied before kill {kill}",
                     interval_s=0.05,
                 )
-                assert outer_state(nats_server.url, job)["applied"] < count, "crash came too late"
+                assert outer_applied(nats_server.url, job) < count, "crash came too late"
                 kill9(outer)
                 outer = start_outer(
                     services, nats_server.url, job, f"outer-{job}-{kill}", 3, *one_at_a_time
                 )
         wait_for(
-            lambda j=job: outer_state(nats_server.url, j).get("applied") == count,
+            lambda j=job: outer_applied(nats_server.url, j) == count,
             180,
             f"{job}: every upload applied",
         )
-        status = outer_state(nats_server.url, job)
-        assert status["version"] == count and status["rejected"] == {}
+        status = outer_status(nats_server.url, job)
+        assert status is not None and status.version == count and status.rejected == {}
         if crash:
-            assert status["restored_from"]["kind"] == "checkpoint"
+            assert status.restored_from.kind == "checkpoint"
         results[job] = _final_params(nats_server.url, job)
         kill9(outer)
     a, b = results["replaya"], results["replayb"]
@@ -348,19 +367,19 @@ def test_nats_server_killed_and_restarted_mid_run(nats_server: NatsServer, servi
     job, units = "killnats", 2
     recorder = HeadRecorder(nats_server.url, job)
     start_outer(services, nats_server.url, job, "outer", units)
-    wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "outer")
+    wait_for(lambda: outer_running(nats_server.url, job), 120, "outer")
     learners = [
         start_learner(services, nats_server.url, job, u, units, tmp_path / "units", 600)
         for u in range(units)
     ]
-    wait_for(lambda: outer_state(nats_server.url, job).get("applied", 0) >= 4, 180, "training")
-    before = outer_state(nats_server.url, job)["applied"]
+    wait_for(lambda: outer_applied(nats_server.url, job) >= 4, 180, "training")
+    before = outer_applied(nats_server.url, job)
     nats_server.kill()
     time.sleep(3)  # services keep running: learners train, queue uploads and reconnect
     server = start_nats_server(nats_server.store_dir, port=nats_server.port)
     try:
         wait_for(
-            lambda: outer_state(server.url, job).get("applied", 0) > before + 4,
+            lambda: outer_applied(server.url, job) > before + 4,
             180,
             "training to go on after the restart",
         )
@@ -372,11 +391,12 @@ def test_nats_server_killed_and_restarted_mid_run(nats_server: NatsServer, servi
         for unit, status in statuses.items():
             # Every round the unit numbered was published (and so applied), or dropped from
             # its bounded queue during the outage and counted.
-            life = status["lifetime"]
-            accounted = books["per_unit"][unit]["published"] + life["dropped_unsent"]
-            assert accounted + life["rejected_local"] == status["next_round"], status
+            life = status.lifetime
+            accounted = books.per_unit[unit].published + life["dropped_unsent"]
+            assert accounted + life["rejected_local"] == status.next_round, status
         assert_no_version_published_twice(recorder.stop())
     finally:
+        services.stop_all()  # while their server still answers, so that they stop at once
         server.stop()
 
 
@@ -390,55 +410,63 @@ def test_killed_unit_does_not_stop_the_others_and_rejoins_within_30s(
     job, units = "killunit", 4
     ckpt = tmp_path / "units"
     start_outer(services, nats_server.url, job, "outer", units)
-    wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "outer")
+    wait_for(lambda: outer_running(nats_server.url, job), 120, "outer")
     learners = [
         start_learner(services, nats_server.url, job, u, units, ckpt, 100_000) for u in range(units)
     ]
     victim = 2
+
+    def victim_ledger() -> records.UnitLedger | None:
+        status = outer_status(nats_server.url, job)
+        return status.unit_ledger(victim) if status is not None else None
+
+    def version() -> int:
+        status = outer_status(nats_server.url, job)
+        return status.version if status is not None else 0
+
     wait_for(
-        lambda: (
-            outer_state(nats_server.url, job)
-            .get("units", {})
-            .get(str(victim), {})
-            .get("applied", 0)
-            >= 2
-        ),
+        lambda: (ledger := victim_ledger()) is not None and ledger.applied >= 2,
         180,
         "the victim unit to have two rounds applied",
     )
     kill9(learners[victim])
-    last_round = read_status(nats_server.url, job)[1][victim]["published_rounds"][-1][1]
-    version_at_kill = outer_state(nats_server.url, job)["version"]
+    killed = unit_status(nats_server.url, job, victim)
+    assert killed is not None
+    last_round = killed.published_rounds[-1][1]
+    version_at_kill = version()
     # The others go on without it.
     wait_for(
-        lambda: outer_state(nats_server.url, job)["version"] >= version_at_kill + 6,
+        lambda: version() >= version_at_kill + 6,
         120,
         "the global version to advance without the killed unit",
     )
     restarted_at = time.monotonic()
-    version_at_restart = outer_state(nats_server.url, job)["version"]
+    version_at_restart = version()
     learners[victim] = start_learner(services, nats_server.url, job, victim, units, ckpt, 100_000)
 
     def rejoined() -> bool:
-        status = read_status(nats_server.url, job)[1].get(victim, {})
+        status = unit_status(nats_server.url, job, victim)
         return (
-            status.get("state") == "running"
-            and status.get("restored_from_step") is not None
-            and sum(status.get("base_versions") or [0]) >= version_at_restart
+            status is not None
+            and status.state == "running"
+            and status.restored_from_step is not None
+            and sum(status.base_versions or [0]) >= version_at_restart
         )
 
     wait_for(rejoined, 30, "the restarted unit to train on the current version")
     print(f"rejoined after {time.monotonic() - restarted_at:.1f}s")
     wait_for(
-        lambda: outer_state(nats_server.url, job)["units"][str(victim)]["last_round"] > last_round,
+        lambda: (ledger := victim_ledger()) is not None and ledger.last_round > last_round,
         60,
         "a new round of the restarted unit to be applied",
     )
     books = stop_units_and_balance(services, learners, nats_server.url, job)
-    applied = outer_state(nats_server.url, job)["applied_rounds"][str(victim)]
+    final = outer_status(nats_server.url, job)
+    assert final is not None
+    applied = final.applied_rounds[victim]
     # Round numbers continue: nothing of the victim was applied twice and rounds after the
     # restart are numbered above the ones before it.
-    assert applied[-1][1] > last_round and books["per_unit"][victim]["missing"] == []
+    assert applied[-1][1] > last_round and books.per_unit[victim].missing == []
 
 
 # --------------------------------------------------------------------------- desired state
@@ -453,12 +481,12 @@ def test_paused_unit_stays_paused_through_restarts_of_gateway_outer_and_itself(
     needs an operator action and never resumes the unit."""
     import httpx
 
-    from shared.broker import free_port
+    from services.local.broker import free_port
 
     job, units = "keeppaused", 2
     ckpt = tmp_path / "units"
     port = free_port()
-    from tests.conftest import AUTH, GATEWAY_TOKEN
+    from tests.helpers import AUTH, GATEWAY_TOKEN
 
     gateway_args = ["gateway", "--nats-url", nats_server.url, "--job", job, "--port", str(port)]
     gateway_args += ["--token", GATEWAY_TOKEN]
@@ -473,8 +501,21 @@ def test_paused_unit_stays_paused_through_restarts_of_gateway_outer_and_itself(
             return None
         return next((u for u in response.json()["units"] if u["unit"] == unit), None)
 
-    def unit_status(unit: int) -> dict:
-        return read_status(nats_server.url, job)[1].get(unit, {})
+    def unit_state(unit: int) -> str | None:
+        status = unit_status(nats_server.url, job, unit)
+        return status.state if status is not None else None
+
+    def unit_step(unit: int) -> int:
+        status = unit_status(nats_server.url, job, unit)
+        return status.step if status is not None else 0
+
+    def restored_paused() -> bool:
+        status = unit_status(nats_server.url, job, 1)
+        return (
+            status is not None
+            and status.restored_from_step is not None
+            and status.state == "paused"
+        )
 
     outer = start_outer(services, nats_server.url, job, "outer", units)
     gateway = services.start("gateway", *gateway_args)
@@ -482,10 +523,15 @@ def test_paused_unit_stays_paused_through_restarts_of_gateway_outer_and_itself(
         start_learner(services, nats_server.url, job, u, units, ckpt, 100_000) for u in range(units)
     ]
     wait_for(
-        lambda: all(unit_status(u).get("published_rounds") for u in range(units)), 180, "uploads"
+        lambda: all(
+            (status := unit_status(nats_server.url, job, u)) is not None and status.published_rounds
+            for u in range(units)
+        ),
+        180,
+        "uploads",
     )
     assert client.post(f"/jobs/{job}/units/1/pause").status_code == 200
-    wait_for(lambda: unit_status(1).get("state") == "paused", 30, "unit 1 paused")
+    wait_for(lambda: unit_state(1) == "paused", 30, "unit 1 paused")
 
     kill9(gateway)
     gateway = services.start("gateway", *gateway_args)
@@ -494,27 +540,20 @@ def test_paused_unit_stays_paused_through_restarts_of_gateway_outer_and_itself(
 
     kill9(outer)
     outer = start_outer(services, nats_server.url, job, "outer", units)
-    wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "outer back")
+    wait_for(lambda: outer_running(nats_server.url, job), 120, "outer back")
 
-    step_at_kill = unit_status(1)["step"]
+    step_at_kill = unit_step(1)
     kill9(learners[1])
     learners[1] = start_learner(services, nats_server.url, job, 1, units, ckpt, 100_000)
-    wait_for(
-        lambda: (
-            unit_status(1).get("restored_from_step") is not None
-            and unit_status(1).get("state") == "paused"
-        ),
-        90,
-        "the restarted unit to come back paused",
-    )
-    step = unit_status(1)["step"]
+    wait_for(restored_paused, 90, "the restarted unit to come back paused")
+    step = unit_step(1)
     assert step <= step_at_kill
     time.sleep(4)
-    assert unit_status(1)["step"] == step and unit_status(1)["state"] == "paused"
-    assert unit_status(0)["state"] == "running"
+    assert unit_step(1) == step and unit_state(1) == "paused"
+    assert unit_state(0) == "running"
 
     assert client.post(f"/jobs/{job}/units/1/resume").status_code == 200
-    wait_for(lambda: unit_status(1).get("step", 0) > step + 5, 60, "unit 1 to train again")
+    wait_for(lambda: unit_step(1) > step + 5, 60, "unit 1 to train again")
 
 
 # --------------------------------------------------------------------------- poison messages
@@ -528,7 +567,7 @@ def test_poison_upload_is_dead_lettered_once_and_the_outer_goes_on(nats_server, 
     job = "poison"
     poison = b"\x93not an envelope" * 100
     start_outer(services, nats_server.url, job, "outer", 3)
-    wait_for(lambda: outer_state(nats_server.url, job).get("state") == "running", 120, "outer")
+    wait_for(lambda: outer_running(nats_server.url, job), 120, "outer")
 
     async def publish(blob: bytes, unit: int, round_: int) -> None:
         nc = await transport.connect(NatsSettings(nats_url=nats_server.url), "poisoner")
@@ -540,12 +579,15 @@ def test_poison_upload_is_dead_lettered_once_and_the_outer_goes_on(nats_server, 
 
     asyncio.run(publish(poison, 0, 0))
     wait_for(
-        lambda: outer_state(nats_server.url, job).get("rejected") == {"bad_envelope": 1},
+        lambda: (
+            (status := outer_status(nats_server.url, job)) is not None
+            and status.rejected == {"bad_envelope": 1}
+        ),
         60,
         "the poison upload to be rejected",
     )
     asyncio.run(publish(_upload_blob(job, 1, 0, base=0, seed=1), 1, 0))
-    wait_for(lambda: outer_state(nats_server.url, job).get("applied") == 1, 60, "a good upload")
+    wait_for(lambda: outer_applied(nats_server.url, job) == 1, 60, "a good upload")
 
     async def dead_letters() -> tuple[list, int]:
         nc = await transport.connect(NatsSettings(nats_url=nats_server.url), "dead-reader")
@@ -563,7 +605,6 @@ def test_poison_upload_is_dead_lettered_once_and_the_outer_goes_on(nats_server, 
     assert b"".join(m.data for m in msgs) == poison
     assert all("bad_envelope" in m.headers["Diloco-Reason"] for m in msgs)
     assert {m.headers["Diloco-Subject"] for m in msgs} == {subjects.grads_subject(job, 0)}
-    status = outer_state(nats_server.url, job)
-    assert status["rejected_rounds"] == {"0": [[0, 0]]} and status["applied_rounds"] == {
-        "1": [[0, 0]]
-    }
+    status = outer_status(nats_server.url, job)
+    assert status is not None
+    assert status.rejected_rounds == {0: [(0, 0)]} and status.applied_rounds == {1: [(0, 0)]}

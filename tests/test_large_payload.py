@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 
 import numpy as np
 import pytest
@@ -75,8 +74,6 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
         assert info.state.messages == sent
 
         sub = await service.subscribe(js)
-        reassembler = wire.Reassembler(max_upload_bytes=1 << 30, max_pending_uploads=4)
-        chunk_msgs = collections.defaultdict(list)
         before = service.core.full_params()
         sizes = []
         while service.ledger.applied == 0:
@@ -84,7 +81,7 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
             sizes += [
                 len(m.data) + sum(len(k) + len(v) for k, v in m.headers.items()) for m in msgs
             ]
-            await service.process(js, msgs, reassembler, chunk_msgs)
+            assert await service.intake.take(msgs) == 0
             await service.merge_due(now=float("inf"))
         await nc.close()
         return before, max_payload, sizes

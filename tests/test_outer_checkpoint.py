@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import jax
+import msgpack
 import numpy as np
 import pytest
 
@@ -16,6 +17,7 @@ from services.outer.policy import Arrival
 from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
 from shared import model, pytree, subjects, transport
+from shared.records import CheckpointPointer, EvalPoint, EvaluationRecord, LedgerRecord, UnitLedger
 from shared.settings import NatsSettings
 
 
@@ -59,15 +61,22 @@ def test_snapshot_round_trip_continues_bit_identically(fragments: int) -> None:
     for i in range(5):  # past a Delayed Nesterov momentum step (every 2 arrivals)
         _step(original, i % 2, i, seed=i)
     versions, params, leaves = original.export_state()
+    ledger = LedgerRecord(
+        applied=5,
+        units={0: UnitLedger(applied=3, last_round=4), 1: UnitLedger(applied=2, last_round=3)},
+        staleness={0: 5},
+        applied_rounds={0: [(0, 0), (2, 2), (4, 4)], 1: [(1, 1), (3, 3)]},
+    )
+    evaluation = EvaluationRecord(history=[EvalPoint(version=0, tokens=0, nats_per_byte=5.5)])
     blob = checkpoint.dumps(
-        checkpoint.OuterSnapshot("j", "tiny", versions, params, leaves, {"x": 1})
+        checkpoint.OuterSnapshot("j", "tiny", versions, params, leaves, ledger, evaluation)
     )
     snapshot = checkpoint.loads(blob)
     restored = _core(
         seed=7, fragments=fragments
     )  # different init: everything must come from the blob
     restored.import_state(snapshot.versions, snapshot.params, snapshot.opt_leaves)
-    assert snapshot.ledger == {"x": 1}
+    assert snapshot.ledger == ledger and snapshot.evaluation == evaluation
     for i in range(5, 8):
         _step(original, i % 2, i, seed=i)
         _step(restored, i % 2, i, seed=i)
@@ -96,6 +105,22 @@ def test_bad_checkpoints_are_refused() -> None:
         core.import_state(snapshot.versions, snapshot.params, snapshot.opt_leaves)
 
 
+def test_a_checkpoint_with_malformed_books_is_refused() -> None:
+    """The ledger and evaluation parts are validated on load, like every other record."""
+    core = _core()
+    body = msgpack.unpackb(
+        checkpoint.dumps(checkpoint.OuterSnapshot("j", "tiny", *core.export_state())), raw=False
+    )
+    for part, bad in (
+        ("ledger", {"applied": -1}),
+        ("ledger", {"applied_rounds": {"0": [[3, "x"]]}}),
+        ("evaluation", {"history": [[0, 0, 5.5]]}),
+        ("evaluation", "not a record"),
+    ):
+        with pytest.raises(checkpoint.CheckpointError, match=part):
+            checkpoint.loads(msgpack.packb({**body, part: bad}, use_bin_type=True))
+
+
 async def _connect(url: str):
     nc = await transport.connect(NatsSettings(nats_url=url), "test")
     js = nc.jetstream()
@@ -112,20 +137,18 @@ def test_store_reads_what_it_wrote_and_detects_torn_or_corrupt(nats_server) -> N
             pointer = await store.write(blob, epoch=1, seq=1, slot=0, versions=[3])
             assert pointer.chunks == 3
             assert await store.read(pointer) == blob
-            again = checkpoint.Pointer.from_dict(pointer.to_dict())
+            again = CheckpointPointer.model_validate_json(pointer.model_dump_json())
             assert await store.read(again) == blob
             # Another checkpoint overwrote the slot: the old pointer sees chunks of another id.
             await store.write(blob[::-1], epoch=1, seq=2, slot=0, versions=[4])
             with pytest.raises(checkpoint.CheckpointError, match="belongs to"):
                 await store.read(pointer)
             newer = await store.write(blob, epoch=1, seq=3, slot=1, versions=[5])
-            bad_crc = checkpoint.Pointer(**{**newer.to_dict(), "crc": newer.crc ^ 1})
+            bad_crc = newer.model_copy(update={"crc": newer.crc ^ 1})
             with pytest.raises(checkpoint.CheckpointError, match="CRC"):
                 await store.read(bad_crc)
             with pytest.raises(checkpoint.CheckpointError, match="missing"):
-                await store.read(checkpoint.Pointer(**{**newer.to_dict(), "epoch": 9}))
-            with pytest.raises(checkpoint.CheckpointError):
-                checkpoint.Pointer.from_dict({"id": "x"})
+                await store.read(newer.model_copy(update={"epoch": 9}))
             await store.write(blob, epoch=2, seq=1, slot=0, versions=[6])
             await store.purge_epochs_before(2)
             with pytest.raises(checkpoint.CheckpointError, match="missing"):
@@ -136,16 +159,21 @@ def test_store_reads_what_it_wrote_and_detects_torn_or_corrupt(nats_server) -> N
     asyncio.run(scenario())
 
 
+def _pointer(name: str) -> CheckpointPointer:
+    return CheckpointPointer(id=name, epoch=1, slot=0, chunks=1, size=0, crc=0, versions=[0])
+
+
 def test_lease_one_holder_takeover_and_fencing(nats_server) -> None:
     async def scenario() -> None:
         nc, js = await _connect(nats_server.url)
         try:
             kv = await js.key_value(subjects.OUTER_BUCKET)
+            p1, p2 = _pointer("p1"), _pointer("p2")
             a = Lease(kv, "jobL", "a", lease_s=1.0)
             b = Lease(kv, "jobL", "b", lease_s=1.0)
             assert await a.acquire(lambda: False, lambda holder: None)
             assert a.epoch == 1 and a.pointer is None
-            await a.commit({"id": "p1"})
+            await a.commit(p1)
             # While a renews, b only waits (and learns who leads).
             seen: list[str] = []
             stop_b = asyncio.Event()
@@ -156,18 +184,18 @@ def test_lease_one_holder_takeover_and_fencing(nats_server) -> None:
             assert not waiter.done() and seen and seen[-1] == "a"
             # a goes silent: b takes over after lease_s, keeping the committed pointer.
             assert await asyncio.wait_for(waiter, timeout=5)
-            assert b.epoch == 2 and b.pointer == {"id": "p1"}
+            assert b.epoch == 2 and b.pointer == p1
             with pytest.raises(LeaseLost):
-                await a.commit({"id": "zombie"})
+                await a.commit(_pointer("zombie"))
             with pytest.raises(LeaseLost):
                 await a.renew()
-            await b.commit({"id": "p2"})
+            await b.commit(p2)
             # A clean release is taken over at once.
             await b.release()
             c = Lease(kv, "jobL", "c", lease_s=60.0)
             started = time.monotonic()
             assert await c.acquire(lambda: False, lambda holder: None)
-            assert time.monotonic() - started < 5 and c.epoch == 3 and c.pointer == {"id": "p2"}
+            assert time.monotonic() - started < 5 and c.epoch == 3 and c.pointer == p2
             stop_b.set()
         finally:
             await nc.close()
@@ -178,9 +206,8 @@ def test_lease_one_holder_takeover_and_fencing(nats_server) -> None:
 @pytest.mark.timeout(300)
 def test_a_leader_that_never_committed_keeps_the_checkpoint_it_restored(nats_server, tmp_path):
     """Leader 1 commits a checkpoint; leader 2 restores it and stops before it has anything
-    new to commit; leader 3 must still find that checkpoint. Leader 2 once deleted every
-    older epoch's chunks at start-up, the restored checkpoint's included, which left leader
-    3 a pointer to nothing (found by the outer-kill test)."""
+    new to commit; leader 3 must still find that checkpoint (leader 2 must not delete the
+    older epoch's chunks that the committed pointer names)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(256)) * 40)
     settings = OuterSettings(
@@ -190,7 +217,7 @@ def test_a_leader_that_never_committed_keeps_the_checkpoint_it_restored(nats_ser
     async def lead_then_stop() -> OuterService:
         service = OuterService(settings, asyncio.Event())
         run = asyncio.create_task(service.run())
-        while service.state_name != "running":
+        while service.state != "running":
             assert not run.done(), run.exception()
             await asyncio.sleep(0.05)
         service.stop.set()
@@ -198,9 +225,11 @@ def test_a_leader_that_never_committed_keeps_the_checkpoint_it_restored(nats_ser
         return service
 
     first = asyncio.run(lead_then_stop())
-    assert first.checkpoints == 1  # a new job's state is committed right away
     second = asyncio.run(lead_then_stop())
-    assert second.restored_from["kind"] == "checkpoint" and second.checkpoints == 0
+    assert first.progress.checkpoints == 1  # a new job's state is committed right away
+    assert second.progress.restored_from.kind == "checkpoint"
+    assert second.progress.checkpoints == 0
     third = asyncio.run(lead_then_stop())
-    assert third.restored_from == second.restored_from  # the same checkpoint, still there
+    # The same checkpoint, still there.
+    assert third.progress.restored_from == second.progress.restored_from
     assert third.lease.epoch == 3

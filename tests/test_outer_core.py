@@ -186,8 +186,8 @@ def test_the_outer_event_loop_keeps_running_while_a_merge_is_slow(tmp_path, monk
 
     monkeypatch.setattr(service.core, "merge", slow_merge)
     zeros = {k: np.zeros(v.shape, np.float32) for k, v in service.core.fragments[0].params.items()}
-    service.core.offer(0, dataclasses.replace(arrival(0, zeros), context=([], 3.0)))
-    service.accepted_uploads.add("u0r0")
+    service.core.offer(0, dataclasses.replace(arrival(0, zeros), messages=[], train_loss=3.0))
+    service.intake.buffered.add("u0r0")
 
     async def scenario():
         ticks = 0
@@ -208,4 +208,5 @@ def test_the_outer_event_loop_keeps_running_while_a_merge_is_slow(tmp_path, monk
     assert [r.version for r in results] == [1]
     assert ticks >= 5, ticks  # the loop ran during the 1.5 s merge (~30 ticks; 0 if blocked)
     assert service.ledger.applied == 1 and service.ledger.merges == 1
-    assert service.accepted_uploads == set()
+    assert service.ledger.units[0].last_train_loss == 3.0
+    assert service.intake.buffered == set()

@@ -10,12 +10,13 @@ that uses them is checkpointed, so JetStream holds them, and a restarted outer g
 **Where** (see :class:`CheckpointStore`): the blob is split into chunks on
 ``diloco.J.ckpt.<epoch>.<slot>.chunk.<i>`` in the ``DILOCO_CKPT`` stream (file storage, one
 message per subject), alternating between two slots so that the slot being written is never
-the one the pointer names. The *pointer* — which slot, how many chunks, the CRC-32, the
-versions — lives in the outer's lease record (``services/outer/lease.py``) and is replaced with
-a compare-and-set on that record's revision. Writing the pointer is the commit: a crash at any
-moment leaves either the old pointer with its intact slot or the new one. A deposed leader's
-compare-and-set fails (fencing), and every leadership epoch writes its own subjects, so a
-deposed leader still writing chunks cannot tear its successor's checkpoint.
+the one the pointer names. The *pointer* (``shared.records.CheckpointPointer``: which slot, how
+many chunks, the CRC-32, the versions) lives in the outer's lease record
+(``services/outer/lease.py``) and is replaced with a compare-and-set on that record's
+revision. Writing the pointer is the commit: a crash at any moment leaves either the old
+pointer with its intact slot or the new one. A deposed leader's compare-and-set fails
+(fencing), and every leadership epoch writes its own subjects, so a deposed leader still
+writing chunks cannot tear its successor's checkpoint.
 """
 
 from __future__ import annotations
@@ -25,9 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import nats.errors
+import nats.js.errors
 import numpy as np
+from pydantic import ValidationError
 
 from shared import subjects
+from shared.records import CheckpointPointer, EvaluationRecord, LedgerRecord, R
 from shared.transport import TransportError, publish_blob
 from shared.wire import Reassembler, WireError, parse_chunk_headers
 
@@ -49,8 +54,8 @@ class OuterSnapshot:
         params: Per fragment, piece name -> float32 array.
         opt_leaves: Per fragment, the leaves of the outer optimizer state pytree, in
             ``jax.tree_util`` order (the tree structure comes from the optimizer itself).
-        ledger: The outer's counters (JSON-ready dict; see ``OuterLedger.to_dict``).
-        evaluation: ``{"init": ..., "last": ..., "history": [...]}``.
+        ledger: The outer's books (``services/outer/ledger.py``).
+        evaluation: Its held-out evaluations.
     """
 
     job: str
@@ -58,8 +63,8 @@ class OuterSnapshot:
     versions: list[int]
     params: list[dict[str, np.ndarray]]
     opt_leaves: list[list[np.ndarray]]
-    ledger: dict[str, Any] = field(default_factory=dict)
-    evaluation: dict[str, Any] = field(default_factory=dict)
+    ledger: LedgerRecord = field(default_factory=LedgerRecord)
+    evaluation: EvaluationRecord = field(default_factory=EvaluationRecord)
 
 
 def _pack_array(array: Any) -> dict[str, Any]:
@@ -86,8 +91,8 @@ def dumps(snapshot: OuterSnapshot) -> bytes:
         "versions": [int(v) for v in snapshot.versions],
         "params": [{k: _pack_array(v) for k, v in p.items()} for p in snapshot.params],
         "opt_leaves": [[_pack_array(leaf) for leaf in leaves] for leaves in snapshot.opt_leaves],
-        "ledger": snapshot.ledger,
-        "evaluation": snapshot.evaluation,
+        "ledger": snapshot.ledger.model_dump(mode="json"),
+        "evaluation": snapshot.evaluation.model_dump(mode="json"),
     }
     return msgpack.packb(body, use_bin_type=True)
 
@@ -104,6 +109,8 @@ def loads(blob: bytes) -> OuterSnapshot:
         raise CheckpointError(f"checkpoint is not valid msgpack: {exc}") from exc
     if not isinstance(body, dict) or body.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint format is not {FORMAT}")
+    ledger = _part(LedgerRecord, body, "ledger")
+    evaluation = _part(EvaluationRecord, body, "evaluation")
     try:
         return OuterSnapshot(
             job=str(body["job"]),
@@ -111,58 +118,28 @@ def loads(blob: bytes) -> OuterSnapshot:
             versions=[int(v) for v in body["versions"]],
             params=[{k: _unpack_array(v) for k, v in p.items()} for p in body["params"]],
             opt_leaves=[[_unpack_array(leaf) for leaf in leaves] for leaves in body["opt_leaves"]],
-            ledger=dict(body["ledger"]),
-            evaluation=dict(body["evaluation"]),
+            ledger=ledger,
+            evaluation=evaluation,
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint is missing or has a malformed field: {exc}") from exc
 
 
-@dataclass(frozen=True)
-class Pointer:
-    """Where the committed checkpoint lies (stored in the lease record)."""
+def _part(model: type[R], body: dict[str, Any], key: str) -> R:
+    """The record under ``key`` of a checkpoint body, validated."""
+    try:
+        return model.model_validate(body[key])
+    except (KeyError, ValidationError) as exc:
+        raise CheckpointError(f"checkpoint {key} does not fit {model.__name__}: {exc}") from exc
 
-    id: str
-    epoch: int
-    slot: int
-    chunks: int
-    size: int
-    crc: int
-    versions: list[int]
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "epoch": self.epoch,
-            "slot": self.slot,
-            "chunks": self.chunks,
-            "size": self.size,
-            "crc": self.crc,
-            "versions": self.versions,
-        }
+def checkpoint_id(job: str, epoch: int, seq: int) -> str:
+    """The id of the ``seq``-th checkpoint of leadership ``epoch`` (its chunks' upload id).
 
-    @classmethod
-    def from_dict(cls, value: Any) -> Pointer:
-        """Parse a pointer.
-
-        Raises:
-            CheckpointError: for a malformed pointer.
-        """
-        try:
-            pointer = cls(
-                id=str(value["id"]),
-                epoch=int(value["epoch"]),
-                slot=int(value["slot"]),
-                chunks=int(value["chunks"]),
-                size=int(value["size"]),
-                crc=int(value["crc"]),
-                versions=[int(v) for v in value["versions"]],
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"malformed checkpoint pointer {value!r:.200}") from exc
-        if pointer.slot not in (0, 1) or pointer.chunks < 1 or pointer.size < 0:
-            raise CheckpointError(f"malformed checkpoint pointer {value!r:.200}")
-        return pointer
+    Every leadership has an epoch of its own, so numbering each one's checkpoints from 1
+    keeps the ids unique.
+    """
+    return f"{job}.ckpt.e{epoch}.s{seq}"
 
 
 class CheckpointStore:
@@ -176,23 +153,31 @@ class CheckpointStore:
 
     async def write(
         self, blob: bytes, epoch: int, seq: int, slot: int, versions: list[int]
-    ) -> Pointer:
+    ) -> CheckpointPointer:
         """Store ``blob`` in ``slot`` of ``epoch``; returns the pointer that would commit it.
 
         Raises:
             TransportError: when the chunks cannot be stored.
         """
-        checkpoint_id = f"{self.job}.ckpt.e{epoch}.s{seq}"
+        name = checkpoint_id(self.job, epoch, seq)
         count = await publish_blob(
             self.js,
             lambda i: subjects.checkpoint_chunk_subject(self.job, epoch, slot, i),
             blob,
-            checkpoint_id,
+            name,
             self.chunk_size,
         )
-        return Pointer(checkpoint_id, epoch, slot, count, len(blob), zlib.crc32(blob), versions)
+        return CheckpointPointer(
+            id=name,
+            epoch=epoch,
+            slot=slot,
+            chunks=count,
+            size=len(blob),
+            crc=zlib.crc32(blob),
+            versions=versions,
+        )
 
-    async def read(self, pointer: Pointer) -> bytes:
+    async def read(self, pointer: CheckpointPointer) -> bytes:
         """The blob a pointer names, checked against its id, size and CRC.
 
         Raises:
@@ -201,8 +186,6 @@ class CheckpointStore:
         """
         if pointer.size > self.max_bytes:
             raise CheckpointError(f"checkpoint of {pointer.size} bytes exceeds {self.max_bytes}")
-        import nats.js.errors
-
         reassembler = Reassembler(max_upload_bytes=max(1, pointer.size), max_pending_uploads=1)
         blob: bytes | None = b"" if pointer.size == 0 else None
         for index in range(pointer.chunks):
@@ -228,8 +211,6 @@ class CheckpointStore:
 
     async def purge_epochs_before(self, epoch: int) -> None:
         """Delete the chunks of older leadership epochs (best effort)."""
-        import nats.errors
-
         info = await self.js.stream_info(
             subjects.CKPT_STREAM, subjects_filter=subjects.checkpoint_filter(self.job)
         )
@@ -252,8 +233,8 @@ __all__ = [
     "CheckpointError",
     "CheckpointStore",
     "OuterSnapshot",
-    "Pointer",
     "TransportError",
+    "checkpoint_id",
     "dumps",
     "loads",
 ]

@@ -85,6 +85,15 @@ class MergeResult:
 
 
 @dataclass
+class _UnitSum:
+    """One unit's arrivals in a merge: their staleness-weighted sum, tokens and inner steps."""
+
+    update: Any = None
+    tokens: int = 0
+    steps: int = 0
+
+
+@dataclass
 class _Fragment:
     params: dict[str, jax.Array]
     opt_state: Any
@@ -251,20 +260,22 @@ class OuterCore:
         # ended), so they are summed per unit first — each with its own staleness weight — and
         # only then averaged across units. Averaging them instead would shrink a unit's progress
         # whenever a backlog of its uploads is merged at once.
-        per_unit: dict[int, list[Any]] = {}
+        per_unit: dict[int, _UnitSum] = {}
         for arr, s in zip(arrivals, staleness, strict=True):
             scale = float(a.staleness.weight(s))
             scaled = jax.tree_util.tree_map(lambda x, c=scale: x * c, arr.pseudo_grad)
-            entry = per_unit.setdefault(arr.unit, [None, 0, 0])
-            entry[0] = (
-                scaled if entry[0] is None else jax.tree_util.tree_map(jnp.add, entry[0], scaled)
+            entry = per_unit.setdefault(arr.unit, _UnitSum())
+            entry.update = (
+                scaled
+                if entry.update is None
+                else jax.tree_util.tree_map(jnp.add, entry.update, scaled)
             )
-            entry[1] += arr.tokens
-            entry[2] += max(1, arr.inner_steps)
-        updates = [entry[0] for entry in per_unit.values()]
+            entry.tokens += arr.tokens
+            entry.steps += max(1, arr.inner_steps)
+        updates = [entry.update for entry in per_unit.values()]
         weights = [
-            merge.token_weight(a.token_weighting, tokens, steps)
-            for _, tokens, steps in per_unit.values()
+            merge.token_weight(a.token_weighting, entry.tokens, entry.steps)
+            for entry in per_unit.values()
         ]
         merged = merge.combine(a.combine, updates, weights, [1.0] * len(updates))
         if a.participation_scale and a.optimizer != "delayed_nesterov":

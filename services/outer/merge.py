@@ -1,6 +1,6 @@
 """Combining several pseudo-gradients into one: token weights, weighted and radial averaging.
 
-Decoupled DiLoCo (arXiv 2604.21428, §3.2 as relayed in research/algorithms.md §1.3) weights a
+Decoupled DiLoCo (arXiv 2604.21428, §3.2; docs/ALGORITHMS.md, "Outer") weights a
 learner's update by w = tokens · (tokens / steps) = tokens² / steps ("quantity × quality") and
 merges with **radial-directional averaging** (RDA): norms and directions are averaged
 separately, so the merged update does not shrink like 1/√M when updates are nearly orthogonal:
@@ -21,8 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-TOKEN_WEIGHTINGS = ("uniform", "tokens", "tokens2_per_step")
-COMBINES = ("weighted", "rda")
+from shared.outer_choices import COMBINES, TOKEN_WEIGHTINGS
+
 _EPS = 1e-12
 
 

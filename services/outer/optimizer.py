@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-OPTIMIZERS = ("sgd", "nesterov", "delayed_nesterov")
+from shared.outer_choices import OPTIMIZERS
 
 
 class DelayedNesterovState(NamedTuple):

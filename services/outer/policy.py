@@ -2,8 +2,8 @@
 
 Decoupled DiLoCo's syncer merges a fragment once at least K learners have reported (minimum
 quorum; K = 1 means progress never stops), then may wait a little longer inside an **adaptive
-grace window** to bring in more learners when that costs little (arXiv 2604.21428 via
-research/algorithms.md §1.2, §1.4). Our window is derived from observed arrival times:
+grace window** to bring in more learners when that costs little (arXiv 2604.21428;
+docs/ALGORITHMS.md, "Outer"). Our window is derived from observed arrival times:
 
 * each unit's upload interval is tracked (exponential moving average); units that uploaded
   within the last three median intervals are *active*;
@@ -22,14 +22,27 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-POLICIES = ("each", "quorum")
+from shared.outer_choices import POLICIES
+
 ACTIVE_INTERVALS = 3.0
 _EMA = 0.5
 
 
 @dataclass
 class Arrival:
-    """One validated pseudo-gradient waiting to be merged."""
+    """One validated pseudo-gradient waiting to be merged.
+
+    Attributes:
+        unit, round: Who sent it, and its per-unit round number.
+        base_version: The fragment's version it was computed against.
+        inner_steps, tokens: The work behind it (token weights).
+        pseudo_grad: ``{piece name: array}`` of its fragment.
+        arrived_at: When it arrived, on the caller's clock (wall or simulated).
+        upload: Its upload id (``shared.wire.upload_id``).
+        train_loss: The mean train loss its unit reported (a report, not an input to the math).
+        messages: The transport's handles of its messages (to acknowledge once the merge that
+            uses it is committed); opaque here.
+    """
 
     unit: int
     round: int
@@ -39,7 +52,8 @@ class Arrival:
     pseudo_grad: Any
     arrived_at: float
     upload: str = ""
-    context: Any = None  # transport handle (e.g. the NATS messages to ack); opaque here
+    train_loss: float | None = None
+    messages: Any = None
 
 
 @dataclass

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.outer.core import OuterAlgorithm
-from services.outer.staleness import StalenessRule
+from shared.outer_choices import (
+    CombineName,
+    MergePolicyName,
+    OuterOptimizerName,
+    StalenessRuleName,
+    TokenWeightingName,
+)
 from shared.settings import ENV_PREFIX, JobSettings
+
+if TYPE_CHECKING:
+    from services.outer.core import OuterAlgorithm
 
 
 class OuterAlgorithmSettings(BaseSettings):
@@ -15,7 +25,7 @@ class OuterAlgorithmSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
-    outer_optimizer: str = Field(
+    outer_optimizer: OuterOptimizerName = Field(
         "delayed_nesterov", description="outer optimizer: sgd, nesterov or delayed_nesterov"
     )
     outer_lr: float = Field(0.7, gt=0, le=10, description="outer learning rate")
@@ -26,7 +36,7 @@ class OuterAlgorithmSettings(BaseSettings):
         le=1024,
         description="Delayed Nesterov: arrivals per momentum update (N; 0 = number of units)",
     )
-    merge_policy: str = Field(
+    merge_policy: MergePolicyName = Field(
         "each", description="each (apply every arrival alone) or quorum (quorum + grace window)"
     )
     min_quorum: int = Field(1, ge=1, le=1024, description="arrivals needed before a merge (K)")
@@ -35,11 +45,11 @@ class OuterAlgorithmSettings(BaseSettings):
     )
     grace_min_s: float = Field(0.0, ge=0, description="shortest grace window, seconds")
     grace_max_s: float = Field(30.0, ge=0, description="longest grace window, seconds")
-    combine: str = Field("weighted", description="merge: weighted (average) or rda")
-    token_weighting: str = Field(
+    combine: CombineName = Field("weighted", description="merge: weighted (average) or rda")
+    token_weighting: TokenWeightingName = Field(
         "tokens2_per_step", description="update weight by work: uniform, tokens or tokens2_per_step"
     )
-    staleness_rule: str = Field(
+    staleness_rule: StalenessRuleName = Field(
         "polynomial", description="staleness weight: constant, polynomial, hinge or exponential"
     )
     staleness_a: float = Field(0.5, ge=0, le=100, description="staleness exponent/slope/rate a")
@@ -54,7 +64,10 @@ class OuterAlgorithmSettings(BaseSettings):
     )
 
     def algorithm(self, num_units: int = 1, fragments: int = 1) -> OuterAlgorithm:
-        """The validated algorithm these settings describe."""
+        """The algorithm these settings describe (imports the outer's JAX code)."""
+        from services.outer.core import OuterAlgorithm
+        from services.outer.staleness import StalenessRule
+
         return OuterAlgorithm(
             optimizer=self.outer_optimizer,
             lr=self.outer_lr,
@@ -76,8 +89,9 @@ class OuterAlgorithmSettings(BaseSettings):
         )
 
     @model_validator(mode="after")
-    def _check_algorithm(self) -> OuterAlgorithmSettings:
-        self.algorithm()  # raises ValueError with the reason
+    def _check_grace(self) -> OuterAlgorithmSettings:
+        if self.grace_min_s > self.grace_max_s:
+            raise ValueError(f"grace-min-s {self.grace_min_s} > grace-max-s {self.grace_max_s}")
         return self
 
 

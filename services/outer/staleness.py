@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 
-RULES = ("constant", "polynomial", "hinge", "exponential")
+from shared.outer_choices import STALENESS_RULES
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class StalenessRule:
     """A staleness weighting rule and its cut-off.
 
     Attributes:
-        rule: one of ``RULES``.
+        rule: one of ``STALENESS_RULES``.
         a: exponent (polynomial), slope (hinge) or rate (exponential).
         b: hinge point: updates at most this stale keep full weight.
         max_staleness: drop updates staler than this; None keeps every update.
@@ -38,8 +38,8 @@ class StalenessRule:
     max_staleness: int | None = None
 
     def __post_init__(self) -> None:
-        if self.rule not in RULES:
-            raise ValueError(f"staleness rule must be one of {RULES}, got {self.rule!r}")
+        if self.rule not in STALENESS_RULES:
+            raise ValueError(f"staleness rule must be one of {STALENESS_RULES}, got {self.rule!r}")
         if self.a < 0 or self.b < 0:
             raise ValueError(f"staleness a and b must be >= 0, got a={self.a}, b={self.b}")
         if self.max_staleness is not None and self.max_staleness < 0:

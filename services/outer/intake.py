@@ -1,0 +1,155 @@
+"""Intake: fetched chunk messages in, validated arrivals offered to the core out.
+
+For each chunk message, in order:
+
+1. its headers are parsed (``bad_chunk_header`` if they cannot be);
+2. an upload the books already hold is not taken again: a chunk of an applied upload (a
+   redelivery after a crash, or a retry) is acknowledged and counted as ``deduplicated``; one
+   of a rejected upload is dead-lettered and terminated; one of an upload buffered in the core
+   waits for that upload's merge;
+3. the chunk joins its upload (``bad_chunk`` if it does not fit; an upload evicted before it
+   was complete is ``incomplete_upload``);
+4. a complete upload is validated (``validation.py``) and offered to the core (which may
+   still reject it as too stale or from the future).
+
+A rejected upload is counted in the books at once; its messages are dead-lettered and
+terminated only after the rejection is committed (``publishing.DeadLetters``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import nats.errors
+
+from services.outer.core import OuterCore, Rejected
+from services.outer.ledger import OuterLedger
+from services.outer.policy import Arrival
+from services.outer.publishing import DeadLetters
+from services.outer.validation import UploadRules, validate
+from shared import wire
+
+log = logging.getLogger(__name__)
+
+
+class Intake:
+    """Reassembles, deduplicates and validates one job's uploads and offers them to the core.
+
+    Attributes:
+        buffered: Ids of the uploads accepted and waiting in the core for a merge.
+    """
+
+    def __init__(
+        self,
+        rules: UploadRules,
+        core: OuterCore,
+        ledger: OuterLedger,
+        dead_letters: DeadLetters,
+        max_pending_uploads: int,
+    ) -> None:
+        self.rules = rules
+        self.core = core
+        self.ledger = ledger
+        self.dead_letters = dead_letters
+        self.reassembler = wire.Reassembler(
+            max_upload_bytes=rules.max_upload_bytes, max_pending_uploads=max_pending_uploads
+        )
+        self.buffered: set[str] = set()
+        self._rejected_uploads: set[str] = set()
+        self._chunks: dict[str, list[Any]] = collections.defaultdict(list)
+        self._evictions_seen = 0
+        self._rejections = 0
+
+    async def take(self, messages: Iterable[Any]) -> int:
+        """Take a fetched batch of chunk messages (see the module docstring).
+
+        Returns:
+            How many uploads (or chunks) it rejected: the books changed and need a commit
+            before their messages are dead-lettered.
+        """
+        rejections = self._rejections
+        for msg in messages:
+            try:
+                info = wire.parse_chunk_headers(msg.headers)
+            except wire.WireError as err:
+                self._reject([msg], Rejected("bad_chunk_header", str(err)), None)
+                continue
+            done = self._done(info.upload)
+            if done == "applied":
+                self.ledger.deduplicated += 1
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.ack()
+                continue
+            if done == "rejected" or info.upload in self._rejected_uploads:
+                # Deduplicated on the dead-letter subject by message id.
+                self.dead_letters.add([msg], "chunk of an upload rejected earlier")
+                continue
+            if info.upload in self.buffered:
+                continue  # acknowledged with the rest of its upload once merged
+            self._chunks[info.upload].append(msg)
+            try:
+                blob = self.reassembler.add(info, msg.data)
+            except wire.WireError as err:
+                self.reassembler.discard(info.upload)
+                upload_msgs = self._chunks.pop(info.upload)
+                self._reject(upload_msgs, Rejected("bad_chunk", str(err)), info.upload)
+                continue
+            for evicted in self._drain_evicted():
+                detail = f"{evicted} evicted before completion"
+                upload_msgs = self._chunks.pop(evicted, [])
+                self._reject(upload_msgs, Rejected("incomplete_upload", detail), evicted)
+            if blob is not None:
+                self._offer(info.upload, msg.subject, blob, self._chunks.pop(info.upload))
+        return self._rejections - rejections
+
+    def merged(self, arrivals: Iterable[Arrival]) -> None:
+        """Forget the uploads a merge used (their messages are acknowledged after the commit)."""
+        for arrival in arrivals:
+            self.buffered.discard(arrival.upload)
+
+    def _reject(self, messages: list[Any], rejected: Rejected, upload: str | None) -> None:
+        """Count a bad upload (or chunk) by reason and queue its messages for dead-lettering."""
+        log.warning("rejected upload: %s", rejected)
+        self._rejections += 1
+        unit_round = None
+        if upload is not None:
+            self._rejected_uploads.add(upload)
+            with contextlib.suppress(wire.WireError):
+                job, unit, round_, _ = wire.parse_upload_id(upload)
+                if job == self.rules.job and unit >= 0:
+                    unit_round = (unit, round_)
+        self.ledger.reject(rejected.reason, unit_round)
+        self.dead_letters.add(messages, str(rejected))
+
+    def _offer(self, upload: str, subject: str, blob: bytes, messages: list[Any]) -> None:
+        try:
+            valid = validate(
+                upload, subject, blob, self.rules, arrived_at=time.monotonic(), messages=messages
+            )
+            self.core.offer(valid.fragment, valid.arrival)
+        except Rejected as rejected:
+            self._reject(messages, rejected, upload)
+            return
+        self.ledger.accept(valid.codec, valid.payload_bytes)
+        self.buffered.add(upload)
+
+    def _done(self, upload: str) -> str | None:
+        """Whether an upload of this job was applied or rejected before (by its id)."""
+        try:
+            job, unit, round_, _ = wire.parse_upload_id(upload)
+        except wire.WireError:
+            return None
+        if job != self.rules.job:
+            return None
+        return self.ledger.is_done(unit, round_)
+
+    def _drain_evicted(self) -> list[str]:
+        """Uploads the reassembler evicted since the last call."""
+        new = self.reassembler.evicted - self._evictions_seen
+        self._evictions_seen = self.reassembler.evicted
+        return list(self.reassembler.recently_evicted[-new:]) if new else []

@@ -1,0 +1,127 @@
+"""The outer's books: what it applied and rejected, unit by unit, so that they balance.
+
+Every upload the outer receives is applied exactly once (its round is in ``applied_rounds``)
+or rejected with a reason (counted in ``rejected``, its round in ``rejected_rounds``); the
+round sets double as the deduplication set that recognises a redelivered upload. The books go
+into every checkpoint and every status record as a ``shared.records.LedgerRecord``
+(:meth:`OuterLedger.to_record`, :meth:`OuterLedger.load`); ``shared.ledger.balance`` checks
+them against what the units published.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from services.outer.policy import Arrival
+from shared.ledger import RoundSet
+from shared.records import LedgerRecord, UnitLedger
+
+Done = Literal["applied", "rejected"]
+
+
+@dataclass
+class OuterLedger:
+    """The outer's counters and round sets (see the module docstring).
+
+    Attributes:
+        applied: Uploads applied.
+        merges: Outer steps taken.
+        deduplicated: Redelivered chunk messages of uploads applied before.
+        tokens_applied: Tokens behind the applied uploads.
+        rejected: Rejected uploads (and stray chunks) by reason.
+        units: Per unit, what was applied of it.
+        staleness: Applied uploads by staleness.
+        codecs: Accepted uploads by the codec named in their description.
+        payload_bytes: Compressed bytes of the accepted uploads.
+        applied_rounds, rejected_rounds: Per unit, the rounds applied and rejected.
+    """
+
+    applied: int = 0
+    merges: int = 0
+    deduplicated: int = 0
+    tokens_applied: int = 0
+    rejected: collections.Counter[str] = field(default_factory=collections.Counter)
+    units: dict[int, UnitLedger] = field(default_factory=dict)
+    staleness: collections.Counter[int] = field(default_factory=collections.Counter)
+    codecs: collections.Counter[str] = field(default_factory=collections.Counter)
+    payload_bytes: int = 0
+    applied_rounds: dict[int, RoundSet] = field(default_factory=dict)
+    rejected_rounds: dict[int, RoundSet] = field(default_factory=dict)
+
+    # ---- records -----------------------------------------------------------------------------
+
+    def to_record(self) -> LedgerRecord:
+        """The books as the record that checkpoints and status records carry."""
+        return LedgerRecord(
+            applied=self.applied,
+            merges=self.merges,
+            deduplicated=self.deduplicated,
+            tokens_applied=self.tokens_applied,
+            rejected=dict(self.rejected),
+            units={u: stats.model_copy() for u, stats in sorted(self.units.items())},
+            staleness=dict(sorted(self.staleness.items())),
+            codecs=dict(self.codecs),
+            payload_bytes=self.payload_bytes,
+            applied_rounds={u: r.ranges() for u, r in sorted(self.applied_rounds.items())},
+            rejected_rounds={u: r.ranges() for u, r in sorted(self.rejected_rounds.items())},
+        )
+
+    def load(self, record: LedgerRecord) -> None:
+        """Continue from ``record`` (a checkpoint's books), replacing every count here."""
+        self.applied = record.applied
+        self.merges = record.merges
+        self.deduplicated = record.deduplicated
+        self.tokens_applied = record.tokens_applied
+        self.rejected = collections.Counter(record.rejected)
+        self.units = {u: stats.model_copy() for u, stats in record.units.items()}
+        self.staleness = collections.Counter(record.staleness)
+        self.codecs = collections.Counter(record.codecs)
+        self.payload_bytes = record.payload_bytes
+        self.applied_rounds = {u: RoundSet(r) for u, r in record.applied_rounds.items()}
+        self.rejected_rounds = {u: RoundSet(r) for u, r in record.rejected_rounds.items()}
+
+    # ---- entries -----------------------------------------------------------------------------
+
+    def is_done(self, unit: int, round_: int) -> Done | None:
+        """``"applied"`` or ``"rejected"`` if this upload was dealt with already, else None."""
+        if round_ in self.applied_rounds.get(unit, ()):
+            return "applied"
+        if round_ in self.rejected_rounds.get(unit, ()):
+            return "rejected"
+        return None
+
+    def accept(self, codec: str, payload_bytes: int) -> None:
+        """Count an upload that passed validation (it is applied by a later merge)."""
+        self.codecs[codec] += 1
+        self.payload_bytes += payload_bytes
+
+    def merged(self, arrivals: Sequence[Arrival], staleness: Sequence[int]) -> None:
+        """Enter one outer step and the uploads it applied (with their staleness)."""
+        self.merges += 1
+        for arrival, stale in zip(arrivals, staleness, strict=True):
+            self.applied_rounds.setdefault(arrival.unit, RoundSet()).add(arrival.round)
+            self.applied += 1
+            self.tokens_applied += arrival.tokens
+            self.staleness[stale] += 1
+            stats = self.units.setdefault(arrival.unit, UnitLedger())
+            stats.applied += 1
+            stats.last_round = max(stats.last_round, arrival.round)
+            stats.last_staleness = stale
+            stats.tokens += arrival.tokens
+            stats.last_train_loss = finite_or_none(arrival.train_loss)
+
+    def reject(self, reason: str, unit_round: tuple[int, int] | None) -> None:
+        """Count a rejection by reason; ``unit_round`` names the upload when it is known."""
+        self.rejected[reason] += 1
+        if unit_round is not None:
+            unit, round_ = unit_round
+            self.rejected_rounds.setdefault(unit, RoundSet()).add(round_)
+
+
+def finite_or_none(value: float | None) -> float | None:
+    """``value`` if it is a finite number, else None (a diverged unit may report NaN)."""
+    return value if value is not None and math.isfinite(value) else None

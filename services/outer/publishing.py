@@ -1,0 +1,128 @@
+"""What the outer sends: each fragment's global params, and copies of the uploads it rejects.
+
+Params go out as a ``params`` envelope (fp32 codec) through ``shared.transport.publish_params``,
+whose head (``shared.records.ParamsHead``) carries the checksum of the encoded params, so that
+anyone can check that a version number always stands for the same params however often it is
+announced. A rejected upload's chunk messages are copied to the job's dead-letter subject with
+the reason, and only then terminated (never redelivered); both happen after the rejection is
+committed, so a crash in between redelivers them to the next outer, which rejects them again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import numpy as np
+
+from shared import codec, transport, wire
+from shared.retry import NATS_ERRORS, retry
+from shared.transport import TransportError
+
+log = logging.getLogger(__name__)
+
+
+def params_envelope(
+    job: str, model: str, fragment: int, version: int, tokens: int, params: Mapping[str, Any]
+) -> tuple[bytes, int]:
+    """One fragment's global params as a packed ``params`` envelope.
+
+    Args:
+        job, model: The job and its model size.
+        fragment: The fragment.
+        version: Its version (the envelope's ``round`` and ``base_version``).
+        tokens: Tokens the outer has applied so far.
+        params: ``{piece name: float32 array}``.
+
+    Returns:
+        The packed envelope and the checksum of its payload (``shared.wire.payload_checksum``).
+    """
+    payload, description = codec.encode_tensors(
+        {name: np.asarray(value) for name, value in params.items()}, codec="fp32", zstd_level=1
+    )
+    envelope = wire.Envelope(
+        kind="params",
+        job=job,
+        unit=-1,
+        round=version,
+        fragment=fragment,
+        base_version=version,
+        inner_steps=0,
+        tokens=tokens,
+        train_loss=0.0,
+        codec=description,
+        sent_at=time.time(),
+        payload=payload,
+        model=model,
+    )
+    return wire.pack_envelope(envelope), wire.payload_checksum(payload)
+
+
+async def publish_fragment(
+    js: Any,
+    chunk_size: int,
+    job: str,
+    model: str,
+    fragment: int,
+    version: int,
+    tokens: int,
+    params: Mapping[str, Any],
+    stopping: Callable[[], bool],
+) -> bool:
+    """Publish one fragment's params, retrying (``shared.retry``) until it is done.
+
+    Returns:
+        True once published; False if ``stopping()`` became true first.
+    """
+    blob, checksum = params_envelope(job, model, fragment, version, tokens, params)
+    try:
+        await retry(
+            lambda: transport.publish_params(
+                js, job, fragment, version, blob, chunk_size, params_checksum=checksum
+            ),
+            f"publish version {version} of fragment {fragment}",
+            on=(TransportError, *NATS_ERRORS),
+            stopping=stopping,
+        )
+    except (TransportError, *NATS_ERRORS):
+        log.warning("stopping before version %d of fragment %d was published", version, fragment)
+        return False
+    return True
+
+
+@dataclass
+class DeadLetters:
+    """Rejected uploads' messages waiting to be copied to the dead-letter subject and
+    terminated (in the order they were rejected)."""
+
+    job: str
+    waiting: list[tuple[list[Any], str]] = field(default_factory=list)
+
+    def add(self, messages: list[Any], reason: str) -> None:
+        """Queue the messages of one rejected upload (or stray chunk) with the reason."""
+        self.waiting.append((messages, reason))
+
+    async def flush(self, js: Any) -> None:
+        """Copy every queued message to the dead-letter subject, then terminate it.
+
+        Call only once the rejections are committed. A copy that fails leaves it and the rest
+        queued for the next call (the copy's message id makes a repeated copy a duplicate
+        that JetStream drops).
+        """
+        while self.waiting:
+            messages, reason = self.waiting[0]
+            for msg in messages:
+                try:
+                    await transport.dead_letter(js, self.job, reason, msg)
+                except NATS_ERRORS as err:
+                    log.warning("dead-letter copy failed (%r); will retry", err)
+                    return
+            for msg in messages:
+                with contextlib.suppress(nats.errors.Error):
+                    await msg.term()
+            self.waiting.pop(0)

@@ -1,0 +1,273 @@
+"""The outer's intake without NATS: every rejection reason, deduplication and dead-lettering."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from services.outer.core import OuterAlgorithm, OuterCore, Rejected
+from services.outer.intake import Intake
+from services.outer.ledger import OuterLedger
+from services.outer.publishing import DeadLetters
+from services.outer.staleness import StalenessRule
+from services.outer.validation import UploadRules, Validated, validate
+from shared import codec, subjects, wire
+from shared.transport import HEADER_REASON
+
+JOB, MODEL = "j", "tiny"
+SHAPES = {"a": (3,), "b": (2, 2)}
+RULES = UploadRules(
+    job=JOB, model=MODEL, piece_shapes=[SHAPES], max_upload_bytes=1 << 20, max_tensor_bytes=1 << 20
+)
+
+
+def tensors(value: float = 0.01, shapes: dict[str, tuple[int, ...]] = SHAPES) -> dict:
+    return {name: np.full(shape, value, np.float32) for name, shape in shapes.items()}
+
+
+def envelope(**changes: Any) -> wire.Envelope:
+    payload, description = codec.encode_tensors(changes.pop("tensors", tensors()), "int8")
+    fields = {
+        "kind": "pseudo_grad",
+        "job": JOB,
+        "unit": 0,
+        "round": 0,
+        "fragment": 0,
+        "base_version": 0,
+        "inner_steps": 10,
+        "tokens": 640,
+        "train_loss": 3.0,
+        "codec": description,
+        "sent_at": 1.7e9,
+        "payload": payload,
+        "model": MODEL,
+    }
+    return wire.Envelope(**{**fields, **changes})
+
+
+def check(env: wire.Envelope, upload: str | None = None, subject: str | None = None) -> Validated:
+    """Validate ``env`` as if it came on its own unit's subject under its own upload id."""
+    upload = upload or wire.upload_id(JOB, max(env.unit, 0), env.round, env.fragment)
+    subject = subject or subjects.grads_subject(JOB, max(env.unit, 0))
+    return validate(upload, subject, wire.pack_envelope(env), RULES, arrived_at=1.0)
+
+
+def test_a_valid_upload_becomes_an_arrival_with_named_fields() -> None:
+    valid = check(envelope(unit=2, round=7, base_version=1, train_loss=2.5))
+    assert (valid.fragment, valid.codec, valid.payload_bytes > 0) == (0, "int8", True)
+    arrival = valid.arrival
+    assert (arrival.unit, arrival.round, arrival.base_version) == (2, 7, 1)
+    assert (arrival.tokens, arrival.inner_steps, arrival.train_loss) == (640, 10, 2.5)
+    assert arrival.upload == wire.upload_id(JOB, 2, 7, 0) and arrival.arrived_at == 1.0
+    assert {k: v.shape for k, v in arrival.pseudo_grad.items()} == SHAPES
+
+
+def _corrupt_payload() -> wire.Envelope:
+    env = envelope()
+    payload = bytearray(env.payload)
+    payload[-1] ^= 0xFF
+    return dataclasses.replace(env, payload=bytes(payload))
+
+
+@pytest.mark.parametrize(
+    ("reason", "make"),
+    [
+        ("bad_envelope", lambda: b"\x93not an envelope"),
+        ("wrong_kind", lambda: envelope(kind="params", unit=-1)),
+        ("wrong_job", lambda: envelope(job="other")),
+        ("wrong_model", lambda: envelope(model="small")),
+        ("wrong_fragment", lambda: envelope(fragment=1)),
+        ("bad_payload", _corrupt_payload),
+        ("shape_mismatch", lambda: envelope(tensors=tensors(shapes={"a": (4,), "b": (2, 2)}))),
+        ("shape_mismatch", lambda: envelope(tensors=tensors(shapes={"a": (3,)}))),
+    ],
+)
+def test_every_validation_failure_is_rejected_with_its_reason(reason: str, make: Any) -> None:
+    made = make()
+    with pytest.raises(Rejected) as err:
+        if isinstance(made, bytes):
+            validate(wire.upload_id(JOB, 0, 0, 0), "s", made, RULES, arrived_at=0.0)
+        else:
+            check(made)
+    assert err.value.reason == reason, err.value
+
+
+def test_ids_that_disagree_with_the_envelope_are_rejected() -> None:
+    env = envelope(unit=1, round=3)
+    for upload, subject in (
+        (wire.upload_id(JOB, 1, 3, 0), subjects.grads_subject(JOB, 2)),  # another unit's subject
+        (wire.upload_id(JOB, 1, 4, 0), subjects.grads_subject(JOB, 1)),  # another round's id
+    ):
+        with pytest.raises(Rejected) as err:
+            check(env, upload, subject)
+        assert err.value.reason == "inconsistent_ids"
+
+
+def test_an_upload_over_the_size_limit_is_a_bad_envelope() -> None:
+    small = dataclasses.replace(RULES, max_upload_bytes=64)
+    blob = wire.pack_envelope(envelope())
+    upload, subject = wire.upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0)
+    with pytest.raises(Rejected) as err:
+        validate(upload, subject, blob, small, arrived_at=0)
+    assert err.value.reason == "bad_envelope"
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_damaged_upload_is_accepted_or_rejected_never_an_error(data: st.DataObject) -> None:
+    blob = bytearray(wire.pack_envelope(envelope()))
+    for _ in range(data.draw(st.integers(1, 8))):
+        blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(blob)))
+    upload, subject = wire.upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0)
+    try:
+        validate(upload, subject, bytes(blob[:cut]), RULES, arrived_at=0.0)
+    except Rejected as rejected:
+        assert rejected.reason in {
+            "bad_envelope",
+            "wrong_kind",
+            "wrong_job",
+            "wrong_model",
+            "inconsistent_ids",
+            "wrong_fragment",
+            "bad_payload",
+            "shape_mismatch",
+        }
+
+
+# ---- intake: chunks, deduplication, dead letters ---------------------------------------------
+
+
+@dataclasses.dataclass
+class Message:
+    """What the intake uses of a NATS message."""
+
+    subject: str
+    data: bytes
+    headers: dict[str, str] | None
+    acked: bool = False
+    terminated: bool = False
+
+    async def ack(self) -> None:
+        self.acked = True
+
+    async def term(self) -> None:
+        self.terminated = True
+
+
+def chunks(env: wire.Envelope, chunk_size: int = 100, upload: str | None = None) -> list[Message]:
+    blob = wire.pack_envelope(env)
+    upload = upload or wire.upload_id(JOB, env.unit, env.round, env.fragment)
+    parts = wire.split_chunks(blob, chunk_size)
+    return [
+        Message(
+            subjects.grads_subject(JOB, env.unit),
+            part,
+            wire.chunk_headers(wire.ChunkInfo(upload, i, len(parts), len(blob))),
+        )
+        for i, part in enumerate(parts)
+    ]
+
+
+@pytest.fixture(scope="module")
+def core() -> OuterCore:
+    named = {name: np.zeros(shape, np.float32) for name, shape in SHAPES.items()}
+    algorithm = OuterAlgorithm(staleness=StalenessRule("constant", max_staleness=0))
+    return OuterCore(named, algorithm)
+
+
+def make_intake(core: OuterCore, max_pending_uploads: int = 4) -> Intake:
+    core.import_state(*core.export_state())  # empty buffers, same versions
+    return Intake(RULES, core, OuterLedger(), DeadLetters(JOB), max_pending_uploads)
+
+
+def take(intake: Intake, messages: list[Message]) -> int:
+    return asyncio.run(intake.take(messages))
+
+
+def test_a_complete_upload_is_offered_and_its_redelivery_acknowledged(core: OuterCore) -> None:
+    intake = make_intake(core)
+    first = chunks(envelope(base_version=core.version(0)))
+    assert len(first) > 2
+    assert take(intake, first[:-1]) == 0 and intake.buffered == set()
+    assert take(intake, first[-1:]) == 0
+    upload = wire.upload_id(JOB, 0, 0, 0)
+    assert intake.buffered == {upload} and dict(intake.ledger.codecs) == {"int8": 1}
+    assert take(intake, first[:1]) == 0  # a redelivery while buffered waits for the merge
+    assert not first[0].acked and intake.buffered == {upload}
+    result = core.merge(0)
+    assert [a.messages for a in result.arrivals] == [first]
+    intake.ledger.merged(result.arrivals, result.staleness)
+    intake.merged(result.arrivals)
+    assert intake.buffered == set()
+    again = chunks(envelope())
+    assert take(intake, again) == 0
+    assert all(m.acked for m in again) and intake.ledger.deduplicated == len(again)
+    assert intake.ledger.applied == 1 and not intake.dead_letters.waiting
+
+
+def test_every_intake_rejection_is_counted_and_dead_lettered(core: OuterCore) -> None:
+    intake = make_intake(core, max_pending_uploads=1)
+    version = core.version(0)
+    no_headers = Message("s", b"x", None)
+    upload = wire.upload_id(JOB, 0, 1, 0)
+    info = wire.ChunkInfo(upload, 0, 1, 100)  # says 100 bytes, carries 50
+    bad_chunk = Message(subjects.grads_subject(JOB, 0), b"x" * 50, wire.chunk_headers(info))
+    evicted = chunks(envelope(unit=1, round=2, base_version=version))
+    evicting = chunks(envelope(unit=2, round=3, base_version=version))
+    wrong_model = chunks(envelope(unit=3, round=4, base_version=version, model="small"))
+    future = chunks(envelope(unit=4, round=5, base_version=version + 1))
+    # One incomplete upload is kept: the first chunk of each next one evicts the one before.
+    messages = [no_headers, bad_chunk, evicted[0], evicting[0], *wrong_model, *future]
+    assert take(intake, messages) == 6
+    assert dict(intake.ledger.rejected) == {
+        "bad_chunk_header": 1,
+        "bad_chunk": 1,
+        "incomplete_upload": 2,
+        "wrong_model": 1,
+        "future_base_version": 1,
+    }
+    assert intake.ledger.to_record().rejected_rounds == {
+        unit: [(round_, round_)] for unit, round_ in ((0, 1), (1, 2), (2, 3), (3, 4), (4, 5))
+    }
+    assert intake.buffered == set() and intake.ledger.codecs == {}
+    queued = [m for messages, _ in intake.dead_letters.waiting for m in messages]
+    assert len(queued) == 1 + 1 + 1 + 1 + len(wrong_model) + len(future)
+    assert take(intake, [bad_chunk]) == 0  # a redelivered chunk of an upload rejected before
+    assert intake.dead_letters.waiting[-1] == ([bad_chunk], "chunk of an upload rejected earlier")
+
+
+class PublishingJetStream:
+    """Records dead-letter copies; the first ``failures`` publishes time out."""
+
+    def __init__(self, failures: int = 0) -> None:
+        self.failures = failures
+        self.published: list[tuple[str, bytes, dict[str, str]]] = []
+
+    async def publish(self, subject: str, data: bytes, headers: dict, timeout: float) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise TimeoutError("no answer")
+        self.published.append((subject, data, headers))
+
+
+def test_dead_letters_are_copied_with_the_reason_before_they_are_terminated() -> None:
+    letters = DeadLetters(JOB)
+    first, second = Message("s.0", b"a", {"Nats-Msg-Id": "m0"}), Message("s.1", b"b", None)
+    letters.add([first], "bad_envelope: junk")
+    letters.add([second], "wrong_job: other")
+    js = PublishingJetStream(failures=1)
+    asyncio.run(letters.flush(js))
+    assert not first.terminated and len(letters.waiting) == 2  # kept for the next flush
+    asyncio.run(letters.flush(js))
+    assert first.terminated and second.terminated and letters.waiting == []
+    dead = subjects.dead_letter_subject(JOB)
+    assert [(s, d) for s, d, _ in js.published] == [(dead, b"a"), (dead, b"b")]
+    assert js.published[0][2][HEADER_REASON] == "bad_envelope: junk"
+    assert js.published[0][2]["Nats-Msg-Id"] == "dead:m0"
