@@ -1,54 +1,258 @@
-"""Gateway edges: health without NATS, readiness needs a live outer, clear 4xx errors."""
+"""Gateway edges through FastAPI's TestClient and a real nats-server: health and readiness, the
+API token, unknown jobs and units, bad names, and malformed records in KV."""
 
 from __future__ import annotations
 
-import httpx
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from shared.broker import free_port
-from tests.conftest import AUTH, GATEWAY_TOKEN, wait_for
+from services.cli import main
+from services.gateway.app import create_app
+from services.gateway.settings import GatewaySettings
+from services.local.broker import NatsServer, free_port
+from shared import records, subjects
+from shared.records import (
+    DesiredRecord,
+    JobRecord,
+    JobSpec,
+    OuterStatus,
+    Record,
+    UnitStatus,
+)
+from tests.helpers import AUTH, GATEWAY_TOKEN, wait_for
 
-pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
-
-
-def start_gateway(services, nats_url: str) -> httpx.Client:
-    port = free_port()
-    services.start(
-        "gateway",
-        "gateway",
-        *("--nats-url", nats_url, "--job", "g", "--port", str(port), "--token", GATEWAY_TOKEN),
-    )
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers=AUTH)
-
-    def up():
-        try:
-            return client.get("/healthz").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_for(up, 60, "the gateway to answer /healthz")
-    return client
+JOB = "g"
 
 
-@pytest.mark.timeout(120)
-def test_health_and_readiness_without_nats(services):
-    client = start_gateway(services, f"nats://127.0.0.1:{free_port()}")  # nothing listens there
-    assert client.get("/healthz").json() == {"status": "ok"}
-    response = client.get("/readyz")
-    assert response.status_code == 503 and "NATS" in response.json()["detail"]
-    assert client.get("/jobs/g").status_code == 503
+@contextmanager
+def gateway(nats_url: str, **options) -> Iterator[TestClient]:
+    """A gateway app in this process (``--job g``, the test token), connected to NATS."""
+    config = GatewaySettings(nats_url=nats_url, job=JOB, **{"token": GATEWAY_TOKEN, **options})
+    with TestClient(create_app(config)) as client:
+        wait_for(lambda: client.app.state.link.connected, 30, "the gateway to reach NATS")
+        yield client
 
 
-@pytest.mark.timeout(120)
-def test_unknown_job_and_unit_and_bad_names(nats_server, services):
-    client = start_gateway(services, nats_server.url)
-    wait_for(lambda: client.get("/jobs/none").status_code == 404, 30, "the gateway to reach NATS")
-    assert "not found" in client.get("/jobs/none").json()["detail"]
+@pytest.fixture
+def client(nats_server: NatsServer) -> Iterator[TestClient]:
+    with gateway(nats_server.url) as client:
+        yield client
+
+
+def put(client: TestClient, bucket: str, key: str, value: Record | bytes) -> None:
+    """Store a record (or raw bytes) in a KV bucket, through the gateway's own connection."""
+    data = records.encode(value) if isinstance(value, Record) else value
+
+    async def store() -> None:
+        handle = await client.app.state.link.handles.js.key_value(bucket)
+        await handle.put(key, data)
+
+    client.portal.call(store)
+
+
+def outer_status(state: str = "running") -> OuterStatus:
+    return OuterStatus(state=state, model="tiny", holder="test")
+
+
+@pytest.mark.timeout(60)
+def test_health_and_readiness_without_nats():
+    config = GatewaySettings(nats_url=f"nats://127.0.0.1:{free_port()}", token="t")
+    with TestClient(create_app(config)) as app:
+        assert app.get("/healthz").json() == {"status": "ok"}
+        response = app.get("/readyz")
+        assert response.status_code == 503 and "NATS" in response.json()["detail"]
+        assert app.get("/jobs/g").status_code == 503
+        assert app.get("/jobs").status_code == 503
+
+
+@pytest.mark.timeout(60)
+def test_readiness_follows_the_outer_heartbeat(nats_server, client):
     # No outer has ever run for job g: not ready, and the reason says so.
     response = client.get("/readyz")
     assert response.status_code == 503 and "outer of job 'g' not alive" in response.text
-    assert client.post("/jobs/none/units/0/pause").status_code == 404
-    bad = client.post("/jobs/bad!name/units/0/pause")
+    put(client, subjects.STATUS_BUCKET, subjects.outer_status_key(JOB), outer_status("restoring"))
+    response = client.get("/readyz")
+    assert response.status_code == 503 and "state restoring" in response.text
+    put(client, subjects.STATUS_BUCKET, subjects.outer_status_key(JOB), outer_status())
+    ready = client.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    assert ready.json()["job"] == JOB and 0 <= ready.json()["outer_heartbeat_age_s"] < 5
+    # The same heartbeat, judged by a gateway with a shorter timeout once it is older.
+    with gateway(nats_server.url, heartbeat_timeout_s=0.5) as strict:
+        put(strict, subjects.STATUS_BUCKET, subjects.outer_status_key(JOB), outer_status())
+        time.sleep(0.7)
+        response = strict.get("/readyz")
+        assert response.status_code == 503 and "state lost" in response.text
+
+
+MUTATING_CALLS = [
+    ("POST", "/jobs", {"json": {"job": "t2", "units": 1}}),
+    ("POST", "/jobs/t1/start", {}),
+    ("POST", "/jobs/t1/stop", {}),
+    ("POST", "/jobs/t1/units/0/start", {}),
+    ("PUT", "/jobs/t1/units", {"json": {"units": 1}}),
+    ("DELETE", "/jobs/t1", {}),
+]
+BAD_HEADERS = [
+    {},
+    {"Authorization": "Bearer wrong"},
+    {"Authorization": f"Basic {GATEWAY_TOKEN}"},
+    {"Authorization": "Bearer"},
+    {"Authorization": f"Bearer {GATEWAY_TOKEN}x"},
+]
+
+
+@pytest.mark.timeout(60)
+def test_the_token_guards_every_change(client):
+    assert client.post("/jobs", json={"job": "t1", "units": 2}, headers=AUTH).status_code == 201
+    before = client.get("/jobs").json(), client.get("/jobs/t1").json()
+    for method, path, kwargs in MUTATING_CALLS:
+        for headers in BAD_HEADERS:
+            response = client.request(method, path, headers=headers, **kwargs)
+            assert response.status_code == 401, (method, path, headers, response.text)
+            assert "API token" in response.text
+            assert response.headers["www-authenticate"] == "Bearer"
+    assert (client.get("/jobs").json(), client.get("/jobs/t1").json()) == before
+    # Reads stay open.
+    assert client.get("/jobs/t1").status_code == 200
+    assert client.get("/openapi.json").status_code == 200
+    # With the token the same calls work.
+    assert client.post("/jobs/t1/start", headers=AUTH).json()["state"] == "running"
+
+
+@pytest.mark.timeout(60)
+def test_a_local_gateway_needs_no_token(nats_server):
+    with gateway(nats_server.url, token="", local=True) as local:
+        assert local.post("/jobs", json={"job": "loc", "units": 1}).status_code == 201
+        assert local.delete("/jobs/loc").status_code == 200
+
+
+@pytest.mark.timeout(120)
+def test_a_gateway_without_token_refuses_to_start(nats_server, monkeypatch, capsys):
+    monkeypatch.delenv("DILOCO_TOKEN", raising=False)
+    monkeypatch.delenv("DILOCO_LOCAL", raising=False)
+    assert main(["gateway", "--nats-url", nats_server.url]) == 2
+    assert "needs an API token" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+def test_unknown_jobs_and_units_and_bad_names(client):
+    assert "not found" in client.get("/jobs/none").json()["detail"]
+    assert client.get("/jobs/none").status_code == 404
+    assert client.get("/jobs/none/metrics").status_code == 404
+    assert client.get("/jobs/none/units/0").status_code == 404
+    assert client.post("/jobs/none/units/0/pause", headers=AUTH).status_code == 404
+    bad = client.post("/jobs/bad!name/units/0/pause", headers=AUTH)
     assert bad.status_code == 422 and "job" in bad.text
-    assert client.post("/jobs/g/units/-1/resume").status_code == 422
-    assert client.post("/jobs/g/units/x/resume").status_code == 422
+    assert client.get("/jobs/bad!name").status_code == 422
+    assert client.post("/jobs/g/units/-1/resume", headers=AUTH).status_code == 422
+    assert client.post("/jobs/g/units/x/resume", headers=AUTH).status_code == 422
+    assert client.get("/jobs/g/units/1000001").status_code == 422
+
+
+# ---- malformed records ----------------------------------------------------------------------
+
+MALFORMED_JOB = "mal"
+#: Every kind of key a GET route reads, with the model its value must fit.
+KEYS = [
+    (subjects.STATUS_BUCKET, subjects.unit_status_key(MALFORMED_JOB, 0), UnitStatus),
+    (subjects.STATUS_BUCKET, subjects.outer_status_key(MALFORMED_JOB), OuterStatus),
+    (subjects.DESIRED_BUCKET, subjects.desired_key(MALFORMED_JOB, 0), DesiredRecord),
+    (subjects.JOBS_BUCKET, subjects.job_key(MALFORMED_JOB), JobRecord),
+]
+GET_ROUTES = [
+    "/jobs",
+    f"/jobs/{MALFORMED_JOB}",
+    f"/jobs/{MALFORMED_JOB}/metrics",
+    f"/jobs/{MALFORMED_JOB}/units/0",
+    "/metrics",
+    "/readyz",
+]
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=8,
+)
+#: Records with the right keys and wrong values.
+wrong_fields = st.fixed_dictionaries(
+    {"unit": json_values, "state": json_values, "spec": json_values, "model": json_values}
+)
+malformed = (
+    st.binary(min_size=1, max_size=64)
+    | json_values.map(lambda v: json.dumps(v).encode())
+    | wrong_fields.map(lambda v: json.dumps(v).encode())
+)
+
+
+def fits(model: type[Record], data: bytes) -> bool:
+    try:
+        model.model_validate_json(data)
+    except ValueError:
+        return False
+    return True
+
+
+def rejected_total(client: TestClient) -> float:
+    text = client.get("/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("diloco_gateway_records_rejected_total{")
+    )
+
+
+@pytest.mark.timeout(180)
+def test_malformed_records_read_as_missing_and_are_counted(client):
+    """Whatever bytes lie under a key a route reads, every GET answers 200, 404 or (readiness)
+    503, never 500, and the rejection counter moves when the bytes do not fit the record."""
+    spec = JobSpec(job=MALFORMED_JOB, units=1)
+    valid = [
+        UnitStatus(unit=0),
+        outer_status(),
+        DesiredRecord(state="running"),
+        JobRecord(spec=spec, state="running", units=1, created=0, updated=0),
+    ]
+
+    @settings(
+        max_examples=6,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(data=malformed)
+    @example(data=b"\xff\xfe")
+    @example(data=b"null")
+    @example(data=b'{"unit": 0, "state": "flying"}')
+    @example(data=b'{"unit": 0, "train_loss": NaN}')
+    @example(data=b'{"unit": 0, "counters": {"published": -1}}')
+    @example(data=b'{"unit": 3}')
+    @example(data=b'{"spec": {"job": "other"}, "state": "created", "units": 1}')
+    def check(data: bytes) -> None:
+        for bucket, key, model in KEYS:
+            for (other_bucket, other_key, _), record in zip(KEYS, valid, strict=True):
+                put(client, other_bucket, other_key, record)
+            put(client, bucket, key, data)
+            before = records.rejections.total()
+            for path in GET_ROUTES:
+                response = client.get(path)
+                allowed = {200, 404, 503} if path == "/readyz" else {200, 404}
+                assert response.status_code in allowed, (key, data, path, response.text)
+            pause = client.post(f"/jobs/{MALFORMED_JOB}/units/0/pause", headers=AUTH)
+            assert pause.status_code < 500, (key, data, pause.text)
+            if not fits(model, data):
+                assert records.rejections.total() > before, (key, data)
+
+    check()
+    assert rejected_total(client) == records.rejections.total() > 0
+    # A job created over a malformed record replaces it.
+    put(client, subjects.JOBS_BUCKET, MALFORMED_JOB, b"{}")
+    created = client.post("/jobs", json={"job": MALFORMED_JOB, "units": 1}, headers=AUTH)
+    assert created.status_code == 201, created.text

@@ -8,8 +8,8 @@ import signal
 import httpx
 import pytest
 
-from shared.broker import free_port
-from tests.conftest import AUTH, GATEWAY_TOKEN, read_status, wait_for
+from services.local.broker import free_port
+from tests.helpers import AUTH, GATEWAY_TOKEN, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -63,18 +63,17 @@ def test_gateway_kill_and_restart_changes_nothing(nats_server, services):
 
     def settled() -> dict | None:
         view = _view(client)
-        if view and [u["state"] for u in view["units"]] == ["running", "paused"]:
-            return view
-        return None
+        states = [u["state"] for u in view["units"]] if view else []
+        return view if states == ["running", "paused"] and view["outer_alive"] else None
 
-    before = wait_for(settled, 180, "unit 0 running and unit 1 paused")
-    step0 = read_status(nats_server.url, JOB)[1][0]["step"]
+    before = wait_for(settled, 180, "unit 0 running, unit 1 paused and the outer alive")
+    step0 = read_status(nats_server.url, JOB)[1][0].step
 
     gateway.send_signal(signal.SIGKILL)
     gateway.wait(timeout=10)
     # Without the gateway the units go on as they were told.
     wait_for(
-        lambda: read_status(nats_server.url, JOB)[1][0]["step"] > step0 + 10,
+        lambda: read_status(nats_server.url, JOB)[1][0].step > step0 + 10,
         60,
         "unit 0 to keep training while the gateway is down",
     )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import typing
-
 import pytest
 from pydantic import ValidationError
 
@@ -11,29 +9,11 @@ from services.gateway.jobs import (
     ACTIONS,
     JOB_TRANSITIONS,
     UNIT_TRANSITIONS,
-    JobSpec,
     TransitionError,
     job_transition,
     unit_transition,
 )
-
-
-def _choices(field: str) -> set[str]:
-    return set(typing.get_args(JobSpec.model_fields[field].annotation))
-
-
-def test_spec_choices_are_those_the_services_accept() -> None:
-    from services.outer.optimizer import OPTIMIZERS
-    from services.outer.policy import POLICIES
-    from services.outer.staleness import RULES
-    from shared.codec import CODECS
-    from shared.model import SIZES
-
-    assert _choices("model") == set(SIZES)
-    assert _choices("codec") == set(CODECS)
-    assert _choices("outer_optimizer") == set(OPTIMIZERS)
-    assert _choices("merge_policy") == set(POLICIES)
-    assert _choices("staleness_rule") == set(RULES)
+from shared.records import JobSpec
 
 
 @pytest.mark.parametrize(

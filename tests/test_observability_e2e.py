@@ -6,64 +6,72 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
-from functools import cache
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.broker import free_port
-from tests.conftest import REPO, read_status, wait_for
+from services.local.broker import free_port
+from tests.helpers import GATEWAY_TOKEN, REPO, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
-TOKEN = "testtoken"
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 ARTIFACTS = REPO / "test-artifacts"
 
 
-@cache
-def gateway_auth_flags() -> tuple[str, ...]:
-    """``--token testtoken`` when this gateway supports bearer tokens, else nothing."""
-    help_text = subprocess.run(
-        [sys.executable, "-m", "services.cli", "gateway", "--help"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
-    return ("--token", TOKEN) if "--token" in help_text else ()
+#: A ``sitecustomize`` module that shifts a process's wall clock (``time.time``) by
+#: ``DILOCO_TEST_CLOCK_OFFSET_S`` seconds and says so on stderr.
+SHIFTED_CLOCK = """
+import os, sys, time
+_offset = float(os.environ["DILOCO_TEST_CLOCK_OFFSET_S"])
+_time, _time_ns = time.time, time.time_ns
+time.time = lambda: _time() + _offset
+time.time_ns = lambda: _time_ns() + int(_offset * 1e9)
+print(f"clock shifted by {_offset:+.0f} s", file=sys.stderr, flush=True)
+"""
 
 
-def start_job(services, nats_url: str, job: str, *gateway_flags: str) -> httpx.Client:
-    """Outer + 2 tiny learners + a gateway for ``job``; returns a client of the gateway."""
+def start_job(
+    services,
+    nats_url: str,
+    job: str,
+    *gateway_flags: str,
+    clock_offsets_s: dict[int, float] | None = None,
+) -> httpx.Client:
+    """Outer + 2 tiny learners + a gateway for ``job``; returns a client of the gateway.
+
+    ``clock_offsets_s`` shifts the wall clock of learner processes (by unit) through a
+    ``sitecustomize`` module on their ``PYTHONPATH``.
+    """
     port = free_port()
     job_flags = ["--nats-url", nats_url, "--job", job, "--model", "tiny"]
     services.start("outer", "outer", *job_flags, "--num-units", "2", "--eval-every-s", "20")
     services.start(
         "gateway",
         "gateway",
-        "--nats-url",
-        nats_url,
-        "--job",
-        job,
-        "--port",
-        str(port),
-        *gateway_auth_flags(),
+        *("--nats-url", nats_url, "--job", job, "--port", str(port), "--token", GATEWAY_TOKEN),
         *gateway_flags,
     )
+    site = services.workdir / "shifted-clock"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(SHIFTED_CLOCK)
     for unit in range(2):
-        services.start(
-            f"learner-{unit}",
-            "learner",
-            *job_flags,
-            *("--unit", str(unit), "--num-units", "2", "--max-steps", "100000"),
-            *("--h-steps", "5", "--status-interval-s", "0.5"),
-        )
+        with pytest.MonkeyPatch.context() as env:
+            offset = (clock_offsets_s or {}).get(unit)
+            if offset is not None:
+                env.setenv("PYTHONPATH", str(site))
+                env.setenv("DILOCO_TEST_CLOCK_OFFSET_S", str(offset))
+            services.start(
+                f"learner-{unit}",
+                "learner",
+                *job_flags,
+                *("--unit", str(unit), "--num-units", "2", "--max-steps", "100000"),
+                *("--h-steps", "5", "--status-interval-s", "0.5"),
+            )
     return httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
 
 
@@ -98,12 +106,28 @@ def scrape(client: httpx.Client) -> dict:
     }
 
 
+#: Unit 0's wall clock runs ahead of the gateway's, unit 1's behind.
+CLOCK_OFFSETS_S = {0: 120.0, 1: -120.0}
+HEARTBEAT_TIMEOUT_S = 3
+
+
 @pytest.mark.timeout(300)
-def test_metrics_prometheus_and_unit_health_on_a_live_job(nats_server, services):
+def test_metrics_health_and_liveness_of_units_with_skewed_clocks(nats_server, services):
+    """JSON metrics, unit health and Prometheus on a live job whose learners' clocks are two
+    minutes ahead and behind: both show running (liveness is judged on the NATS server's
+    clock), and a killed one shows lost once its heartbeat is older than the timeout."""
     job = "observe"
-    client = start_job(services, nats_server.url, job, "--heartbeat-timeout-s", "3")
+    client = start_job(
+        services,
+        nats_server.url,
+        job,
+        *("--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S)),
+        clock_offsets_s=CLOCK_OFFSETS_S,
+    )
     try:
         metrics = wait_for(lambda: trained(client, job), 180, "both units to publish and merge")
+        for unit, offset in CLOCK_OFFSETS_S.items():
+            assert f"clock shifted by {offset:+.0f} s" in services.log(f"learner-{unit}")
         assert [u["unit"] for u in metrics["units"]] == [0, 1]
         assert metrics["eval_history"][0]["version"] == 0
         assert sum(metrics["staleness"].values()) == metrics["applied"] >= 1
@@ -111,11 +135,15 @@ def test_metrics_prometheus_and_unit_health_on_a_live_job(nats_server, services)
         for unit in metrics["units"]:
             assert unit["state"] == "running" and unit["version_lag"] >= 0
             assert unit["tokens_per_s"] is not None and unit["bytes_sent"] > 0
+            assert 0 <= unit["heartbeat_age_s"] < HEARTBEAT_TIMEOUT_S
+        view = get_json(client, f"/jobs/{job}")
+        assert [(u["unit"], u["state"]) for u in view["units"]] == [(0, "running"), (1, "running")]
 
-        health = get_json(client, f"/jobs/{job}/units/1")
-        assert health["state"] == "running" and health["lost"] is False
-        assert health["version_lag"] == health["outer_version"] - health["base_version"]
-        assert health["counters"]["published"] >= 2 and health["last_error"] is None
+        for unit in CLOCK_OFFSETS_S:
+            health = get_json(client, f"/jobs/{job}/units/{unit}")
+            assert health["state"] == "running" and health["lost"] is False, health
+            assert health["version_lag"] == health["outer_version"] - health["base_version"]
+            assert health["counters"]["published"] >= 2 and health["last_error"] is None
         assert client.get(f"/jobs/{job}/units/7").status_code == 404
         assert client.get("/jobs/nothing/metrics").status_code == 404
 
@@ -124,21 +152,15 @@ def test_metrics_prometheus_and_unit_health_on_a_live_job(nats_server, services)
         samples = scrape(client)
         outer_after, units_after = read_status(nats_server.url, job)
         labels = (("job", job),)
-        assert (
-            outer_before["version"]
-            <= samples[("diloco_outer_version", labels)]
-            <= outer_after["version"]
-        )
-        assert (
-            outer_before["applied"]
-            <= samples[("diloco_outer_applied_total", labels)]
-            <= outer_after["applied"]
-        )
+        version = samples[("diloco_outer_version", labels)]
+        assert outer_before.version <= version <= outer_after.version
+        applied = samples[("diloco_outer_applied_total", labels)]
+        assert outer_before.applied <= applied <= outer_after.applied
         assert samples[("diloco_outer_up", labels)] == 1
         for unit in (0, 1):
             key = (("job", job), ("unit", str(unit)))
             step = samples[("diloco_unit_step", key)]
-            assert units_before[unit]["step"] <= step <= units_after[unit]["step"]
+            assert units_before[unit].step <= step <= units_after[unit].step
             running = (("job", job), ("state", "running"), ("unit", str(unit)))
             assert samples[("diloco_unit_state", running)] == 1
             assert samples[("diloco_unit_bytes_sent_total", key)] > 0
@@ -146,11 +168,15 @@ def test_metrics_prometheus_and_unit_health_on_a_live_job(nats_server, services)
         # A unit killed without a word is reported lost once its heartbeat is too old.
         learner1 = next(p for name, p, _ in services.children if name == "learner-1")
         os.kill(learner1.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
         wait_for(
             lambda: (get_json(client, f"/jobs/{job}/units/1") or {}).get("lost"),
             30,
             "unit 1 to be reported lost",
         )
+        assert time.monotonic() - killed_at >= HEARTBEAT_TIMEOUT_S - 1
+        view = get_json(client, f"/jobs/{job}")
+        assert [(u["unit"], u["state"]) for u in view["units"]] == [(0, "running"), (1, "lost")]
         lost = (("job", job), ("state", "lost"), ("unit", "1"))
         assert scrape(client)[("diloco_unit_state", lost)] == 1
     except Exception:
@@ -207,7 +233,7 @@ def test_dashboard_pauses_a_unit_in_headless_chromium(nats_server, services, tmp
         row = '[data-unit="1"]'
         assert driver.find_element(By.CSS_SELECTOR, f"{row} .state").text == "running"
 
-        driver.find_element(By.ID, "token").send_keys(TOKEN)
+        driver.find_element(By.ID, "token").send_keys(GATEWAY_TOKEN)
         driver.find_element(By.CSS_SELECTOR, f"{row} button.pause").click()
 
         def unit1_paused():
@@ -224,7 +250,8 @@ def test_dashboard_pauses_a_unit_in_headless_chromium(nats_server, services, tmp
             "the dashboard to show unit 1 paused",
         )
         assert driver.find_element(By.CSS_SELECTOR, '[data-unit="0"] .state').text == "running"
-        assert driver.execute_script("return sessionStorage.getItem('diloco-token')") == TOKEN
+        stored = driver.execute_script("return sessionStorage.getItem('diloco-token')")
+        assert stored == GATEWAY_TOKEN
     except Exception:
         print(services.logs())
         raise

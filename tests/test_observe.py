@@ -1,4 +1,5 @@
-"""Observability without processes: metrics built from status records, Prometheus text, pages."""
+"""Observability without processes: views and metrics built from status records, Prometheus
+text, the dashboard's files."""
 
 from __future__ import annotations
 
@@ -8,63 +9,126 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.app import create_app
-from services.gateway.observe import StatusCollector, job_metrics, unit_state, version_lag
+from services.gateway.collector import StatusCollector
 from services.gateway.settings import GatewaySettings
-from shared.broker import free_port
+from services.gateway.views import job_metrics, job_view, unit_view, version_lag
+from services.local.broker import free_port
+from shared.job_status import JobStatus
+from shared.records import (
+    EvalPoint,
+    EvalRecord,
+    EvaluationRecord,
+    OuterStatus,
+    Stamped,
+    TrainPoint,
+    UnitLedger,
+    UnitStatus,
+)
 
-NOW = 1_800_000_000.0
+SERVER_TIME = 1_800_000_000.0
+TIMEOUT_S = 10.0
 
 
-def outer_record() -> dict:
-    return {
-        "state": "running",
-        "time": NOW - 1,
-        "version": 12,
-        "applied": 10,
-        "merges": 9,
-        "tokens_applied": 40960,
-        "rejected": {"too_stale": 2, "bad_crc": 1},
-        "staleness": {"0": 4, "1": 5, "3": 1},
-        "payload_bytes": 123456,
-        "units": {
-            "0": {"applied": 6, "last_round": 5, "last_staleness": 1, "tokens": 24576},
-            "1": {"applied": 4, "last_round": 3, "last_staleness": 0, "tokens": 16384},
+def stamped(record, age_s: float) -> Stamped:
+    return Stamped(record, age_s, SERVER_TIME - age_s, 1)
+
+
+def outer_record(**overrides) -> OuterStatus:
+    record = OuterStatus(
+        state="running",
+        model="tiny",
+        holder="outer-1",
+        version=12,
+        applied=10,
+        merges=9,
+        tokens_applied=40960,
+        rejected={"too_stale": 2, "bad_payload": 1},
+        staleness={0: 4, 1: 5, 3: 1},
+        payload_bytes=123456,
+        units={
+            0: UnitLedger(applied=6, last_round=5, last_staleness=1, tokens=24576),
+            1: UnitLedger(applied=4, last_round=3, last_staleness=0, tokens=16384),
         },
-        "eval_init": {"nats_per_byte": 5.5},
-        "eval": {"nats_per_byte": 3.25},
-        "eval_history": [[0, 0, 5.5], [10, 36864, 3.25]],
-        "train_history": [[4096, 5.4], [8192, 5.1]],
-    }
+        evaluation=EvaluationRecord(
+            init=EvalRecord(version=0, tokens=0, nats_per_byte=5.5, bits_per_byte=7.9),
+            last=EvalRecord(version=10, tokens=36864, nats_per_byte=3.25, bits_per_byte=4.7),
+            history=[
+                EvalPoint(version=0, tokens=0, nats_per_byte=5.5),
+                EvalPoint(version=10, tokens=36864, nats_per_byte=3.25),
+            ],
+        ),
+        train_history=[
+            TrainPoint(tokens=4096, train_loss=5.4),
+            TrainPoint(tokens=8192, train_loss=5.1),
+        ],
+    )
+    return record.model_copy(update=overrides)
 
 
-def unit_record(unit: int, **overrides) -> dict:
-    record = {
-        "unit": unit,
-        "state": "running",
-        "time": NOW - 0.5,
-        "step": 100 + unit,
-        "base_version": 10,
-        "tokens": 4096 * (unit + 1),
-        "tokens_per_s": 1500.5,
-        "train_loss": 3.5,
-        "counters": {"published": 7, "bytes_sent": 9000, "payload_bytes_encoded": 8000},
-    }
-    return {**record, **overrides}
+def unit_record(unit: int, **overrides) -> UnitStatus:
+    record = UnitStatus(
+        unit=unit,
+        state="running",
+        desired="running",
+        step=100 + unit,
+        round=20,
+        base_version=10,
+        tokens=4096 * (unit + 1),
+        tokens_per_s=1500.5,
+        train_loss=3.5,
+        unsent=1,
+        counters={"published": 7, "bytes_sent": 9000, "payload_bytes_encoded": 8000},
+        lifetime={"published": 9},
+    )
+    return record.model_copy(update=overrides)
 
 
-def test_unit_state_is_lost_after_the_heartbeat_timeout_unless_it_ended():
-    assert unit_state(unit_record(0), NOW, 10) == "running"
-    assert unit_state(unit_record(0, time=NOW - 11), NOW, 10) == "lost"
-    assert unit_state(unit_record(0, time=NOW - 99, state="finished"), NOW, 10) == "finished"
-    assert version_lag(outer_record(), unit_record(0)) == 2
+def job_status(outer: Stamped | None, units: dict[int, Stamped] | None = None) -> JobStatus:
+    return JobStatus("j", outer, units or {}, SERVER_TIME)
+
+
+def test_a_unit_is_lost_after_the_timeout_on_the_server_clock_unless_it_ended():
+    outer = outer_record()
+
+    def shown(entry):
+        return unit_view("j", 0, entry, None, outer, TIMEOUT_S)
+
+    assert shown(stamped(unit_record(0), 0.5)).state == "running"
+    lost = shown(stamped(unit_record(0), TIMEOUT_S + 1))
+    assert (lost.state, lost.lost, lost.reported_state) == ("lost", True, "running")
+    assert shown(stamped(unit_record(0, state="finished"), 99)).state == "finished"
+    absent = shown(None)
+    assert (absent.state, absent.reported_state, absent.desired) == ("absent", None, "running")
+    assert (absent.applied, absent.last_staleness, absent.outer_version) == (6, 1, 12)
+    assert version_lag(outer, unit_record(0)) == 2
     assert version_lag(None, unit_record(0)) is None
 
 
+def test_the_unit_view_carries_the_heartbeat_stamp_ledger_and_counters():
+    entry = stamped(unit_record(1, last_error="boom"), 0.25)
+    view = unit_view("j", 1, entry, "paused", outer_record(), TIMEOUT_S)
+    assert (view.job, view.unit, view.state, view.desired) == ("j", 1, "running", "paused")
+    assert view.last_heartbeat == SERVER_TIME - 0.25 and view.heartbeat_age_s == 0.25
+    assert (view.step, view.round, view.tokens, view.unsent) == (101, 20, 8192, 1)
+    assert (view.applied, view.last_staleness, view.version_lag) == (4, 0, 2)
+    assert (view.published, view.bytes_sent, view.payload_bytes_encoded) == (7, 9000, 8000)
+    assert view.fp32_bytes_encoded == 0 and view.last_error == "boom"
+    assert view.counters["published"] == 7 and view.lifetime == {"published": 9}
+    # Without a desired state written, the unit's own is shown.
+    reported = unit_view("j", 1, stamped(unit_record(1, desired="idle"), 0), None, None, 1)
+    assert reported.desired == "idle" and reported.version_lag is None
+
+
 def test_job_metrics_combine_outer_histories_and_unit_heartbeats():
-    units = {0: unit_record(0), 1: unit_record(1, state="paused", time=NOW - 30)}
-    metrics = job_metrics("j", outer_record(), units, {1: "paused"}, NOW, 10.0)
-    assert (metrics.version, metrics.merges, metrics.applied) == (12, 9, 10)
+    status = job_status(
+        stamped(outer_record(), 1.0),
+        {0: stamped(unit_record(0), 0.5), 1: stamped(unit_record(1, state="paused"), 30.0)},
+    )
+    metrics = job_metrics(status, {1: "paused"}, TIMEOUT_S, now=123.0)
+    assert (metrics.version, metrics.merges, metrics.applied, metrics.time) == (12, 9, 10, 123.0)
+    assert metrics.outer_state == "running"
     assert metrics.staleness == {0: 4, 1: 5, 3: 1}
+    assert (metrics.eval_init_nats_per_byte, metrics.eval_nats_per_byte) == (5.5, 3.25)
     assert [p.nats_per_byte for p in metrics.eval_history] == [5.5, 3.25]
     assert [(p.tokens, p.train_loss) for p in metrics.train_history] == [(4096, 5.4), (8192, 5.1)]
     assert metrics.bytes_sent == 18000 and metrics.payload_bytes == 123456
@@ -76,14 +140,28 @@ def test_job_metrics_combine_outer_histories_and_unit_heartbeats():
         6,
     )
     assert (second.state, second.desired, second.last_staleness) == ("lost", "paused", 0)
-    # An outer record of an older version (no train_history) still works.
-    older = {k: v for k, v in outer_record().items() if k != "train_history"}
-    assert job_metrics("j", older, {}, {}, NOW, 10.0).train_history == []
+    # Before any outer reported: empty books, no series.
+    bare = job_metrics(job_status(None, {0: stamped(unit_record(0), 0)}), {}, TIMEOUT_S, 0.0)
+    assert (bare.outer_state, bare.version, bare.applied, bare.eval_history) == (
+        "absent",
+        None,
+        0,
+        [],
+    )
 
 
-def scrape(snapshot: dict, connected: bool = True) -> dict:
+def test_job_view_lists_every_unit_of_a_managed_job_and_judges_the_outer():
+    status = job_status(stamped(outer_record(), TIMEOUT_S + 5), {2: stamped(unit_record(2), 0)})
+    view = job_view(status, None, {}, TIMEOUT_S)
+    assert (view.outer_state, view.outer_alive, view.version) == ("lost", False, 12)
+    assert [u.unit for u in view.units] == [2] and not view.managed
+    assert view.rejected == {"too_stale": 2, "bad_payload": 1}
+    assert job_view(job_status(None), None, {}, TIMEOUT_S).outer_state == "absent"
+
+
+def scrape(snapshot: dict, connected: bool = True, rejected: dict | None = None) -> dict:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatusCollector(snapshot, connected, NOW, 10.0))
+    registry.register(StatusCollector(snapshot, connected, TIMEOUT_S, rejected or {}))
     text = generate_latest(registry).decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
@@ -95,19 +173,27 @@ def scrape(snapshot: dict, connected: bool = True) -> dict:
 def test_prometheus_collector_reports_every_job_and_unit():
     samples = scrape(
         {
-            "j": (outer_record(), {0: unit_record(0), 1: unit_record(1, state="paused")}),
-            "other": (None, {3: unit_record(3, time=NOW - 60)}),
-        }
+            "j": job_status(
+                stamped(outer_record(), 1.0),
+                {0: stamped(unit_record(0), 0.5), 1: stamped(unit_record(1, state="paused"), 0.5)},
+            ),
+            "other": JobStatus("other", None, {3: stamped(unit_record(3), 60.0)}, SERVER_TIME),
+        },
+        rejected={("UnitStatus", "state: bad"): 3},
     )
     job = (("job", "j"),)
     assert samples[("diloco_gateway_nats_connected", ())] == 1
+    rejected = (("reason", "state: bad"), ("record", "UnitStatus"))
+    assert samples[("diloco_gateway_records_rejected_total", rejected)] == 3
     assert samples[("diloco_outer_version", job)] == 12
     assert samples[("diloco_outer_up", job)] == 1
+    assert samples[("diloco_outer_heartbeat_age_seconds", job)] == 1.0
     assert samples[("diloco_outer_applied_total", job)] == 10
     assert samples[("diloco_outer_merges_total", job)] == 9
     assert samples[("diloco_outer_tokens_applied_total", job)] == 40960
     assert samples[("diloco_outer_rejected_total", (("job", "j"), ("reason", "too_stale")))] == 2
     assert samples[("diloco_outer_eval_nats_per_byte", job)] == 3.25
+    assert samples[("diloco_outer_unit_applied_total", (("job", "j"), ("unit", "0")))] == 6
     # The staleness histogram is cumulative over the exact staleness values.
     assert samples[("diloco_outer_staleness_bucket", (("job", "j"), ("le", "1.0")))] == 9
     assert samples[("diloco_outer_staleness_bucket", (("job", "j"), ("le", "+Inf")))] == 10
@@ -118,19 +204,19 @@ def test_prometheus_collector_reports_every_job_and_unit():
     assert samples[("diloco_unit_version_lag", unit1)] == 2
     assert samples[("diloco_unit_heartbeat_age_seconds", unit1)] == 0.5
     assert samples[("diloco_unit_bytes_sent_total", unit1)] == 9000
-    paused, running = (
-        (("job", "j"), ("state", "paused"), ("unit", "1")),
-        (
-            ("job", "j"),
-            ("state", "running"),
-            ("unit", "1"),
-        ),
-    )
+    paused = (("job", "j"), ("state", "paused"), ("unit", "1"))
+    running = (("job", "j"), ("state", "running"), ("unit", "1"))
     assert samples[("diloco_unit_state", paused)] == 1
     assert samples[("diloco_unit_state", running)] == 0
     lost = (("job", "other"), ("state", "lost"), ("unit", "3"))
     assert samples[("diloco_unit_state", lost)] == 1
     assert ("diloco_outer_version", (("job", "other"),)) not in samples
+    assert ("diloco_unit_version_lag", (("job", "other"), ("unit", "3"))) not in samples
+
+
+def test_a_stale_outer_is_not_up():
+    samples = scrape({"j": job_status(stamped(outer_record(), TIMEOUT_S + 1))})
+    assert samples[("diloco_outer_up", (("job", "j"),))] == 0
 
 
 def test_prometheus_collector_without_nats_only_says_so():

@@ -7,8 +7,8 @@ import time
 import httpx
 import pytest
 
-from shared.broker import free_port
-from tests.conftest import AUTH, GATEWAY_TOKEN, read_status, wait_for
+from services.local.broker import free_port
+from tests.helpers import AUTH, GATEWAY_TOKEN, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -90,9 +90,9 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
 
         def outer_caught_up_with_unit1():
             outer, units = read_status(nats_server.url, JOB)
-            published = units[1]["counters"].get("published", 0)
-            applied = outer["units"].get("1", {}).get("applied", 0)
-            return (outer, units) if applied == published else None
+            ledger = outer.unit_ledger(1)
+            applied = ledger.applied if ledger is not None else 0
+            return (outer, units) if applied == units[1].counter("published") else None
 
         # Whatever unit 1 uploaded before the pause gets applied; after that, nothing more.
         outer_before, units_before = wait_for(
@@ -102,26 +102,26 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
         outer_after, units_after = read_status(nats_server.url, JOB)
 
         # The paused unit neither trains nor publishes...
-        assert units_after[1]["step"] == units_before[1]["step"]
-        assert units_after[1]["counters"]["published"] == units_before[1]["counters"]["published"]
-        assert outer_after["units"]["1"]["applied"] == outer_before["units"]["1"]["applied"]
+        assert units_after[1].step == units_before[1].step
+        assert units_after[1].counter("published") == units_before[1].counter("published")
+        assert outer_after.units[1].applied == outer_before.units[1].applied
         # ...while the other unit and the global version go on.
-        assert units_after[0]["counters"]["published"] > units_before[0]["counters"]["published"]
-        assert outer_after["version"] > outer_before["version"]
+        assert units_after[0].counter("published") > units_before[0].counter("published")
+        assert outer_after.version > outer_before.version
         assert paused_view["units"][0]["state"] == "running"
 
         response = client.post(f"/jobs/{JOB}/units/1/resume")
         assert response.status_code == 200 and response.json()["desired"] == "running"
-        published_at_pause = units_after[1]["counters"]["published"]
-        step_at_pause = units_after[1]["step"]
+        published_at_pause = units_after[1].counter("published")
+        step_at_pause = units_after[1].step
 
         def unit1_publishes_again():
             _, units = read_status(nats_server.url, JOB)
-            return units[1]["counters"]["published"] >= published_at_pause + 2 and units[1]
+            return units[1].counter("published") >= published_at_pause + 2 and units[1]
 
         resumed = wait_for(unit1_publishes_again, 60, "unit 1 to publish again after resume")
         # It resumed from where it was, not from step 0.
-        assert resumed["step"] > step_at_pause
+        assert resumed.step > step_at_pause
 
         # Unknown units are refused, and nothing is written for them.
         assert client.post(f"/jobs/{JOB}/units/7/pause").status_code == 404

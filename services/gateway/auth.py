@@ -14,38 +14,37 @@ from typing import Any
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.openapi.utils import get_openapi
 
+from services.gateway.deps import SettingsDep
+
 MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 SCHEME = "bearerToken"
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
-def token_guard(token: str):
-    """An app-wide dependency refusing mutating requests without the right bearer token.
+async def require_token(request: Request, settings: SettingsDep) -> None:
+    """Refuse a mutating request without the gateway's bearer token (an app-wide dependency;
+    a gateway started with ``--local`` has no token and checks nothing).
 
-    Args:
-        token: the API token; empty means no check (a gateway started with ``--local``).
+    Raises:
+        HTTPException: 401 when the token is missing or wrong.
     """
-    expected = token.encode()
-
-    async def require_token(request: Request) -> None:
-        if not expected or request.method not in MUTATING_METHODS:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if not header:
-            raise HTTPException(
-                status_code=401,
-                detail="missing API token: send 'Authorization: Bearer <token>'",
-                headers=CHALLENGE,
-            )
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-            raise HTTPException(
-                status_code=401,
-                detail="invalid API token in the Authorization header",
-                headers=CHALLENGE,
-            )
-
-    return require_token
+    expected = settings.token.encode()
+    if not expected or request.method not in MUTATING_METHODS:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if not header:
+        raise HTTPException(
+            status_code=401,
+            detail="missing API token: send 'Authorization: Bearer <token>'",
+            headers=CHALLENGE,
+        )
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
+        raise HTTPException(
+            status_code=401,
+            detail="invalid API token in the Authorization header",
+            headers=CHALLENGE,
+        )
 
 
 def document_auth(app: FastAPI) -> None:

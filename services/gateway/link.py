@@ -1,7 +1,8 @@
-"""The gateway's NATS side: one background connection, its KV handles, status reads.
+"""The gateway's NATS connection, made in the background so that ``/healthz`` answers without it.
 
-The connection is made in the background so that ``/healthz`` answers without NATS; routes
-that need NATS depend on :data:`Link`, which answers 503 while it is down.
+Routes reach NATS through :class:`NatsHandles` (``deps.NatsDep``), which answers 503 while the
+connection is not up. Every JetStream request (KV reads and writes included) has the JetStream
+context's timeout, :data:`REQUEST_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -9,90 +10,82 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import suppress
-from typing import Annotated, Any
+from dataclasses import dataclass
 
 import nats.errors
-import nats.js.errors
-from fastapi import Depends, HTTPException, Request
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.kv import KeyValue
 
 from services.gateway.settings import GatewaySettings
 from shared import subjects, transport
+from shared.retry import NATS_ERRORS, retry
 from shared.transport import TransportError
 
 log = logging.getLogger(__name__)
 
-KV_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 5.0
+CLOSE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class NatsHandles:
+    """An open connection and the JetStream handles the routes use."""
+
+    nc: NatsClient
+    js: JetStreamContext
+    jobs_kv: KeyValue
+    desired_kv: KeyValue
 
 
 class NatsLink:
-    """The gateway's NATS connection, made in the background so /healthz works without it."""
+    """Connects in the background (``shared.retry``) until NATS answers, then holds the handles.
+
+    Once made, the connection reconnects on its own (nats-py), so :attr:`connected` may turn
+    false and true again without a new :class:`NatsHandles`.
+    """
 
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
-        self.nc: Any = None
-        self.desired_kv: Any = None
-        self.status_kv: Any = None
-        self.jobs_kv: Any = None
-        # Unit status keys seen per job. Listing a bucket's keys (nats-py's kv.keys(), an
-        # ordered replay) can miss a key that is being rewritten at that moment, and units
-        # heartbeat every second; keys seen once are therefore always read directly.
-        self.seen_unit_keys: dict[str, set[str]] = {}
+        self.handles: NatsHandles | None = None
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._connect_forever())
+        """Start connecting (in a task of the running event loop)."""
+        self._task = asyncio.create_task(self._connect())
 
-    async def _connect_forever(self) -> None:
-        backoff = 0.5
-        while True:
-            try:
-                nc = await transport.connect(self.settings, "gateway")
-                js = nc.jetstream()
-                await transport.ensure_streams(js)
-                self.desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
-                self.status_kv = await js.key_value(subjects.STATUS_BUCKET)
-                self.jobs_kv = await js.key_value(subjects.JOBS_BUCKET)
-                self.nc = nc
-                return
-            except (TimeoutError, TransportError, nats.errors.Error) as err:
-                log.warning("gateway cannot reach NATS (%s); retrying in %.1fs", err, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
+    async def _connect(self) -> None:
+        self.handles = await retry(
+            self._open, "gateway connect to NATS", on=(TransportError, *NATS_ERRORS)
+        )
+
+    async def _open(self) -> NatsHandles:
+        nc = await transport.connect(self.settings, "gateway")
+        try:
+            js = nc.jetstream(timeout=REQUEST_TIMEOUT_S)
+            await transport.ensure_streams(js)
+            jobs_kv = await js.key_value(subjects.JOBS_BUCKET)
+            desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
+        except BaseException:
+            await _close(nc)
+            raise
+        return NatsHandles(nc, js, jobs_kv, desired_kv)
 
     @property
     def connected(self) -> bool:
-        return self.nc is not None and self.nc.is_connected
+        """Whether the connection is made and up at this moment."""
+        return self.handles is not None and self.handles.nc.is_connected
 
     async def close(self) -> None:
+        """Stop connecting, or close the connection."""
         if self._task is not None:
             self._task.cancel()
-        if self.nc is not None:
-            with suppress(TimeoutError, nats.errors.Error):
-                await asyncio.wait_for(self.nc.close(), timeout=5)
+            with suppress(asyncio.CancelledError):
+                await self._task
+        if self.handles is not None:
+            await _close(self.handles.nc)
 
 
-def _link(request: Request) -> NatsLink:
-    link: NatsLink = request.app.state.link
-    if not link.connected:
-        raise HTTPException(status_code=503, detail="NATS is not reachable from the gateway")
-    return link
-
-
-Link = Annotated[NatsLink, Depends(_link)]
-
-
-async def read_status(link: NatsLink, job: str) -> tuple[dict[str, Any] | None, dict[int, dict]]:
-    """Return (outer status, {unit: status}) of a job."""
-    outer = await asyncio.wait_for(
-        transport.get_json(link.status_kv, subjects.outer_status_key(job)), KV_TIMEOUT_S
-    )
-    units: dict[int, dict] = {}
-    keys = await asyncio.wait_for(transport.kv_keys(link.status_kv), KV_TIMEOUT_S)
-    prefix = subjects.unit_status_key(job, 0)[:-1]
-    seen = link.seen_unit_keys.setdefault(job, set())
-    seen.update(k for k in keys if k.startswith(prefix) and k[len(prefix) :].isdigit())
-    for key in sorted(seen):
-        status = await transport.get_json(link.status_kv, key)
-        if status is not None:
-            units[int(key[len(prefix) :])] = status
-    return outer, units
+async def _close(nc: NatsClient) -> None:
+    with suppress(TimeoutError, nats.errors.Error):
+        await asyncio.wait_for(nc.close(), timeout=CLOSE_TIMEOUT_S)

@@ -9,27 +9,28 @@ from __future__ import annotations
 import html
 from pathlib import Path as FsPath
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query
 from fastapi.responses import FileResponse, HTMLResponse
 
-from shared.settings import JOB_NAME_PATTERN
+from services.gateway.deps import SettingsDep
+from shared.records import JOB_NAME_PATTERN
 
 router = APIRouter(tags=["dashboard"])
 
-STATIC_DIR = FsPath(__file__).resolve().parent / "static"
+STATIC_DIR = FsPath(__file__).resolve().parents[1] / "static"
 #: The files ``/static/{name}`` serves (nothing else under the folder is reachable).
 STATIC_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 
 
 @router.get("/", response_class=HTMLResponse, summary="Live dashboard of the gateway's job")
 async def dashboard(
-    request: Request,
+    settings: SettingsDep,
     job: str | None = Query(
         None, pattern=JOB_NAME_PATTERN.pattern, description="job to show (default: --job)"
     ),
 ) -> HTMLResponse:
     """The dashboard page; it shows ``job``, or the gateway's ``--job`` by default."""
-    shown = job or request.app.state.link.settings.job
+    shown = job or settings.job
     page = (STATIC_DIR / "index.html").read_text(encoding="utf-8")
     return HTMLResponse(page.replace("{{JOB}}", html.escape(shown, quote=True)))
 

@@ -1,0 +1,1 @@
+"""The gateway's routers, one module per resource (``app.py`` includes them)."""

@@ -1,0 +1,441 @@
+"""What the gateway answers, and how each answer is built from the records it read.
+
+One :class:`UnitView`, made by :func:`unit_view` only, is the unit in every answer (the units of
+``GET /jobs/{job}`` and ``GET /jobs/{job}/metrics``, and ``GET /jobs/{job}/units/{unit}``).
+Shown states come from ``shared.records.unit_liveness`` / ``outer_liveness``: ages are on the
+NATS server's clock, so a writer's clock never makes it look lost or alive.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from shared.job_status import JobStatus
+from shared.records import (
+    DesiredState,
+    EvalPoint,
+    JobRecord,
+    JobSpec,
+    JobState,
+    LedgerRecord,
+    OuterState,
+    OuterStatus,
+    Stamped,
+    TrainPoint,
+    UnitState,
+    UnitStatus,
+    outer_liveness,
+    unit_liveness,
+)
+
+#: What a unit does when no desired state was ever written for it, and it never reported one.
+DEFAULT_DESIRED: DesiredState = "running"
+#: Shown states besides the reported ones: silent for too long, or never reported.
+ShownUnitState = UnitState | Literal["lost", "absent"]
+ShownOuterState = OuterState | Literal["lost", "absent"]
+AGE_DIGITS = 3
+
+
+class ErrorView(BaseModel):
+    """Why a request was refused."""
+
+    detail: str = Field(
+        description="what is wrong, naming the job, unit or state",
+        examples=["cannot resume job 'demo' in state 'running' (allowed: pause, stop)"],
+    )
+
+
+def refusal(status: int, description: str) -> dict[int | str, dict[str, Any]]:
+    """An OpenAPI ``responses`` entry: ``status`` answers an :class:`ErrorView`."""
+    return {status: {"model": ErrorView, "description": description}}
+
+
+NOT_FOUND = refusal(404, "no such job or unit")
+CONFLICT = refusal(409, "not allowed in the current state (the message says why)")
+
+
+# ---- units -----------------------------------------------------------------------------------
+
+
+class UnitView(BaseModel):
+    """One unit: its liveness, progress, lag behind the global version and counters."""
+
+    job: str = Field(examples=["demo"])
+    unit: int = Field(description="unit index", examples=[0])
+    state: ShownUnitState = Field(
+        description="reported state (starting, idle, running, paused, finishing, finished, "
+        "stopped); 'lost' when its heartbeat is older than --heartbeat-timeout-s; 'absent' "
+        "when it never reported",
+        examples=["running"],
+    )
+    reported_state: UnitState | None = Field(
+        None, description="the state in the unit's last heartbeat (None: never reported)"
+    )
+    desired: DesiredState = Field(
+        description="desired state written through the gateway (else the one the unit reports, "
+        "else running)"
+    )
+    lost: bool = Field(False, description="state is 'lost'")
+    heartbeat_age_s: float | None = Field(
+        None, description="seconds since its last heartbeat, on the NATS server's clock"
+    )
+    last_heartbeat: float | None = Field(
+        None, description="the NATS server's time of its last heartbeat (unix seconds)"
+    )
+    step: int | None = None
+    max_steps: int | None = None
+    round: int | None = Field(None, description="the next round number the unit hands out")
+    tokens: int | None = Field(None, description="tokens trained, across restarts")
+    tokens_per_s: float | None = None
+    train_loss: float | None = None
+    base_version: int | None = Field(None, description="global version its params are based on")
+    outer_version: int | None = Field(None, description="the outer's global version")
+    version_lag: int | None = Field(None, description="outer_version minus base_version")
+    applied: int = Field(0, description="uploads of this unit the outer has applied")
+    last_staleness: int | None = Field(None, description="staleness of its last applied upload")
+    published: int = Field(0, description="uploads published by the unit's process")
+    bytes_sent: int = Field(0, description="bytes published to NATS (all chunks)")
+    payload_bytes_encoded: int = Field(0, description="encoded pseudo-gradient bytes")
+    fp32_bytes_encoded: int = Field(0, description="the same tensors' size in fp32")
+    unsent: int | None = Field(None, description="uploads queued but not yet published")
+    last_error: str | None = None
+    counters: dict[str, int] = Field({}, description="this process's counters")
+    lifetime: dict[str, int] | None = Field(None, description="upload counters across restarts")
+
+    model_config = {
+        "json_schema_extra": {
+            "examples": [
+                {
+                    "job": "demo",
+                    "unit": 1,
+                    "state": "running",
+                    "reported_state": "running",
+                    "desired": "running",
+                    "lost": False,
+                    "heartbeat_age_s": 0.7,
+                    "last_heartbeat": 1764490000.0,
+                    "step": 120,
+                    "max_steps": 1000,
+                    "round": 24,
+                    "tokens": 49152,
+                    "tokens_per_s": 1498.2,
+                    "train_loss": 3.1,
+                    "base_version": 40,
+                    "outer_version": 42,
+                    "version_lag": 2,
+                    "applied": 23,
+                    "last_staleness": 1,
+                    "published": 24,
+                    "bytes_sent": 300000,
+                    "payload_bytes_encoded": 290000,
+                    "fp32_bytes_encoded": 1160000,
+                    "unsent": 0,
+                    "last_error": None,
+                    "counters": {"published": 24, "bytes_sent": 300000},
+                    "lifetime": {"published": 24},
+                }
+            ]
+        }
+    }
+
+
+def version_lag(outer: OuterStatus | None, status: UnitStatus) -> int | None:
+    """The outer's version minus the version the unit's params are based on (None: no outer)."""
+    return max(0, outer.version - status.base_version) if outer is not None else None
+
+
+def unit_view(
+    job: str,
+    unit: int,
+    entry: Stamped[UnitStatus] | None,
+    desired: DesiredState | None,
+    outer: OuterStatus | None,
+    timeout_s: float,
+) -> UnitView:
+    """One unit as the gateway shows it.
+
+    Args:
+        job: the job's name.
+        unit: the unit's index.
+        entry: its status record with its age (None: it never reported).
+        desired: the desired state written for it (None: none written).
+        outer: the outer's status record, for its ledger of the unit and its version.
+        timeout_s: heartbeat age past which a unit that has not ended is lost.
+    """
+    state = unit_liveness(entry, timeout_s)
+    ledger = outer.unit_ledger(unit) if outer is not None else None
+    shown: dict[str, Any] = {
+        "job": job,
+        "unit": unit,
+        "state": state,
+        "lost": state == "lost",
+        "outer_version": outer.version if outer is not None else None,
+        "applied": ledger.applied if ledger is not None else 0,
+        "last_staleness": ledger.last_staleness if ledger is not None else None,
+    }
+    if entry is None:
+        return UnitView(desired=desired or DEFAULT_DESIRED, **shown)
+    status = entry.record
+    return UnitView(
+        reported_state=status.state,
+        desired=desired or status.desired,
+        heartbeat_age_s=round(entry.age_s, AGE_DIGITS),
+        last_heartbeat=entry.stamp,
+        step=status.step,
+        max_steps=status.max_steps,
+        round=status.round,
+        tokens=status.tokens,
+        tokens_per_s=status.tokens_per_s,
+        train_loss=status.train_loss,
+        base_version=status.base_version,
+        version_lag=version_lag(outer, status),
+        published=status.counter("published"),
+        bytes_sent=status.counter("bytes_sent"),
+        payload_bytes_encoded=status.counter("payload_bytes_encoded"),
+        fp32_bytes_encoded=status.counter("fp32_bytes_encoded"),
+        unsent=status.unsent,
+        last_error=status.last_error or None,
+        counters=status.counters,
+        lifetime=status.lifetime,
+        **shown,
+    )
+
+
+def unit_views(
+    status: JobStatus,
+    indexes: set[int],
+    desired: Mapping[int, DesiredState],
+    timeout_s: float,
+) -> list[UnitView]:
+    """:func:`unit_view` of each of ``indexes``, in order."""
+    outer = status.outer_record()
+    return [
+        unit_view(status.job, unit, status.units.get(unit), desired.get(unit), outer, timeout_s)
+        for unit in sorted(indexes)
+    ]
+
+
+# ---- the outer -------------------------------------------------------------------------------
+
+
+def books(outer: OuterStatus | None) -> LedgerRecord:
+    """The outer's books (empty ones before any outer reported)."""
+    return outer if outer is not None else LedgerRecord()
+
+
+def eval_losses(outer: OuterStatus | None) -> tuple[float | None, float | None]:
+    """``(initial, last)`` held-out loss in nats per byte (None: not evaluated)."""
+    if outer is None:
+        return None, None
+    evaluation = outer.evaluation
+    initial = evaluation.init.nats_per_byte if evaluation.init is not None else None
+    last = evaluation.last.nats_per_byte if evaluation.last is not None else None
+    return initial, last
+
+
+# ---- jobs ------------------------------------------------------------------------------------
+
+
+class JobRecordView(BaseModel):
+    """A job's registry record."""
+
+    job: str = Field(examples=["demo"])
+    state: JobState = Field(description="created, running, paused or stopped")
+    units: int = Field(description="current number of units", examples=[4])
+    spec: JobSpec = Field(description="the job's definition (spec.units: the initial count)")
+    created: float = Field(description="creation time, seconds since the epoch")
+    updated: float = Field(description="time of the last change, seconds since the epoch")
+
+
+def record_view(record: JobRecord) -> JobRecordView:
+    """A registry record as the API shows it."""
+    return JobRecordView(
+        job=record.spec.job,
+        state=record.state,
+        units=record.units,
+        spec=record.spec,
+        created=record.created,
+        updated=record.updated,
+    )
+
+
+class JobView(BaseModel):
+    """A job's global state and its units (plus its registry record when it is managed)."""
+
+    job: str = Field(examples=["demo"])
+    version: int | None = Field(description="newest global version (None: no outer yet)")
+    outer_state: ShownOuterState = Field(description="outer's reported state, 'lost' or 'absent'")
+    outer_alive: bool = Field(description="the outer's heartbeat is fresh")
+    eval_nats_per_byte: float | None = Field(description="last held-out loss")
+    eval_init_nats_per_byte: float | None = Field(description="held-out loss at version 0")
+    applied: int
+    rejected: dict[str, int]
+    units: list[UnitView]
+    managed: bool = Field(False, description="created through POST /jobs (has a registry record)")
+    state: JobState | None = Field(None, description="registry state (None when unmanaged)")
+    unit_count: int | None = Field(None, description="current number of units (managed jobs)")
+    spec: JobSpec | None = Field(None, description="the job's definition (managed jobs)")
+    created: float | None = None
+    updated: float | None = None
+
+
+def job_view(
+    status: JobStatus,
+    record: JobRecord | None,
+    desired: Mapping[int, DesiredState],
+    timeout_s: float,
+) -> JobView:
+    """A job: every reporting unit, and every unit up to a managed job's unit count.
+
+    Args:
+        status: the job's status records.
+        record: its registry record (None: unmanaged).
+        desired: the desired states written for its units.
+        timeout_s: heartbeat age past which a writer is lost.
+    """
+    outer = status.outer_record()
+    indexes = set(status.units) | set(range(record.units if record is not None else 0))
+    shown = outer_liveness(status.outer, timeout_s)
+    initial, last = eval_losses(outer)
+    return JobView(
+        job=status.job,
+        version=outer.version if outer is not None else None,
+        outer_state=shown,
+        outer_alive=shown not in ("lost", "absent"),
+        eval_nats_per_byte=last,
+        eval_init_nats_per_byte=initial,
+        applied=books(outer).applied,
+        rejected=books(outer).rejected,
+        units=unit_views(status, indexes, desired, timeout_s),
+        managed=record is not None,
+        state=record.state if record is not None else None,
+        unit_count=record.units if record is not None else None,
+        spec=record.spec if record is not None else None,
+        created=record.created if record is not None else None,
+        updated=record.updated if record is not None else None,
+    )
+
+
+class DesiredStateView(BaseModel):
+    """The desired state written for a unit."""
+
+    job: str = Field(examples=["demo"])
+    unit: int = Field(examples=[0])
+    desired: DesiredState = Field(examples=["paused"])
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+class JobMetrics(BaseModel):
+    """Time series and current numbers of a job, built from its status records."""
+
+    job: str
+    time: float = Field(description="gateway wall-clock time of this answer")
+    outer_state: ShownOuterState
+    version: int | None
+    merges: int
+    applied: int
+    rejected: dict[str, int]
+    tokens_applied: int
+    payload_bytes: int = Field(description="compressed upload bytes the outer accepted")
+    bytes_sent: int = Field(description="bytes the units' processes published, summed")
+    staleness: dict[int, int] = Field(description="applied uploads by staleness")
+    eval_init_nats_per_byte: float | None
+    eval_nats_per_byte: float | None
+    eval_history: list[EvalPoint]
+    train_history: list[TrainPoint]
+    units: list[UnitView] = Field(description="the units that reported")
+
+    model_config = {
+        "json_schema_extra": {
+            "examples": [
+                {
+                    "job": "demo",
+                    "time": 1764490000.0,
+                    "outer_state": "running",
+                    "version": 42,
+                    "merges": 42,
+                    "applied": 84,
+                    "rejected": {"too_stale": 1},
+                    "tokens_applied": 172032,
+                    "payload_bytes": 1048576,
+                    "bytes_sent": 1100000,
+                    "staleness": {"0": 40, "1": 44},
+                    "eval_init_nats_per_byte": 5.61,
+                    "eval_nats_per_byte": 2.9,
+                    "eval_history": [
+                        {"version": 0, "tokens": 0, "nats_per_byte": 5.61},
+                        {"version": 40, "tokens": 163840, "nats_per_byte": 2.9},
+                    ],
+                    "train_history": [{"tokens": 4096, "train_loss": 5.4}],
+                    "units": [
+                        {
+                            "job": "demo",
+                            "unit": 0,
+                            "state": "running",
+                            "reported_state": "running",
+                            "desired": "running",
+                            "step": 210,
+                            "tokens": 86016,
+                            "tokens_per_s": 1530.5,
+                            "train_loss": 2.95,
+                            "base_version": 41,
+                            "outer_version": 42,
+                            "version_lag": 1,
+                            "heartbeat_age_s": 0.4,
+                            "last_staleness": 1,
+                            "applied": 42,
+                            "published": 42,
+                            "bytes_sent": 550000,
+                            "payload_bytes_encoded": 524288,
+                            "fp32_bytes_encoded": 2097152,
+                        }
+                    ],
+                }
+            ]
+        }
+    }
+
+
+def job_metrics(
+    status: JobStatus,
+    desired: Mapping[int, DesiredState],
+    timeout_s: float,
+    now: float,
+) -> JobMetrics:
+    """A job's metrics from one read of its status records.
+
+    Args:
+        status: the job's status records.
+        desired: the desired states written for its units.
+        timeout_s: heartbeat age past which a writer is lost.
+        now: the gateway's time of the answer.
+    """
+    outer = status.outer_record()
+    units = unit_views(status, set(status.units), desired, timeout_s)
+    initial, last = eval_losses(outer)
+    ledger = books(outer)
+    return JobMetrics(
+        job=status.job,
+        time=now,
+        outer_state=outer_liveness(status.outer, timeout_s),
+        version=outer.version if outer is not None else None,
+        merges=ledger.merges,
+        applied=ledger.applied,
+        rejected=ledger.rejected,
+        tokens_applied=ledger.tokens_applied,
+        payload_bytes=ledger.payload_bytes,
+        bytes_sent=sum(unit.bytes_sent for unit in units),
+        staleness=ledger.staleness,
+        eval_init_nats_per_byte=initial,
+        eval_nats_per_byte=last,
+        eval_history=outer.evaluation.history if outer is not None else [],
+        train_history=outer.train_history if outer is not None else [],
+        units=units,
+    )
