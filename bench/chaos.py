@@ -9,7 +9,7 @@ upload what they have and exit 0), the cluster finishes by itself, and its final
 once or rejected with a reason (``shared.ledger.balance``). The ledger is printed, and with
 ``--write`` goes into BENCHMARKS.md.
 
-    .venv/bin/python bench/chaos.py --minutes 5 --write      # ≈ 7 min on 2 cores
+    .venv/bin/python bench/chaos.py --minutes 5 --write
 
 Exit status 0 only if the run finished and the books balanced.
 """
@@ -17,6 +17,7 @@ Exit status 0 only if the run finished and the books balanced.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -27,13 +28,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from report import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
 
+from services.local import files  # noqa: E402
 from shared.ledger import RoundSet  # noqa: E402
+from shared.records import Books, LedgerRecord, RunSummary  # noqa: E402
 
 SECTION = "## Reliability: chaos run of `diloco up`"
 DATA_DIR = REPO / "bench" / ".cache" / "chaos"
@@ -41,13 +45,6 @@ DATA_DIR = REPO / "bench" / ".cache" / "chaos"
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def start_up(args: argparse.Namespace) -> subprocess.Popen:
@@ -88,9 +85,17 @@ def start_up(args: argparse.Namespace) -> subprocess.Popen:
     )
 
 
+class Kill(NamedTuple):
+    """One SIGKILL of the chaos window."""
+
+    t: float  # seconds into the window
+    victim: str  # the child's name in pids.json
+
+
 def pids() -> dict[str, int]:
-    record = read_json(DATA_DIR / "pids.json") or {}
-    return {k: int(v) for k, v in (record.get("pids") or {}).items()}
+    """The live children's PIDs by name (none while pids.json is missing or malformed)."""
+    record = files.read_pids(DATA_DIR)
+    return dict(record.pids) if record is not None else {}
 
 
 def wait_for_training(up: subprocess.Popen, timeout_s: float = 600) -> None:
@@ -106,9 +111,9 @@ def wait_for_training(up: subprocess.Popen, timeout_s: float = 600) -> None:
     raise SystemExit("training did not start")
 
 
-def chaos(args: argparse.Namespace, up: subprocess.Popen) -> list[dict]:
+def chaos(args: argparse.Namespace, up: subprocess.Popen) -> list[Kill]:
     rng = random.Random(args.seed)
-    kills: list[dict] = []
+    kills: list[Kill] = []
     started = time.monotonic()
     while time.monotonic() - started < args.minutes * 60:
         time.sleep(rng.uniform(args.min_gap_s, args.max_gap_s))
@@ -124,7 +129,7 @@ def chaos(args: argparse.Namespace, up: subprocess.Popen) -> list[dict]:
         except ProcessLookupError:
             continue
         elapsed = time.monotonic() - started
-        kills.append({"t": round(elapsed, 1), "victim": victim})
+        kills.append(Kill(round(elapsed, 1), victim))
         log(f"[{elapsed:6.1f}s] kill -9 {victim} (pid {live[victim]})")
     return kills
 
@@ -144,28 +149,44 @@ def stop_learners(up: subprocess.Popen, learners: int, timeout_s: float = 120) -
         time.sleep(1)
 
 
-def render(args, kills, summary, elapsed_s) -> str:
-    books = summary.get("ledger") or {}
-    outer = summary.get("outer") or {}
-    by_victim: dict[str, int] = {}
-    for kill in kills:
-        by_victim[kill["victim"]] = by_victim.get(kill["victim"], 0) + 1
-    # Rounds a killed learner had numbered but not yet sent: lost with its memory, by design.
+def read_summary() -> RunSummary:
+    """The run's ``summary.json``; a missing or malformed one reads as a run that did not end
+    well, so that the table says so and the exit status is 1."""
+    summary = files.read_summary(DATA_DIR)
+    if summary is not None:
+        return summary
+    missing = f"no readable {DATA_DIR / files.SUMMARY_FILE}"
+    return RunSummary(reason=missing, elapsed_s=0, ledger=Books(balanced=False, problems=[missing]))
+
+
+def lost_rounds(summary: RunSummary) -> int:
+    """Rounds a killed learner had numbered but not yet sent: lost with its memory, by design."""
+    ledger = summary.outer if summary.outer is not None else LedgerRecord()
     lost = 0
-    for unit, status in (summary.get("units") or {}).items():
-        life = status.get("lifetime") or {}
-        known = RoundSet(status.get("published_rounds") or [])
-        for key in ("applied_rounds", "rejected_rounds"):
-            for first, last in (outer.get(key) or {}).get(str(unit), []):
+    for unit, status in summary.units.items():
+        life = collections.Counter(status.lifetime)
+        known = RoundSet(status.published_rounds)
+        for rounds in (ledger.applied_rounds, ledger.rejected_rounds):
+            for first, last in rounds.get(unit, ()):
                 known.add_range(first, last)
-        accounted = len(known) + life.get("dropped_unsent", 0) + life.get("rejected_local", 0)
-        lost += status.get("next_round", 0) - accounted
+        accounted = len(known) + life["dropped_unsent"] + life["rejected_local"]
+        lost += status.next_round - accounted
+    return lost
+
+
+def render(
+    args: argparse.Namespace, kills: list[Kill], summary: RunSummary, elapsed_s: float
+) -> str:
+    books = summary.ledger
+    outer = summary.outer
+    ledger = outer if outer is not None else LedgerRecord()
+    by_victim = collections.Counter(kill.victim for kill in kills)
     command = (
         f"`.venv/bin/python bench/chaos.py --minutes {args.minutes:g} --seed {args.seed} "
         f"--learners {args.learners} --write`"
     )
-    final = outer.get("eval") or {}
-    init = outer.get("eval_init") or {}
+    init = outer.evaluation.init if outer is not None else None
+    final = outer.evaluation.last if outer is not None else None
     lines = [
         SECTION,
         "",
@@ -180,23 +201,25 @@ def render(args, kills, summary, elapsed_s) -> str:
         f"| kills | {len(kills)}: "
         + ", ".join(f"{k} ×{v}" for k, v in sorted(by_victim.items()))
         + " |",
-        f"| restarts by `diloco up` | {summary.get('restarts')} |",
-        f"| run ended | {summary.get('reason')} |",
-        f"| ledger | **{'balanced' if books.get('balanced') else 'NOT balanced'}** |",
-        f"| rounds published (JetStream accepted) | {books.get('published')} |",
-        f"| applied exactly once | {books.get('applied')} |",
-        f"| rejected with a reason | {books.get('rejected')} ({outer.get('rejected')}) |",
-        f"| redelivered chunks deduplicated | {outer.get('deduplicated')} |",
-        f"| rounds lost in killed learners' memory (never published) | {lost} |",
-        f"| global version / outer merges | {outer.get('version')} / {outer.get('merges')} |",
-        f"| held-out loss, nats/byte | {init.get('nats_per_byte')} → "
-        f"{final.get('nats_per_byte')} |",
+        f"| restarts by `diloco up` | {summary.restarts} |",
+        f"| run ended | {summary.reason} |",
+        f"| ledger | **{'balanced' if books.balanced else 'NOT balanced'}** |",
+        f"| rounds published (JetStream accepted) | {books.published} |",
+        f"| applied exactly once | {books.applied} |",
+        f"| rejected with a reason | {books.rejected} ({ledger.rejected}) |",
+        f"| redelivered chunks deduplicated | {ledger.deduplicated} |",
+        f"| rounds lost in killed learners' memory (never published) | {lost_rounds(summary)} |",
+        f"| global version / outer merges | {outer.version if outer is not None else None}"
+        f" / {ledger.merges} |",
+        f"| held-out loss, nats/byte | {init.nats_per_byte if init else None} → "
+        f"{final.nats_per_byte if final else None} |",
         "",
-        "Per unit: " + json.dumps(books.get("per_unit")),
+        "Per unit: "
+        + json.dumps({str(unit): line.model_dump() for unit, line in books.per_unit.items()}),
         "",
     ]
-    if books.get("problems"):
-        lines += ["Problems: " + "; ".join(books["problems"]), ""]
+    if books.problems:
+        lines += ["Problems: " + "; ".join(books.problems), ""]
     return "\n".join(lines)
 
 
@@ -222,15 +245,15 @@ def main() -> None:
         if up.poll() is None:
             up.send_signal(signal.SIGTERM)
             up.wait(timeout=120)
-    summary = read_json(DATA_DIR / "summary.json") or {}
+    summary = read_summary()
     log((DATA_DIR / "up.out").read_text(errors="replace")[-3000:])
     table = render(args, kills, summary, time.monotonic() - started)
     print(table)
-    print("ledger:", json.dumps(summary.get("ledger"), indent=1))
+    print("ledger:", summary.ledger.model_dump_json(indent=1))
     if args.write:
         write_section(SECTION, table)
-    balanced = bool((summary.get("ledger") or {}).get("balanced"))
-    sys.exit(0 if code == 0 and balanced and summary.get("reason") == "finished" else 1)
+    finished = summary.reason == "finished" and summary.ledger.balanced
+    sys.exit(0 if code == 0 and finished else 1)
 
 
 if __name__ == "__main__":

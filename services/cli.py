@@ -4,7 +4,7 @@
     diloco learner   run one learner unit against a NATS URL
     diloco outer     run the outer optimizer of a job
     diloco gateway   run the REST gateway
-    diloco jobs | job | unit | units   control jobs through a gateway (services/client.py)
+    diloco jobs | job | unit | units   control jobs through a gateway (services/gateway/client.py)
 
 Every option is also an environment variable ``DILOCO_<NAME>`` and a key of the job
 configuration file given with ``--config job.toml``; flags win over the environment, which wins
@@ -33,14 +33,14 @@ log = logging.getLogger("diloco")
 
 # Exit status of an outer that lost its lease to another outer (EX_TEMPFAIL: start it again).
 EXIT_LEASE_LOST = 75
-CLIENT_COMMANDS = ("jobs", "job", "unit", "units")  # services/client.py
+CLIENT_COMMANDS = ("jobs", "job", "unit", "units")  # services/gateway/client.py
 
 
 def _settings(cls, args: argparse.Namespace):
     """Settings of one command from its flags, the environment and the config file."""
-    from services.cluster import UpSettings
     from services.gateway.settings import GatewaySettings
     from services.learner.settings import LearnerSettings
+    from services.local.settings import UpSettings
     from services.outer.settings import OuterSettings
 
     known = set()
@@ -51,7 +51,8 @@ def _settings(cls, args: argparse.Namespace):
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from services.cluster import UpSettings, run_up
+    from services.local.run import run_up
+    from services.local.settings import UpSettings
 
     return run_up(_settings(UpSettings, args))
 
@@ -106,14 +107,15 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``diloco`` argument parser with one subcommand per service."""
-    from services.cluster import UpSettings
     from services.gateway.settings import GatewaySettings
     from services.learner.settings import LearnerSettings
+    from services.local.settings import UpSettings
     from services.outer.settings import OuterSettings
 
     parser = argparse.ArgumentParser(
         prog="diloco", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    _add_version(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     table = [
         (
@@ -138,18 +140,33 @@ def build_parser() -> argparse.ArgumentParser:
             help="job configuration file (TOML, keys = option names) [env DILOCO_CONFIG]",
         )
         sub.set_defaults(handler=handler)
-    from services.client import add_client_commands
+    from services.gateway.client import add_client_commands
 
     add_client_commands(commands)
+    return parser
+
+
+def _add_version(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--version``: print ``diloco <installed version of decoupled-diloco>`` and exit."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("decoupled-diloco")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        installed = "unknown (not installed)"
+    parser.add_argument("--version", action="version", version=f"%(prog)s {installed}")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``diloco`` command."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--version":
+        # Answered before build_parser(), which imports the services' settings (and JAX).
+        _add_version(argparse.ArgumentParser(prog="diloco")).parse_args(argv)
     if argv and argv[0] in CLIENT_COMMANDS:
         # A client command: no service settings to build (they import JAX), no logging set-up.
-        from services.client import add_client_commands
+        from services.gateway.client import add_client_commands
 
         parser = argparse.ArgumentParser(prog="diloco", description=__doc__)
         add_client_commands(parser.add_subparsers(dest="command", required=True))

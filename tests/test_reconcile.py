@@ -1,11 +1,10 @@
-"""How ``diloco up`` matches the registry's jobs with processes (``services.reconcile``), the
-retirement of a child in ``services.supervisor``, and ``Cluster.reconcile`` acting on it with
+"""How ``diloco up`` matches the registry's jobs with processes (``services.local.reconcile``), the
+retirement of a child in ``services.local.supervisor``, and ``Cluster.reconcile`` acting on it with
 stand-in children. No NATS, no JAX."""
 
 from __future__ import annotations
 
 import io
-import json
 import subprocess
 import sys
 import time
@@ -14,12 +13,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from services import cluster as cluster_module
-from services import reconcile
-from services.cluster import Cluster, UpSettings
-from services.gateway.jobs import JobRecord, JobSpec
-from services.reconcile import Retire, Spawn, plan
-from services.supervisor import RestartPolicy, State, Supervisor
+from services.local import files, reconcile
+from services.local.cluster import Cluster
+from services.local.reconcile import Retire, Spawn, plan
+from services.local.registry import Registry
+from services.local.settings import UpSettings
+from services.local.supervisor import RestartPolicy, State, Supervisor
+from shared.records import JobRecord, JobSpec
 
 CKPT = "/data/units"
 
@@ -145,9 +145,9 @@ def _sleeper(args: list[str], env: dict[str, str], log_path: Path) -> subprocess
 
 
 @pytest.fixture
-def stand_in_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(cluster_module, "_popen", _sleeper)
-    cluster = Cluster(UpSettings(learners=1, data_dir=str(tmp_path)), out=io.StringIO())
+def stand_in_cluster(tmp_path: Path):
+    settings = UpSettings(learners=1, data_dir=str(tmp_path))
+    cluster = Cluster(settings, out=io.StringIO(), launch=_sleeper)
     cluster.supervisor = Supervisor(RestartPolicy(initial_backoff_s=0.05))
     server = SimpleNamespace(url="nats://127.0.0.1:1", alive=lambda: False, stop=lambda: None)
     cluster.server = server  # type: ignore[assignment]
@@ -155,11 +155,13 @@ def stand_in_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     cluster.stop()
 
 
-def test_cluster_starts_a_jobs_processes_and_stops_its_outer_after_its_learners(stand_in_cluster):
+def test_cluster_starts_a_jobs_processes_and_stops_its_outer_after_its_learners(
+    stand_in_cluster, tmp_path
+):
     cluster = stand_in_cluster
-    cluster.reconcile({"j": record(units=2)}, {"j": {0: "running", 1: "running"}})
-    pids = json.loads(cluster.pids_path.read_text())["pids"]
-    assert set(pids) == {"j/outer", "j/learner-0", "j/learner-1"}
+    cluster.reconcile(Registry({"j": record(units=2)}, {"j": {0: "running", 1: "running"}}))
+    pids = files.read_pids(tmp_path)
+    assert pids is not None and set(pids.pids) == {"j/outer", "j/learner-0", "j/learner-1"}
     assert (Path(cluster.settings.data_dir) / "logs" / "j-learner-1.log").exists()
     learner = next(c for c in cluster.job_children if c.name == "j/learner-1")
     assert "--nats-url" in learner.args and learner.args[0] == "learner"
@@ -169,11 +171,12 @@ def test_cluster_starts_a_jobs_processes_and_stops_its_outer_after_its_learners(
         child.process.kill()
         child.process.wait()
         cluster.supervisor.exited(child.name, 0, time.monotonic())
-    cluster.reconcile({"j": record(state="stopped")}, {})
+    cluster.reconcile(Registry({"j": record(state="stopped")}))
     assert "job j: its learners are done, stopping j/outer" in cluster.out.getvalue()
     outer = cluster.job_outers()[0]
     outer.process.wait(timeout=10)
     cluster.heal(lambda: False)
     assert cluster.supervisor.state("j/outer") is State.FINISHED  # SIGTERM: not restarted
     assert not cluster.jobs_busy()
-    assert json.loads(cluster.pids_path.read_text())["pids"] == {}
+    pids = files.read_pids(tmp_path)
+    assert pids is not None and pids.pids == {}

@@ -1,4 +1,4 @@
-"""The restart policy of ``diloco up`` (``services.supervisor``) and how a ``Cluster`` heals
+"""The restart policy of ``diloco up`` (``services.local.supervisor``) and how a ``Cluster`` heals
 itself with it: backoff, learners that finish, max-restarts, pids.json. No JAX: the children
 here are tiny Python processes, and one test restarts a real nats-server."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import subprocess
 import sys
 import time
@@ -14,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from services import cluster as cluster_module
-from services.cluster import NATS, Cluster, UpSettings
-from services.supervisor import Decision, RestartPolicy, State, Supervisor
-from shared import broker
+from services.local import broker, files
+from services.local.cluster import NATS, Cluster
+from services.local.settings import UpSettings
+from services.local.supervisor import Decision, RestartPolicy, State, Supervisor
 
 
 def test_backoff_starts_at_one_second_doubles_to_ten_and_resets_after_a_long_run():
@@ -100,9 +99,9 @@ def _fake_popen(args: list[str], env: dict[str, str], log_path: Path) -> subproc
 
 
 @pytest.fixture
-def fake_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(cluster_module, "_popen", _fake_popen)
-    cluster = Cluster(UpSettings(learners=2, data_dir=str(tmp_path)), out=io.StringIO())
+def fake_cluster(tmp_path: Path):
+    settings = UpSettings(learners=2, data_dir=str(tmp_path))
+    cluster = Cluster(settings, out=io.StringIO(), launch=_fake_popen)
     cluster.supervisor = Supervisor(RestartPolicy(initial_backoff_s=0.05, max_restarts=1))
     yield cluster
     cluster.stop()
@@ -120,9 +119,9 @@ def _heal_until(cluster: Cluster, done, timeout_s: float = 10.0) -> str | None:
 
 def test_cluster_restarts_a_crashed_learner_lets_a_finished_one_be_and_writes_pids(fake_cluster):
     cluster = fake_cluster
-    cluster.services.append(cluster._spawn("outer", ["run"]))
-    cluster.learners.append(cluster._spawn("learner-0", ["done"], may_finish=True))
-    crashing = cluster._spawn("learner-1", ["crash"], may_finish=True)
+    cluster.services.append(cluster.spawn("outer", ["run"]))
+    cluster.learners.append(cluster.spawn("learner-0", ["done"], may_finish=True))
+    crashing = cluster.spawn("learner-1", ["crash"], may_finish=True)
     cluster.learners.append(crashing)
     first_pid = crashing.process.pid
     # learner-1 crashes, is restarted once, crashes again and is left dead (max-restarts 1).
@@ -134,19 +133,21 @@ def test_cluster_restarts_a_crashed_learner_lets_a_finished_one_be_and_writes_pi
     assert "learner-0" not in output  # finished: neither restarted nor reported
     assert crashing.process.pid != first_pid
     assert crashing.log_path.read_text().count("==== diloco up: restart #1 ====") == 1
-    record = json.loads(cluster.pids_path.read_text())
-    assert record["pids"] == {"outer": cluster.services[0].process.pid} == cluster.pids()
-    assert record["restarts"] == {"outer": 0, "learner-0": 0, "learner-1": 1}
+    record = files.read_pids(cluster.data_dir)
+    assert record is not None
+    assert record.pids == {"outer": cluster.services[0].pid} == cluster.pids()
+    assert record.restarts == {"outer": 0, "learner-0": 0, "learner-1": 1}
     cluster.stop()
-    assert json.loads(cluster.pids_path.read_text())["pids"] == {}
+    record = files.read_pids(cluster.data_dir)
+    assert record is not None and record.pids == {}
 
 
 def test_cluster_run_ends_when_the_outer_is_left_dead_but_not_for_the_gateway(fake_cluster):
     cluster = fake_cluster
-    cluster.services.append(cluster._spawn("gateway", ["crash"]))
+    cluster.services.append(cluster.spawn("gateway", ["crash"]))
     gateway_state = lambda: cluster.supervisor.state("gateway")  # noqa: E731
     assert _heal_until(cluster, lambda: gateway_state() is State.GAVE_UP) is None
-    cluster.services.append(cluster._spawn("outer", ["crash"]))
+    cluster.services.append(cluster.spawn("outer", ["crash"]))
     ended = _heal_until(cluster, lambda: False)
     assert ended == (
         "stopped: outer exited with code 3 and was not restarted (max-restarts 1 reached)"
@@ -156,7 +157,7 @@ def test_cluster_run_ends_when_the_outer_is_left_dead_but_not_for_the_gateway(fa
 
 def test_cluster_does_not_restart_while_stopping(fake_cluster):
     cluster = fake_cluster
-    cluster.services.append(cluster._spawn("outer", ["crash"]))
+    cluster.services.append(cluster.spawn("outer", ["crash"]))
     cluster.services[0].process.wait()
     cluster.heal(lambda: True)
     time.sleep(0.1)

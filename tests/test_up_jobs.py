@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import wait_for
-from tests.test_up import answers_http, cluster_processes, read_pids, start_up
+from tests.helpers import wait_for
+from tests.test_up import answers_http, cluster_processes, live_pids, start_up
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -22,7 +22,7 @@ SPEC = {"job": JOB, "model": "tiny", "units": 2, "h_steps": 10, "max_steps": 300
 
 def job_names(data_dir: Path) -> set[str]:
     """Live processes of the registry job, by child name, from pids.json."""
-    return {name for name in read_pids(data_dir).get("pids", {}) if name.startswith(f"{JOB}/")}
+    return {name for name in live_pids(data_dir) if name.startswith(f"{JOB}/")}
 
 
 @pytest.mark.timeout(300)
@@ -71,7 +71,7 @@ def test_up_runs_scales_and_stops_a_job_created_through_the_gateway(tmp_path, ja
         scaled = client.put(f"/jobs/{JOB}/units", json={"units": 3})
         assert scaled.status_code == 200 and scaled.json()["units"] == 3
         wait_for(lambda: trains(range(3), 1), 120, "unit 2 training")
-        pids = read_pids(data_dir)["pids"]
+        pids = live_pids(data_dir)
         assert f"{JOB}/learner-2" in pids and f"{JOB}/outer" in pids
         assert client.post(f"/jobs/{JOB}/stop").status_code == 200
         wait_for(lambda: not job_names(data_dir), 90, "the job's processes to exit")
@@ -81,7 +81,7 @@ def test_up_runs_scales_and_stops_a_job_created_through_the_gateway(tmp_path, ja
         assert "restart #" not in output, output  # neither the learners nor the outer came back
         assert (data_dir / "logs" / f"{JOB}-learner-2.log").exists()
         # The own job still runs; the cluster stops cleanly.
-        assert {"outer", "learner-0", "gateway"} <= set(read_pids(data_dir)["pids"])
+        assert {"outer", "learner-0", "gateway"} <= set(live_pids(data_dir))
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=90) == 0, out_path.read_text()
     finally:

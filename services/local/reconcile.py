@@ -2,7 +2,7 @@
 
 The gateway only writes records (KV ``diloco_jobs``: spec, state, unit count) and desired unit
 states (KV ``diloco_desired``). About once a second ``diloco up`` reads both and asks
-:func:`plan` what to do; ``services.cluster`` then starts or stops the processes. No I/O here.
+:func:`plan` what to do; ``services.local.cluster`` then starts or stops the processes. No I/O here.
 
 Rules, for every registered job other than ``diloco up``'s own job:
 
@@ -10,7 +10,7 @@ Rules, for every registered job other than ``diloco up``'s own job:
   (``<job>/outer``) and one learner process (``<job>/learner-<u>``) per unit index below its unit
   count whose desired state is not ``stopped``. Learners obey their desired state themselves:
   ``idle``/``paused`` wait, ``running`` trains, ``stopped`` uploads what it has and exits 0.
-* A process is started once; afterwards the restart policy (``services.supervisor``) decides:
+* A process is started once; afterwards the restart policy (``services.local.supervisor``) decides:
   a learner that exited 0 (stopped or finished its steps) stays down, a crashed one comes back.
   Scaling up therefore starts learners for the new indexes only; scaling down needs no action
   (the gateway sets the removed units to ``stopped`` and they exit by themselves).
@@ -20,7 +20,8 @@ Rules, for every registered job other than ``diloco up``'s own job:
 How a spec becomes flags (the gateway's ``JobSpec`` names its fields after the services'
 options, so ``shared.settings.to_flags`` renders them):
 
-* to both services: the fields shared with ``shared.settings.JobSpec`` (job, model, seed, corpus);
+* to both services: the fields shared with ``shared.settings.CommonJobSettings`` (job, model,
+  seed, corpus);
 * to learners: those of ``InnerSettings`` (h_steps, codec), plus ``--max-steps``, ``--unit <u>``,
   ``--num-units <units>`` and ``--checkpoint-dir <data-dir>/units``;
 * to the outer: those of ``OuterAlgorithmSettings`` (outer_optimizer, outer_lr, outer_momentum,
@@ -42,12 +43,12 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Literal
 
-from services.gateway.jobs import JobRecord, JobSpec
 from services.learner.settings import InnerSettings
+from services.local.supervisor import State
 from services.outer.settings import OuterAlgorithmSettings
-from services.supervisor import State
-from shared.settings import JobSpec as ServiceJobSpec
-from shared.settings import to_flags
+from shared.model_config import SIZES
+from shared.records import JobRecord, JobSpec
+from shared.settings import CommonJobSettings, to_flags
 
 DONE = (State.FINISHED, State.GAVE_UP)
 # Spec fields rendered by to_flags, per service (``units`` and the step budget are special).
@@ -56,13 +57,13 @@ LEARNER_FIELDS = tuple(
     name
     for name in JobSpec.model_fields
     if name not in SPECIAL_FIELDS
-    and (name in ServiceJobSpec.model_fields or name in InnerSettings.model_fields)
+    and (name in CommonJobSettings.model_fields or name in InnerSettings.model_fields)
 )
 OUTER_FIELDS = tuple(
     name
     for name in JobSpec.model_fields
     if name not in SPECIAL_FIELDS
-    and (name in ServiceJobSpec.model_fields or name in OuterAlgorithmSettings.model_fields)
+    and (name in CommonJobSettings.model_fields or name in OuterAlgorithmSettings.model_fields)
 )
 
 
@@ -87,8 +88,6 @@ def unit_max_steps(spec: JobSpec, units: int) -> int:
     if spec.token_budget is None:
         assert spec.max_steps is not None  # the spec's validator sets one of the two
         return spec.max_steps
-    from shared.model import SIZES
-
     batch_size = InnerSettings.model_fields["batch_size"].default
     per_step = units * batch_size * SIZES[spec.model].seq_len
     return max(1, math.ceil(spec.token_budget / per_step))

@@ -1,0 +1,309 @@
+"""The processes of one ``diloco up`` run and what happens to them.
+
+nats-server, the own job's outer, gateway and learners, and the outer and learners of the
+registry's jobs: each is started with the command ``diloco <service>``
+(``services.local.children``), started again after a crash when ``services.local.supervisor``
+says so (nats-server on the same port and JetStream store), matched with the registry as
+``services.local.reconcile`` plans, and stopped in a safe order: learners first (they upload
+what they have), then the outers and the gateway, then nats-server. The live children's PIDs
+are kept in ``<data-dir>/pids.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from services.local import broker, commands, files, reconcile
+from services.local.children import Child, Launch, popen
+from services.local.registry import Registry
+from services.local.settings import UpSettings
+from services.local.supervisor import RestartPolicy, State, Supervisor
+from shared.records import PidsFile
+
+STOP_GRACE_S = 30.0
+NATS = "nats-server"
+ESSENTIAL = ("outer", NATS)  # without these nothing can go on: the run ends if they stay dead
+
+
+@dataclass
+class Cluster:
+    """The processes of one ``diloco up`` run and their restart bookkeeping.
+
+    Attributes:
+        settings: the run's options.
+        out: where the lines for the user go.
+        launch: starts a child's process (a stand-in in tests).
+    """
+
+    settings: UpSettings
+    out: TextIO = sys.stdout
+    launch: Launch = popen
+    server: broker.NatsServer | None = None
+    learners: list[Child] = field(default_factory=list)
+    services: list[Child] = field(default_factory=list)
+    job_children: list[Child] = field(default_factory=list)  # processes of registry jobs
+    registry_busy: bool = False  # the last registry read found a job that is not stopped
+    gateway_url: str = ""
+    token: str = ""
+    supervisor: Supervisor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.supervisor = Supervisor(RestartPolicy(max_restarts=self.settings.max_restarts))
+
+    @property
+    def data_dir(self) -> Path:
+        """The run's data folder."""
+        return Path(self.settings.data_dir)
+
+    @property
+    def nats_url(self) -> str:
+        """The URL of the run's nats-server (once started)."""
+        assert self.server is not None, "nats-server is not started"
+        return self.server.url
+
+    def print(self, line: str) -> None:
+        """Show a line to the user."""
+        print(line, file=self.out, flush=True)
+
+    def spawn(
+        self,
+        name: str,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        *,
+        may_finish: bool = False,
+    ) -> Child:
+        """Start the child ``name`` (``diloco <args>``) and supervise it; ``may_finish``: an
+        exit with code 0 means it is done."""
+        child = Child.start(name, args, env or {}, commands.logs_dir(self.settings), self.launch)
+        self.supervisor.add(name, time.monotonic(), may_finish=may_finish)
+        return child
+
+    def start_services(self) -> None:
+        """Start nats-server, the outer and the gateway."""
+        s = self.settings
+        store = self.data_dir / "nats"
+        # Each run is a fresh job: learners number their rounds from 0, and JetStream would
+        # drop a new run's uploads as duplicates of the last run's within its dedupe window;
+        # a learner would restore the last run's checkpoint.
+        for stale in (store, commands.checkpoint_dir(s)):
+            if stale.exists():
+                shutil.rmtree(stale)
+        self.server = broker.start_nats_server(
+            store, port=s.nats_port, new_session=True, die_with_parent=True
+        )
+        self.supervisor.add(NATS, time.monotonic())
+        self.print(f"nats-server  {self.nats_url}  (fresh JetStream store {store})")
+        outer = commands.outer_args(s, self.nats_url)
+        self.services.append(self.spawn("outer", outer, commands.cache_env(s)))
+        port = s.gateway_port or broker.free_port()
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        self.token = s.token or secrets.token_urlsafe(24)
+        token_path = files.write_token(self.data_dir, self.token)
+        gateway = commands.gateway_args(s, self.nats_url, port)
+        self.services.append(self.spawn("gateway", gateway, {"DILOCO_TOKEN": self.token}))
+        self.print(
+            f"gateway      {self.gateway_url}  (GET /jobs/{s.job}, /readyz)"
+            f"  token: {self.token}  (also in {token_path})"
+        )
+        self.write_pids()
+
+    def start_learners(self) -> None:
+        """Start the learner processes (after ``start_services``)."""
+        s = self.settings
+        env = commands.learner_env(s)
+        for unit in range(s.learners):
+            args = commands.learner_args(s, self.nats_url, unit)
+            # A learner that exits 0 has trained all its steps.
+            self.learners.append(self.spawn(f"learner-{unit}", args, env, may_finish=True))
+        self.print(
+            f"{s.learners} learners     model {s.model}, {s.max_steps} steps each, H={s.h_steps}"
+            f"  (logs in {commands.logs_dir(s)})"
+        )
+        self.write_pids()
+
+    def job_learners(self) -> list[Child]:
+        """The learner processes of registry jobs."""
+        return [c for c in self.job_children if not _is_job_outer(c.name)]
+
+    def job_outers(self) -> list[Child]:
+        """The outer processes of registry jobs."""
+        return [c for c in self.job_children if _is_job_outer(c.name)]
+
+    def children(self) -> list[Child]:
+        """Every service process (learners first), not nats-server."""
+        return [*self.learners, *self.job_learners(), *self.services, *self.job_outers()]
+
+    def _job_states(self) -> dict[str, State]:
+        names = {c.name for c in self.job_children}
+        return {n: st for n, st in self.supervisor.states().items() if n in names}
+
+    def reconcile(self, registry: Registry) -> None:
+        """Start and stop the processes of registry jobs to match ``registry`` (just read from
+        KV); see ``services.local.reconcile``."""
+        actions = reconcile.plan(
+            registry.records,
+            registry.desired,
+            self._job_states(),
+            self.supervisor.retired(),
+            own_job=self.settings.job,
+            checkpoint_dir=str(commands.checkpoint_dir(self.settings)),
+        )
+        self.registry_busy = any(
+            job != self.settings.job and r.state != "stopped" for job, r in registry.records.items()
+        )
+        for action in actions:
+            if isinstance(action, reconcile.Spawn):
+                command, *flags = action.args
+                learner = action.role == "learner"
+                env = (commands.learner_env if learner else commands.cache_env)(self.settings)
+                # A learner that exits 0 was stopped or has finished.
+                args = [command, "--nats-url", self.nats_url, *flags]
+                child = self.spawn(action.name, args, env, may_finish=learner)
+                self.job_children.append(child)
+                self.print(f"job {action.job}: started {action.name} (pid {child.pid})")
+            else:
+                self.supervisor.retire(action.name)
+                self._child(action.name).terminate()
+                self.print(f"job {action.job}: its learners are done, stopping {action.name}")
+        if actions:
+            self.write_pids()
+
+    def jobs_busy(self) -> bool:
+        """A registry job is not stopped, or one of its processes still runs."""
+        return self.registry_busy or bool(reconcile.active_children(self._job_states()))
+
+    def learners_done(self) -> bool:
+        """Every own learner has finished (exit 0) or is left dead after its restarts."""
+        return all(self.supervisor.state(child.name) in reconcile.DONE for child in self.learners)
+
+    def ready_to_end(self) -> bool:
+        """Nothing is left to run but the outer: every own learner is done, no registry job
+        needs the cluster, and the outer runs (so its status is current)."""
+        return (
+            self.learners_done()
+            and not self.jobs_busy()
+            and self.supervisor.state("outer") is State.RUNNING
+        )
+
+    def pids(self) -> dict[str, int]:
+        """PIDs of the live children by name (``nats-server``, ``outer``, ``gateway``,
+        ``learner-<unit>``, ``<job>/outer``, ``<job>/learner-<unit>``)."""
+        pids = {}
+        if self.server is not None and self.server.alive():
+            pids[NATS] = self.server.pid
+        for child in self.children():
+            if child.alive():
+                pids[child.name] = child.pid
+        return pids
+
+    def write_pids(self) -> None:
+        """Rewrite ``pids.json``: this supervisor's PID, the NATS URL, the live children's PIDs
+        and the restart counts."""
+        files.write_pids(
+            self.data_dir,
+            PidsFile(
+                supervisor=os.getpid(),
+                nats_url=self.server.url if self.server is not None else None,
+                pids=self.pids(),
+                restarts=self.supervisor.restarts(),
+            ),
+        )
+
+    def _child(self, name: str) -> Child:
+        return next(c for c in self.children() if c.name == name)
+
+    def _exit_code(self, name: str) -> int | None:
+        if name == NATS:
+            assert self.server is not None
+            return self.server.process.poll()
+        return self._child(name).exit_code()
+
+    def _log_path(self, name: str) -> Path:
+        if name == NATS:
+            assert self.server is not None
+            return self.server.log_path
+        return self._child(name).log_path
+
+    def heal(self, stopping: Callable[[], bool]) -> str | None:
+        """Notice children that exited and restart those whose backoff is over (none once
+        ``stopping()``); returns why the run must end (the outer or nats-server is left dead
+        after its restarts), else None."""
+        now = time.monotonic()
+        changed = False
+        ended = None
+        for name in self.supervisor.running():
+            code = self._exit_code(name)
+            if code is None:
+                continue
+            changed = True
+            decision = self.supervisor.exited(name, code, now)
+            if decision.state is State.FINISHED:
+                if reconcile.job_of(name) is not None:
+                    self.print(f"{name} exited with code {code} (done)")
+                continue
+            self.print(f"{decision.line()}  (log {self._log_path(name)})")
+            if decision.state is State.GAVE_UP and name in ESSENTIAL and ended is None:
+                ended = (
+                    f"stopped: {name} exited with code {code} and was not restarted "
+                    f"(max-restarts {decision.max_restarts} reached)"
+                )
+        if ended is None:
+            for name in self.supervisor.due(now):
+                if stopping():
+                    break
+                self._restart(name)
+                changed = True
+        if changed:
+            self.write_pids()
+        return ended
+
+    def _restart(self, name: str) -> None:
+        number = self.supervisor.restarts()[name] + 1
+        if name == NATS:
+            assert self.server is not None
+            # Same port and config, same JetStream store: clients reconnect by themselves.
+            self.server.restart(ready_timeout_s=None)
+            pid = self.server.pid
+        else:
+            child = self._child(name)
+            child.restart(number)
+            pid = child.pid
+        self.supervisor.restarted(name, time.monotonic())
+        self.print(f"{name} restarted (restart #{number}, pid {pid})")
+
+    def stop(self) -> None:
+        """Stop everything: learners, then outers and gateway, then NATS; kill stragglers."""
+        for group in (
+            [*self.learners, *self.job_learners()],
+            [*self.services, *self.job_outers()],
+        ):
+            for child in group:
+                child.terminate()
+            deadline = time.monotonic() + STOP_GRACE_S
+            for child in group:
+                if not child.wait_until(deadline):
+                    self.print(
+                        f"{child.name} did not stop in {STOP_GRACE_S:.0f}s: killing it "
+                        f"(its stack is dumped to {child.log_path})"
+                    )
+                    child.kill_with_stacks()
+        if self.server is not None:
+            self.server.stop()
+        with contextlib.suppress(OSError):
+            self.write_pids()  # no live PIDs any more: a chaos script must not kill reused ones
+
+
+def _is_job_outer(name: str) -> bool:
+    """Whether ``name`` is the child name of a registry job's outer."""
+    job = reconcile.job_of(name)
+    return job is not None and name == reconcile.outer_name(job)

@@ -1,0 +1,101 @@
+"""The command lines and environments of the services of ``diloco up``'s own job.
+
+Every service gets the same ``diloco <service>`` command line that docker-compose runs: the job
+definition (``CommonJobSettings``) and the NATS URL, plus its own options taken from
+``UpSettings``. The learners of registry jobs get theirs from ``services.local.reconcile``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.learner.settings import InnerSettings
+from services.local.settings import UpSettings
+from services.outer.settings import OuterAlgorithmSettings
+from shared.settings import CommonJobSettings, to_flags
+
+JAX_CACHE_DIR = "jax-cache"
+UNITS_DIR = "units"
+LOGS_DIR = "logs"
+
+
+def checkpoint_dir(settings: UpSettings) -> Path:
+    """Where learners checkpoint, so that a restarted one goes on where it was."""
+    return (Path(settings.data_dir) / UNITS_DIR).resolve()
+
+
+def logs_dir(settings: UpSettings) -> Path:
+    """The folder of the children's logs."""
+    return Path(settings.data_dir) / LOGS_DIR
+
+
+def cache_env(settings: UpSettings) -> dict[str, str]:
+    """Environment of every JAX service: the shared compilation cache."""
+    return {"DILOCO_JAX_CACHE": str((Path(settings.data_dir) / JAX_CACHE_DIR).resolve())}
+
+
+def learner_env(settings: UpSettings) -> dict[str, str]:
+    """Environment of a learner: the cache and bounded XLA threads (several JAX processes share
+    few cores)."""
+    threads = settings.learner_threads
+    return {
+        **cache_env(settings),
+        "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'} "
+        f"intra_op_parallelism_threads={threads}",
+        "OMP_NUM_THREADS": str(threads),
+    }
+
+
+def job_flags(settings: UpSettings, nats_url: str) -> list[str]:
+    """Flags every service of the job gets: NATS URL and the job definition."""
+    return ["--nats-url", nats_url, *to_flags(settings, CommonJobSettings.model_fields)]
+
+
+def outer_args(settings: UpSettings, nats_url: str) -> list[str]:
+    """``diloco outer`` arguments of the job."""
+    return [
+        "outer",
+        *job_flags(settings, nats_url),
+        "--num-units",
+        str(settings.learners),
+        *to_flags(settings, OuterAlgorithmSettings.model_fields),
+        "--eval-every-s",
+        str(settings.eval_every_s),
+    ]
+
+
+def gateway_args(settings: UpSettings, nats_url: str, port: int) -> list[str]:
+    """``diloco gateway`` arguments: local mode (the token goes by environment, not on the
+    command line, where ``ps`` would show it)."""
+    return [
+        "gateway",
+        "--nats-url",
+        nats_url,
+        "--job",
+        settings.job,
+        "--port",
+        str(port),
+        "--local",
+    ]
+
+
+def learner_args(settings: UpSettings, nats_url: str, unit: int) -> list[str]:
+    """``diloco learner`` arguments of one unit: its slowdown and its share of the budget."""
+    inner_flags = to_flags(settings, [n for n in InnerSettings.model_fields if n != "max_steps"])
+    slowdown = settings.unit_slowdowns()[unit]
+    steps = settings.unit_steps()[unit]
+    return [
+        "learner",
+        *job_flags(settings, nats_url),
+        "--unit",
+        str(unit),
+        "--num-units",
+        str(settings.learners),
+        "--slowdown",
+        str(slowdown),
+        "--max-steps",
+        str(steps),
+        *inner_flags,
+        "--checkpoint-dir",
+        str(checkpoint_dir(settings)),
+    ]

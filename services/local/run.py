@@ -1,0 +1,208 @@
+"""``diloco up``: run a whole local cluster — nats-server, outer, gateway, N learners — to the end.
+
+The cluster starts (``services.local.cluster``), the units are released together
+(``services.local.release``), and then about twice a second this loop reads the job's status
+records, shows progress, heals the cluster, and about once a second matches the processes of the
+registry's jobs with the registry. The run ends by itself once every unit has finished and the
+outer has applied (and evaluated) everything they published, when the time limit passes, when
+the outer or nats-server is left dead, or on SIGINT/SIGTERM; then the cluster stops, and the
+summary is printed and written to ``<data-dir>/summary.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import nats.errors
+
+from services.local import files, release
+from services.local.children import Launch, popen
+from services.local.cluster import Cluster
+from services.local.progress import Throughput, progress_line, summary_lines
+from services.local.registry import read_registry
+from services.local.settings import UpSettings
+from shared import kv, ledger, retry, subjects, transport
+from shared.job_status import read_job_status
+from shared.records import OuterStatus, RunSummary, UnitStatus
+from shared.settings import NatsSettings
+
+STATUS_READ_TIMEOUT_S = 3.0  # bounds a status read while NATS is down, so healing goes on
+RECONCILE_EVERY_S = 1.0  # how often the registry's jobs are read and their processes matched
+TICK_S = 0.5  # the loop's period
+CLOSE_TIMEOUT_S = 5.0
+NATS_ERRORS = (*retry.NATS_ERRORS, kv.KvError, transport.TransportError)
+SUCCESS = ("finished", "interrupted")  # the reasons a run ends with exit code 0
+
+
+def job_is_complete(outer: OuterStatus | None, units: Mapping[int, UnitStatus]) -> bool:
+    """The outer runs, every round any unit ever published (across its restarts) was applied or
+    rejected, and the outer evaluated the result (``outer`` and ``units`` just read)."""
+    if outer is None or outer.state != "running":
+        return False
+    last = outer.evaluation.last
+    evaluated = last is not None and last.version == outer.version
+    return evaluated and ledger.balance(outer, units).balanced
+
+
+@dataclass
+class _Watch:
+    """What the loop knows between two ticks: the last status records read and its flags."""
+
+    released: bool
+    outer: OuterStatus | None = None
+    units: dict[int, UnitStatus] = field(default_factory=dict)
+    nats_reachable: bool = True
+    last_reconcile: float = 0.0
+    throughput: Throughput = field(default_factory=Throughput)
+
+
+async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
+    """Show progress and heal the cluster until the run completes, ``stop`` is set, the time
+    limit passes or the outer or nats-server is left dead after its restarts.
+
+    While nats-server is down (and being restarted) the status reads fail or are skipped; the
+    connection reconnects by itself and the loop goes on with the last records read.
+
+    Returns:
+        The run's summary: why it ended, the last status records read, throughput, restarts
+        and the ledger's balance.
+    """
+    s = cluster.settings
+
+    async def quiet(_err: Exception) -> None:
+        """Connection errors while nats-server is down: the loop reports the outage once."""
+
+    nc = await transport.connect(
+        NatsSettings(nats_url=cluster.nats_url), "diloco-up", error_cb=quiet
+    )
+    js = nc.jetstream()
+    await transport.ensure_streams(js)
+    desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
+    jobs_kv = await js.key_value(subjects.JOBS_BUCKET)
+    started = time.monotonic()
+    last_print = 0.0
+    watch = _Watch(released=not s.start_together)
+    reason = "interrupted"
+
+    async def read() -> None:
+        """Read the job's status records."""
+        if not nc.is_connected:
+            raise nats.errors.ConnectionReconnectingError
+        status = await asyncio.wait_for(read_job_status(nc, js, s.job), STATUS_READ_TIMEOUT_S)
+        watch.outer, watch.units = status.outer_record(), status.unit_records()
+
+    async def act(elapsed: float) -> None:
+        """Match the registry's processes and release the units, when due."""
+        if time.monotonic() - watch.last_reconcile >= RECONCILE_EVERY_S:
+            registry = await asyncio.wait_for(
+                read_registry(nc, jobs_kv, desired_kv, s.job), STATUS_READ_TIMEOUT_S
+            )
+            watch.last_reconcile = time.monotonic()
+            if not stop.is_set():
+                cluster.reconcile(registry)
+        alive = [unit for unit, child in enumerate(cluster.learners) if child.alive()]
+        if not watch.released and release.all_ready(alive, watch.units, elapsed):
+            await asyncio.wait_for(
+                release.set_desired(desired_kv, s.job, s.learners, "running"),
+                STATUS_READ_TIMEOUT_S,
+            )
+            watch.released = True
+            cluster.print(f"[{elapsed:6.1f}s] all units ready: starting them together")
+
+    try:
+        while not stop.is_set():
+            elapsed = time.monotonic() - started
+            fresh = False
+            try:
+                await read()
+                fresh = True
+                await act(elapsed)
+                if not watch.nats_reachable:
+                    cluster.print(f"[{elapsed:6.1f}s] NATS reachable again")
+                    watch.nats_reachable = True
+            except NATS_ERRORS as err:
+                if watch.nats_reachable:
+                    cluster.print(
+                        f"[{elapsed:6.1f}s] NATS unreachable ({type(err).__name__}): "
+                        "status reads paused"
+                    )
+                    watch.nats_reachable = False
+            if fresh:
+                watch.throughput.observe(watch.units)
+            if time.monotonic() - last_print >= s.progress_every_s:
+                cluster.print(progress_line(elapsed, watch.outer, watch.units))
+                last_print = time.monotonic()
+            # A lost learner never stops the others; crashed children come back after a backoff.
+            ended = cluster.heal(stop.is_set)
+            if ended is not None:
+                reason = ended
+                break
+            if fresh and cluster.ready_to_end() and job_is_complete(watch.outer, watch.units):
+                reason = "finished"
+                break
+            if elapsed > s.max_duration_s:
+                reason = f"time limit {s.max_duration_s:.0f}s reached"
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=TICK_S)
+    finally:
+        with contextlib.suppress(*NATS_ERRORS):
+            await asyncio.wait_for(nc.close(), timeout=CLOSE_TIMEOUT_S)
+    return RunSummary(
+        reason=reason,
+        elapsed_s=time.monotonic() - started,
+        outer=watch.outer,
+        units=watch.units,
+        tokens_per_s=watch.throughput.tokens_per_s(),
+        restarts=cluster.supervisor.restarts(),
+        ledger=ledger.balance(watch.outer, watch.units),
+    )
+
+
+def run_up(settings: UpSettings, out: TextIO = sys.stdout, launch: Launch = popen) -> int:
+    """Run a local cluster to completion (or until SIGINT/SIGTERM).
+
+    Args:
+        settings: the run's options.
+        out: where the progress and the summary go.
+        launch: starts the service processes (a stand-in in tests).
+
+    Returns:
+        The exit code: 0 when the run finished or was interrupted, else 1.
+    """
+    cluster = Cluster(settings, out=out, launch=launch)
+    stop = asyncio.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        cluster.print(f"signal {signum}: stopping the cluster")
+        loop.call_soon_threadsafe(stop.set)
+
+    loop = asyncio.new_event_loop()
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    cluster.print(f"diloco up: job {settings.job}")
+    try:
+        cluster.start_services()
+        if settings.start_together:
+            loop.run_until_complete(
+                release.hold_units(cluster.nats_url, settings.job, settings.learners)
+            )
+        cluster.start_learners()
+        summary = loop.run_until_complete(supervise(cluster, stop))
+        files.write_summary(cluster.data_dir, summary)
+        for line in summary_lines(summary):
+            cluster.print(line)
+        return 0 if summary.reason in SUCCESS else 1
+    finally:
+        cluster.print("stopping services ...")
+        cluster.stop()
+        cluster.print("all services stopped")
+        loop.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,89 @@
+"""The options of ``diloco up``: the job, every learner and outer option (passed on to the
+services) and the local cluster's own.
+
+Only settings and choice vocabularies are imported here, never an implementation (JAX, Optax,
+Numba), so that ``diloco --help`` and ``diloco up`` start quickly.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import SettingsConfigDict
+
+from services.learner.settings import InnerSettings
+from services.local.supervisor import DEFAULT_MAX_RESTARTS
+from services.outer.settings import OuterAlgorithmSettings
+from shared.settings import ENV_PREFIX, CommonJobSettings
+
+
+class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
+    """Options of ``diloco up``: the job, every learner and outer option (passed on to the
+    services), and the local cluster's own (each also settable as ``DILOCO_<NAME>``)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    learners: int = Field(4, ge=1, le=64, description="number of learner units to start")
+    slowdowns: str = Field(
+        "",
+        description="comma-separated slowdown factor per unit, e.g. 1,1,2,4 (emulates "
+        "heterogeneous hardware; the token budget is shared in proportion to speed)",
+    )
+    data_dir: str = Field(
+        "data", description="folder for logs, the JAX cache and the NATS store (emptied at start)"
+    )
+    gateway_port: int = Field(8000, ge=0, le=65535, description="gateway HTTP port (0 = free)")
+    token: str = Field(
+        "",
+        description="the gateway's API token (default: a new random one, printed at start and "
+        "written to <data-dir>/token)",
+    )
+    nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0 = free)")
+    eval_every_s: float = Field(10.0, gt=0, description="seconds between held-out evals")
+    progress_every_s: float = Field(5.0, gt=0, description="seconds between progress lines")
+    max_duration_s: float = Field(
+        1800.0, gt=0, description="stop the run after this many seconds even if not finished"
+    )
+    start_together: bool = Field(
+        True,
+        description="create the units paused and start them together once all are ready "
+        "(data loaded, step compiled), so that their speeds compare fairly",
+    )
+    learner_threads: int = Field(
+        1, ge=1, le=64, description="CPU threads each learner's XLA may use"
+    )
+    max_restarts: int = Field(
+        DEFAULT_MAX_RESTARTS,
+        ge=0,
+        description="restarts of each crashed child before it is left dead (the run then ends "
+        "if it is the outer or nats-server); restarts back off from 1 s to 10 s",
+    )
+
+    def unit_steps(self) -> list[int]:
+        """Inner steps of each unit: the job's budget (learners × max-steps) shared in proportion
+        to speed, so that slow units do less of it and every unit finishes at about the same
+        time (with equal speeds: max-steps each)."""
+        speeds = [1.0 / f for f in self.unit_slowdowns()]
+        total = self.learners * self.max_steps
+        return [max(1, round(total * v / sum(speeds))) for v in speeds]
+
+    def unit_slowdowns(self) -> list[float]:
+        """The slowdown factor of each unit."""
+        if not self.slowdowns.strip():
+            return [1.0] * self.learners
+        return [float(x) for x in self.slowdowns.split(",")]
+
+    @model_validator(mode="after")
+    def _check_up(self) -> UpSettings:
+        try:
+            factors = self.unit_slowdowns()
+        except ValueError:
+            raise ValueError(
+                f"slowdowns must be numbers like 1,1,2,4, got {self.slowdowns!r}"
+            ) from None
+        if len(factors) != self.learners or any(not 1 <= f <= 100 for f in factors):
+            raise ValueError(
+                f"slowdowns needs {self.learners} factors in [1, 100], got {self.slowdowns!r}"
+            )
+        if self.min_quorum > self.learners:
+            raise ValueError(f"min-quorum {self.min_quorum} > learners {self.learners}")
+        return self
