@@ -46,8 +46,12 @@ lock:  ## regenerate requirements.lock from pyproject.toml (uv pip compile)
 run: $(STAMP)  ## train with a local cluster: 4 learners on the small model, then print the summary
 	$(BIN)/diloco up $(ARGS)
 
+# Test processes that run at once (pytest-xdist). Each integration test starts nats-server and
+# JAX processes of its own (about 0.6 GB each), so more workers need more memory, not only cores.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) browser  ## the whole test suite (unit, integration and slow tiers)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 # Headless Chromium for the dashboard's browser test (tests/test_observability_e2e.py). Installed
 # with apt-get only when missing and apt-get exists; if that fails (no root, no network) the

@@ -8,26 +8,53 @@ leaves those out, with the ``slow`` tier). Helpers for test modules are in ``hel
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from services.local.broker import NatsServer, start_nats_server
+from shared.runtime import configure_jax
 from tests.helpers import ServiceProcesses
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile the codec's Numba kernels into their on-disk cache once, before any test
+    process or service process starts (with a cold cache, every process that starts at the
+    same time would compile them itself). Under ``-n`` only the controller does it."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        from shared import codec
+
+        codec.warm_up()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that starts a nats-server (through the fixture) with ``nats``."""
+    """Mark every test that starts a nats-server (through the fixture) with ``nats``, and run
+    the ``slow`` tier first: with several workers (``-n``), the long tests then start at once
+    and the short ones fill the gaps at the end."""
     for item in items:
         if "nats_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.nats)
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-@pytest.fixture(scope="session")
+def _run_dir(factory: pytest.TempPathFactory) -> Path:
+    """A folder shared by every worker of this run (``pytest -n``: the workers' base
+    temporary folders sit side by side in it)."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session", autouse=True)
 def jax_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One persistent JAX compilation cache for every process of the test session."""
-    return tmp_path_factory.mktemp("jax-cache")
+    """One persistent JAX compilation cache for every process of the run: the service
+    processes the tests start, and the test processes themselves."""
+    cache = _run_dir(tmp_path_factory) / "jax-cache"
+    cache.mkdir(exist_ok=True)
+    os.environ["DILOCO_JAX_CACHE"] = str(cache)
+    configure_jax()
+    return cache
 
 
 @pytest.fixture

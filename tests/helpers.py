@@ -16,6 +16,7 @@ from typing import TypeVar
 
 from shared import transport
 from shared.job_status import JobStatus, read_job_status
+from shared.kv import KvError
 from shared.records import OuterStatus, UnitStatus
 from shared.settings import NatsSettings
 
@@ -43,9 +44,9 @@ def job_status(nats_url: str, job: str) -> JobStatus:
     async def read() -> JobStatus:
         nc = await transport.connect(NatsSettings(nats_url=nats_url), "test-reader")
         try:
-            js = nc.jetstream()
-            await transport.ensure_streams(js)
-            return await read_job_status(nc, js, job)
+            return await read_job_status(nc, nc.jetstream(), job)
+        except KvError:  # no service has created the status bucket yet
+            return JobStatus(job)
         finally:
             await nc.close()
 

@@ -16,11 +16,11 @@ pytestmark = pytest.mark.slow  # real processes and nats-server (run by make tes
     ("fragments", "codecs"),
     [
         (1, ("int8", "int8")),
-        (2, ("int8", "int8")),
-        # Units may use different codecs: the outer decodes what each message's header says.
-        (1, ("int4", "int2")),
+        # Two fragments, and units of different codecs: the outer decodes what each message's
+        # description says.
+        (2, ("int4", "int2")),
     ],
-    ids=["P1", "P2", "P1-int4-int2"],
+    ids=["P1", "P2-int4-int2"],
 )
 def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
     nats_server, services, fragments, codecs

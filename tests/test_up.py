@@ -46,10 +46,19 @@ def cluster_processes(data_dir: Path, out_path: Path) -> list[str]:
     return sorted(set(processes_mentioning(str(data_dir)) + processes_mentioning(url + " ")))
 
 
-def start_up(tmp_path: Path, jax_cache: Path, *extra: str) -> tuple[subprocess.Popen, Path, Path]:
+def start_up(
+    tmp_path: Path, jax_cache: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, Path, Path]:
+    """Start ``diloco up`` (tiny model, two learners unless ``extra`` says otherwise) with
+    ``env`` added to its environment, which its children inherit."""
     data_dir = tmp_path / "cluster-data"
     out_path = tmp_path / "up.out"
-    env = {**os.environ, "DILOCO_JAX_CACHE": str(jax_cache), "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "DILOCO_JAX_CACHE": str(jax_cache),
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
     with open(out_path, "wb") as out:
         process = subprocess.Popen(
             [

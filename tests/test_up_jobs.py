@@ -28,9 +28,13 @@ def job_names(data_dir: Path) -> set[str]:
 @pytest.mark.timeout(300)
 def test_up_runs_scales_and_stops_a_job_created_through_the_gateway(tmp_path, jax_cache):
     started = time.monotonic()
-    # Its own job: one paced learner that trains for longer than this test lasts.
+    # Its own job: one paced learner that trains for longer than this test lasts. The registry
+    # job's learners are paced too (DILOCO_SLOWDOWN, inherited): they only need to keep running.
     process, data_dir, out_path = start_up(
-        tmp_path, jax_cache, "--learners", "1", "--max-steps", "100000", "--slowdowns", "5"
+        tmp_path,
+        jax_cache,
+        *("--learners", "1", "--max-steps", "100000", "--slowdowns", "5"),
+        env={"DILOCO_SLOWDOWN": "4"},
     )
     try:
         gateway_url = wait_for(
