@@ -19,6 +19,7 @@ The trunk still learns from the first step on: the head gets a non-zero gradient
 the trunk's gradient, which flows through the head, becomes non-zero after the first update.
 """
 
+import functools
 import math
 
 import jax
@@ -43,8 +44,10 @@ __all__ = [
 # Parameters
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def init_params(cfg: ModelConfig, key: jax.Array) -> dict:
-    """Create freshly initialised parameters.
+    """Create freshly initialised parameters (one compiled program: every service process
+    builds them at start, and op by op that compiled dozens of small programs).
 
     Weight matrices are normal with std 0.02 (GPT-2). The two projections that write into the
     residual stream (attention output, MLP output) are scaled down by 1/sqrt(2 * n_layers), so the

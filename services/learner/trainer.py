@@ -53,10 +53,12 @@ class InnerTrainer:
             return optax.apply_updates(params, updates), opt_state, loss
 
         self._train_step = jax.jit(train_step)
+        # One compiled program (op by op, the optimizer's zeros were one small program each).
+        self._init_opt_state = jax.jit(optimizer.init)
 
     def init(self, params: Any) -> InnerState:
         """State at the start: local params = anchor = the given global params."""
-        return InnerState(params, params, self.optimizer.init(params))
+        return InnerState(params, params, self._init_opt_state(params))
 
     def step(self, state: InnerState, batch: jax.Array) -> tuple[InnerState, jax.Array]:
         """One inner AdamW step on ``batch`` (int32, (B, T+1)); returns the new state and loss."""

@@ -114,18 +114,18 @@ class OuterCore:
             algorithm.optimizer, algorithm.lr, algorithm.momentum, algorithm.dn_period
         )
         self._step = make_outer_step(self.optimizer)
+        init_opt_state = jax.jit(self.optimizer.init)  # one program, not one per leaf and op
         self.fragments: list[_Fragment] = []
         for index in range(self.plan.count):
             pieces = {k: jnp.asarray(v) for k, v in self.plan.extract(named_params, index).items()}
-            self.fragments.append(
-                _Fragment(pieces, self.optimizer.init(pieces), 0, self._new_policy())
-            )
+            self.fragments.append(_Fragment(pieces, init_opt_state(pieces), 0, self._new_policy()))
 
     def warm_up(self) -> None:
         """Compile the outer step of every fragment now (state unchanged), so that the first
         merge is as fast as the others and no backlog builds up behind a compilation."""
+        zeros_like = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree))
         for fragment in self.fragments:
-            zeros = jax.tree_util.tree_map(jnp.zeros_like, fragment.params)
+            zeros = zeros_like(fragment.params)
             jax.block_until_ready(self._step(fragment.params, fragment.opt_state, zeros))
 
     def _new_policy(self) -> MergePolicy:
