@@ -56,6 +56,7 @@ def test_gateway_kill_and_restart_changes_nothing(nats_server, services):
             "learner",
             *job_flags,
             *("--unit", str(unit), "--num-units", "2", "--max-steps", "100000"),
+            *("--slowdown", "3"),  # paced: they only need to keep training
             *("--h-steps", "5", "--status-interval-s", "0.5"),
         )
     assert client.post(f"/jobs/{JOB}/start").status_code == 200

@@ -82,7 +82,7 @@ def desired_kv(value: bytes | None) -> FakeKV:
 # ---- the desired state ------------------------------------------------------------------------
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(near(DesiredRecord))
 def test_a_malformed_desired_record_changes_nothing(data: bytes) -> None:
     control = UnitControl(SETTINGS, UnitState(job="t", unit=1))
@@ -111,7 +111,7 @@ def test_desired_state_follows_the_record_and_counts_a_rejection() -> None:
 # ---- the outer's status and the peers' speeds -------------------------------------------------
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(near(OuterStatus))
 def test_a_malformed_outer_status_reads_as_no_round(data: bytes) -> None:
     control = UnitControl(SETTINGS, UnitState())
@@ -169,7 +169,7 @@ def test_speeds_are_those_of_running_units_with_a_speed() -> None:
 
 
 @settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(near(UnitStateFile))
 def test_a_malformed_state_file_is_ignored(tmp_path, data: bytes) -> None:

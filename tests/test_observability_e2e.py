@@ -70,6 +70,7 @@ def start_job(
                 "learner",
                 *job_flags,
                 *("--unit", str(unit), "--num-units", "2", "--max-steps", "100000"),
+                *("--slowdown", "3"),  # paced: they only need to keep training
                 *("--h-steps", "5", "--status-interval-s", "0.5"),
             )
     return httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)

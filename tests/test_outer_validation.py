@@ -118,7 +118,7 @@ def test_an_upload_over_the_size_limit_is_a_bad_envelope() -> None:
     assert err.value.reason == "bad_envelope"
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_damaged_upload_is_accepted_or_rejected_never_an_error(data: st.DataObject) -> None:
     blob = bytearray(wire.pack_envelope(envelope()))

@@ -38,6 +38,8 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
             "2",
             "--max-steps",
             "100000",
+            "--slowdown",  # paced: they only need to keep training
+            "3",
             "--h-steps",
             "5",
             "--status-interval-s",

@@ -59,14 +59,14 @@ def test_every_model_is_covered() -> None:
     assert {"LeaseRecord", "ParamsHead", "PidsFile", "RunSummary", "UnitStateFile"} <= names
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.sampled_from(MODELS), st.binary(max_size=300))
 def test_decode_of_arbitrary_bytes_never_raises(model, data: bytes) -> None:
     decoded = records.decode(model, data, "test")
     assert decoded is None or isinstance(decoded, model)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(near_records())
 def test_decode_of_near_records_never_raises(case) -> None:
     model, data = case

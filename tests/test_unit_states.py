@@ -47,6 +47,7 @@ def test_learners_idle_until_started_and_exit_when_stopped(nats_server, services
             "learner",
             *("--nats-url", nats_server.url, "--job", MANAGED, "--model", "tiny"),
             *("--unit", "0", "--num-units", "1", "--max-steps", "100000", "--h-steps", "5"),
+            *("--slowdown", "3"),  # paced: it only needs to keep training
             *("--status-interval-s", "0.5"),
         )
         services.start(
@@ -54,6 +55,7 @@ def test_learners_idle_until_started_and_exit_when_stopped(nats_server, services
             "learner",
             *("--nats-url", nats_server.url, "--job", WAITING, "--model", "tiny", "--unit", "0"),
             *("--num-units", "1", "--max-steps", "100000", "--initial-state", "idle"),
+            *("--slowdown", "3"),
             *("--status-interval-s", "0.5"),
         )
         for job in (MANAGED, WAITING):

@@ -92,7 +92,9 @@ def start_up(
 @pytest.mark.timeout(300)
 def test_up_stops_cleanly_on_sigterm_and_leaves_no_process(tmp_path, jax_cache):
     # SIGINT takes the same path (tests/test_local_run_up.py sends both to run_up).
-    process, data_dir, out_path = start_up(tmp_path, jax_cache, "--max-steps", "100000")
+    process, data_dir, out_path = start_up(
+        tmp_path, jax_cache, "--max-steps", "100000", "--slowdowns", "3,3"
+    )
     try:
         # Wait until training is really under way (a unit reports a step), then interrupt.
         wait_for(
