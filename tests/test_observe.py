@@ -102,6 +102,8 @@ def test_a_unit_is_lost_after_the_timeout_on_the_server_clock_unless_it_ended():
     assert (absent.applied, absent.last_staleness, absent.outer_version) == (6, 1, 12)
     assert version_lag(outer, unit_record(0)) == 2
     assert version_lag(None, unit_record(0)) is None
+    # Params are published before the status that names them: a unit ahead has no lag.
+    assert version_lag(outer, unit_record(0, base_version=outer.version + 1)) == 0
 
 
 def test_the_unit_view_carries_the_heartbeat_stamp_ledger_and_counters():

@@ -145,7 +145,11 @@ class UnitView(BaseModel):
 
 
 def version_lag(outer: OuterStatus | None, status: UnitStatus) -> int | None:
-    """The outer's version minus the version the unit's params are based on (None: no outer)."""
+    """The outer's version minus the version the unit's params are based on (None: no outer).
+
+    The outer publishes a params version before the status record that names it, so a unit can
+    be based on a version newer than the status shows; its lag is then 0, never negative.
+    """
     return max(0, outer.version - status.base_version) if outer is not None else None
 
 
