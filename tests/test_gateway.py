@@ -27,6 +27,7 @@ from shared.records import (
     UnitStatus,
 )
 from tests.helpers import AUTH, GATEWAY_TOKEN, wait_for
+from tests.strategies import json_values
 
 JOB = "g"
 
@@ -175,11 +176,6 @@ GET_ROUTES = [
     "/metrics",
     "/readyz",
 ]
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
-    max_leaves=8,
-)
 #: Records with the right keys and wrong values.
 wrong_fields = st.fixed_dictionaries(
     {"unit": json_values, "state": json_values, "spec": json_values, "model": json_values}

@@ -33,28 +33,10 @@ from shared.records import (
     UnitStateFile,
     UnitStatus,
 )
+from tests.strategies import record_bytes
 
 SETTINGS = LearnerSettings(job="t", model="tiny", unit=1, num_units=3)
 CFG = model.get_config("tiny")
-
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**66), 2**66)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=12),
-    lambda inner: (
-        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
-    max_leaves=20,
-)
-
-
-def near(model_type: type[records.Record]) -> st.SearchStrategy[bytes]:
-    """JSON objects with some of the model's field names holding arbitrary values, and bytes."""
-    names = list(model_type.model_fields)
-    body = st.dictionaries(st.sampled_from(names) | st.text(max_size=6), json_values, max_size=8)
-    return body.map(lambda b: json.dumps(b).encode()) | st.binary(max_size=200)
 
 
 class FakeKV:
@@ -83,7 +65,7 @@ def desired_kv(value: bytes | None) -> FakeKV:
 
 
 @settings(max_examples=80, deadline=None)
-@given(near(DesiredRecord))
+@given(record_bytes(DesiredRecord))
 def test_a_malformed_desired_record_changes_nothing(data: bytes) -> None:
     control = UnitControl(SETTINGS, UnitState(job="t", unit=1))
     control.desired_state = "paused"
@@ -112,7 +94,7 @@ def test_desired_state_follows_the_record_and_counts_a_rejection() -> None:
 
 
 @settings(max_examples=80, deadline=None)
-@given(near(OuterStatus))
+@given(record_bytes(OuterStatus))
 def test_a_malformed_outer_status_reads_as_no_round(data: bytes) -> None:
     control = UnitControl(SETTINGS, UnitState())
     status_kv = FakeKV({subjects.outer_status_key("t"): data})
@@ -135,7 +117,7 @@ def test_outer_next_round_and_a_rejected_outer_status() -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(near(UnitStatus), min_size=3, max_size=3))
+@given(st.lists(record_bytes(UnitStatus), min_size=3, max_size=3))
 def test_malformed_peer_statuses_are_left_out_of_the_speeds(values: list[bytes]) -> None:
     control = UnitControl(SETTINGS, UnitState())
     status_kv = FakeKV({subjects.unit_status_key("t", u): v for u, v in enumerate(values)})
@@ -171,7 +153,7 @@ def test_speeds_are_those_of_running_units_with_a_speed() -> None:
 @settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(near(UnitStateFile))
+@given(record_bytes(UnitStateFile))
 def test_a_malformed_state_file_is_ignored(tmp_path, data: bytes) -> None:
     path = tmp_path / STATE_FILE
     path.write_bytes(data)
@@ -212,7 +194,7 @@ def checkpoint_arrays(tmp_path_factory) -> tuple[dict[str, np.ndarray], LearnerC
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(near(LearnerCheckpointMeta))
+@given(record_bytes(LearnerCheckpointMeta))
 def test_a_malformed_checkpoint_meta_is_ignored(tmp_path, checkpoint_arrays, data: bytes) -> None:
     arrays, core = checkpoint_arrays
     meta = data.decode(errors="replace")

@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from services.local import files
 from shared import atomic
 from shared.ledger import balance
 from shared.records import OuterStatus, PidsFile, RunSummary, UnitStatus
+from tests.strategies import record_bytes
 
 
 def test_pids_round_trip(tmp_path: Path):
@@ -62,25 +62,7 @@ def test_missing_or_malformed_files_read_as_none(tmp_path: Path):
 
 
 @settings(max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    data=st.one_of(
-        st.binary(max_size=200),
-        st.recursive(
-            st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
-            lambda inner: (
-                st.lists(inner, max_size=4)
-                | st.dictionaries(
-                    st.sampled_from(
-                        ["supervisor", "pids", "restarts", "reason", "ledger", "units"]
-                    ),
-                    inner,
-                    max_size=4,
-                )
-            ),
-            max_leaves=12,
-        ).map(lambda value: json.dumps(value).encode()),
-    )
-)
+@given(data=record_bytes(PidsFile, RunSummary))
 def test_no_content_of_pids_or_summary_makes_a_reader_crash(tmp_path: Path, data: bytes):
     (tmp_path / files.PIDS_FILE).write_bytes(data)
     (tmp_path / files.SUMMARY_FILE).write_bytes(data)

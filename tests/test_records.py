@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,6 +17,7 @@ from shared.records import (
     Stamped,
     UnitStatus,
 )
+from tests.strategies import near_objects
 
 MODELS = [
     model
@@ -26,31 +25,12 @@ MODELS = [
     if isinstance(model, type) and issubclass(model, records.Record) and model is not records.Record
 ]
 
-json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers(-(2**70), 2**70)
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(max_size=20),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=6)
-    ),
-    max_leaves=30,
-)
-
-
-def _field_names(model: type[records.Record]) -> list[str]:
-    return list(model.model_fields)
-
 
 @st.composite
 def near_records(draw: st.DrawFn) -> tuple[type[records.Record], bytes]:
     """A model and a JSON object with some of its own field names, holding arbitrary values."""
     model = draw(st.sampled_from(MODELS))
-    names = _field_names(model)
-    keys = draw(st.lists(st.sampled_from(names) | st.text(max_size=8), max_size=len(names) + 2))
-    body = {key: draw(json_values) for key in keys}
-    return model, json.dumps(body).encode()
+    return model, draw(near_objects(model))
 
 
 def test_every_model_is_covered() -> None:
