@@ -8,8 +8,6 @@ file that uses it: adapt that file before raising the pin.
 
 from __future__ import annotations
 
-import inspect
-import re
 import subprocess
 import sys
 import tomllib
@@ -32,7 +30,6 @@ LOCK = ROOT / "requirements.lock"
 # Package -> the file whose use of its private API the upper bound in pyproject.toml protects.
 PRIVATE_API_USERS = {
     "numba": "shared/quant.py _float32_at / encode_segment (intrinsic, inttoptr, carray)",
-    "nats-py": "shared/transport.py (KeyValue's private _pre, _js, _stream)",
 }
 
 
@@ -54,14 +51,6 @@ def _project_requirements() -> dict[str, Requirement]:
     requirements = [*project["dependencies"], *project["optional-dependencies"]["dev"]]
     parsed = [Requirement(text) for text in requirements]
     return {canonicalize_name(req.name): req for req in parsed}
-
-
-def _used_attributes(path: str, obj: str) -> set[str]:
-    """Every ``<obj>.<name>`` that a source file of this project reads."""
-    return set(re.findall(rf"\b{obj}\.(\w+)", (ROOT / path).read_text()))
-
-
-# --------------------------------------------------------------------------- the pins
 
 
 @pytest.mark.parametrize("package", sorted(PRIVATE_API_USERS))
@@ -161,38 +150,6 @@ def test_encode_segment_reads_tensors_through_their_addresses() -> None:
     )
     assert np.all(np.abs(decoded - expected) <= scales[:, None] / 2 * (1 + 1e-6)), _broken(
         "numba", "encode_segment read the wrong memory through its addresses"
-    )
-
-
-# --------------------------------------------------------------------------- nats-py
-
-
-def test_nats_key_value_keeps_the_private_attributes_transport_reads() -> None:
-    from nats.js.client import JetStreamContext
-    from nats.js.kv import KeyValue
-
-    used = {name for name in _used_attributes("shared/transport.py", "kv") if name[0] == "_"}
-    if not used:
-        pytest.skip("shared/transport.py reads no private KeyValue attribute any more")
-    js = object()  # stands in for the JetStreamContext
-    try:
-        kv = KeyValue(name="b", stream="KV_b", pre="$KV.b.", js=js, direct=False)
-    except TypeError as err:
-        pytest.fail(_broken("nats-py", f"KeyValue(name, stream, pre, js, direct) fails: {err}"))
-    meaning = {"_pre": "$KV.b.", "_stream": "KV_b", "_js": js}
-    absent = object()
-    wrong = [
-        name for name in sorted(used) if getattr(kv, name, absent) != meaning.get(name, absent)
-    ]
-    assert not wrong, _broken(
-        "nats-py",
-        f"KeyValue's {', '.join(wrong)} no longer hold(s) what shared/transport.py expects "
-        "(the stream name, the subject prefix and the JetStream context; extend this test "
-        "for any other)",
-    )
-    parameters = inspect.signature(JetStreamContext.stream_info).parameters
-    assert "subjects_filter" in parameters, _broken(
-        "nats-py", "JetStreamContext.stream_info() takes no subjects_filter any more"
     )
 
 

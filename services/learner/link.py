@@ -197,7 +197,7 @@ class LearnerLink:
         # thread's start-up wait covers both.
         self.control.outer_next_round = await self.control.read_outer_next_round(status_kv)
         await self.params.subscribe(nc, on_error=self.counters.error)
-        publisher = asyncio.create_task(self.sender.run(js))
+        publisher = asyncio.create_task(self.sender.run(js, transport.chunk_size_for(nc)))
         others = [
             asyncio.create_task(self.params.run(js)),
             asyncio.create_task(self.control.poll_desired(desired_kv)),

@@ -109,12 +109,11 @@ class Sender:
 
     # ---- the link's event loop -------------------------------------------------------------
 
-    async def run(self, js: Any) -> None:
-        """Publish the queue in order until :meth:`finish` was called and the queue is empty
-        or the flush deadline has passed."""
+    async def run(self, js: Any, chunk_size: int) -> None:
+        """Publish the queue in order, in chunks of ``chunk_size`` bytes, until :meth:`finish`
+        was called and the queue is empty or the flush deadline has passed."""
         self._loop = asyncio.get_running_loop()
         self._queue_changed = asyncio.Event()
-        chunk_size = transport.chunk_size_for(js._nc)
         while True:
             with self._lock:
                 upload = self._queue[0] if self._queue else None
