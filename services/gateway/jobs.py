@@ -29,7 +29,6 @@ from typing import Literal
 from shared.records import DesiredState, JobState
 
 Action = Literal["start", "pause", "resume", "stop"]
-ACTIONS: tuple[Action, ...] = ("start", "pause", "resume", "stop")
 
 # (state, action) -> new state. Anything else is an invalid transition (HTTP 409).
 JOB_TRANSITIONS: dict[tuple[str, str], JobState] = {
