@@ -4,6 +4,7 @@
     diloco learner   run one learner unit against a NATS URL
     diloco outer     run the outer optimizer of a job
     diloco gateway   run the REST gateway
+    diloco link      a shaped link (rate, delay, outages) in front of nats-server
     diloco jobs | job | unit | units   control jobs through a gateway (services/gateway/client.py)
 
 Every option is also an environment variable ``DILOCO_<NAME>`` and a key of the job
@@ -40,11 +41,12 @@ def _settings(cls, args: argparse.Namespace):
     """Settings of one command from its flags, the environment and the config file."""
     from services.gateway.settings import GatewaySettings
     from services.learner.settings import LearnerSettings
+    from services.link.settings import LinkSettings
     from services.local.settings import UpSettings
     from services.outer.settings import OuterSettings
 
     known = set()
-    for settings_cls in (UpSettings, LearnerSettings, OuterSettings, GatewaySettings):
+    for settings_cls in (UpSettings, LearnerSettings, OuterSettings, GatewaySettings, LinkSettings):
         known |= set(settings_cls.model_fields)
     config = load_config_file(args.config or os.environ.get("DILOCO_CONFIG"))
     return settings_from_args(cls, args, config, known)
@@ -105,10 +107,29 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_link(args: argparse.Namespace) -> int:
+    from services.link.service import run_link
+    from services.link.settings import LinkSettings
+
+    settings = _settings(LinkSettings, args)
+    setup_logging(args.log_level, f"link-{settings.name}")
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await run_link(settings, stop)
+
+    asyncio.run(main())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``diloco`` argument parser with one subcommand per service."""
     from services.gateway.settings import GatewaySettings
     from services.learner.settings import LearnerSettings
+    from services.link.settings import LinkSettings
     from services.local.settings import UpSettings
     from services.outer.settings import OuterSettings
 
@@ -127,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("learner", LearnerSettings, _cmd_learner, "run one learner unit"),
         ("outer", OuterSettings, _cmd_outer, "run the outer optimizer of a job"),
         ("gateway", GatewaySettings, _cmd_gateway, "run the REST gateway"),
+        ("link", LinkSettings, _cmd_link, "a shaped link in front of nats-server"),
     ]
     for name, settings_cls, handler, help_text in table:
         sub = commands.add_parser(

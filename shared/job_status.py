@@ -13,7 +13,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from shared import kv, records, subjects
-from shared.records import JOB_NAME_PATTERN, OuterStatus, Stamped, UnitStatus
+from shared.records import JOB_NAME_PATTERN, LinkStatus, OuterStatus, Stamped, UnitStatus
 
 
 @dataclass(frozen=True)
@@ -24,12 +24,14 @@ class JobStatus:
         job: the job's name.
         outer: the leading outer's status (None: no outer ever reported).
         units: each reporting unit's status, by unit index.
+        links: each shaped link's counters, by link name (a unit index or ``outer``).
         server_time: the NATS server's clock at the read (unix seconds).
     """
 
     job: str
     outer: Stamped[OuterStatus] | None = None
     units: dict[int, Stamped[UnitStatus]] = field(default_factory=dict)
+    links: dict[str, Stamped[LinkStatus]] = field(default_factory=dict)
     server_time: float = 0.0
 
     @property
@@ -47,7 +49,7 @@ class JobStatus:
 
 
 async def read_job_status(nc: NatsClient, js: JetStreamContext, job: str) -> JobStatus:
-    """Read the outer's and every unit's status record of ``job``.
+    """Read the outer's, every unit's and every shaped link's status record of ``job``.
 
     A malformed record reads as missing (and is counted, see ``shared.records``).
 
@@ -60,7 +62,16 @@ async def read_job_status(nc: NatsClient, js: JetStreamContext, job: str) -> Job
         js, bucket, subjects.outer_status_key(job), OuterStatus, view.server_time
     )
     units: dict[int, Stamped[UnitStatus]] = {}
+    links: dict[str, Stamped[LinkStatus]] = {}
     for key in view.keys:
+        name = subjects.link_of_status_key(job, key)
+        if name is not None:
+            link = await kv.read_stamped(js, bucket, key, LinkStatus, view.server_time)
+            if link is not None and link.record.name != name:
+                records.rejections.add("LinkStatus", "name differs from its key", key)
+            elif link is not None:
+                links[name] = link
+            continue
         unit = subjects.unit_of_status_key(job, key)
         if unit is None:
             continue
@@ -71,7 +82,7 @@ async def read_job_status(nc: NatsClient, js: JetStreamContext, job: str) -> Job
             records.rejections.add("UnitStatus", "unit differs from its key", key)
             continue
         units[unit] = entry
-    return JobStatus(job, outer, units, view.server_time)
+    return JobStatus(job, outer, units, links, view.server_time)
 
 
 async def jobs_with_status(nc: NatsClient) -> list[str]:

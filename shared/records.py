@@ -5,6 +5,8 @@
 * :class:`OuterStatus` — same bucket, ``J.outer``: the leading outer's heartbeat and ledger,
   read by the gateway, ``diloco up`` and learners (the rounds applied).
 * :class:`StandbyStatus` — same bucket, ``J.outer_standby.<holder>``: a standby outer.
+* :class:`LinkStatus` — same bucket, ``J.link.<u>`` or ``J.link.outer``: what has crossed a
+  shaped link (``diloco link``), read by the gateway and ``diloco up``.
 * :class:`DesiredRecord` — KV ``diloco_desired``, ``J.<u>``: written by the gateway and
   ``diloco up``, polled by learner u.
 * :class:`JobRecord` (with :class:`JobSpec`) — KV ``diloco_jobs``, ``J``: the registry,
@@ -55,6 +57,7 @@ from pydantic import (
 )
 
 from shared.codec_config import CodecName
+from shared.link_spec import LinkSpec, OutageMode
 from shared.model_config import ModelSize
 from shared.outer_choices import MergePolicyName, OuterOptimizerName, StalenessRuleName
 
@@ -349,6 +352,34 @@ class StandbyStatus(Record):
     leader: str = ""
 
 
+# ---- shaped links ----------------------------------------------------------------------------
+
+#: A link's name: the index of the unit it carries, or ``outer``.
+LINK_NAME_PATTERN = re.compile(r"^(outer|[0-9]{1,2})$")
+
+
+class LinkStatus(Record):
+    """What has crossed one shaped link since its ``diloco link`` process started (every
+    ``--report-every-s``). "Up" is towards nats-server, "down" towards the client."""
+
+    name: Annotated[str, Field(pattern=LINK_NAME_PATTERN.pattern)]
+    spec: LinkSpec
+    bytes_up: Count = 0
+    bytes_down: Count = 0
+    busy_up_s: NonNegativeFloat = Field(0.0, description="seconds the up line was busy")
+    busy_down_s: NonNegativeFloat = Field(0.0, description="seconds the down line was busy")
+    uptime_s: NonNegativeFloat = 0.0
+    connections: Count = Field(0, description="connections open now")
+    connects: Count = Field(0, description="connections accepted in all")
+    outage: OutageMode | None = Field(None, description="the outage in progress")
+    outages: Count = Field(0, description="outages begun so far")
+
+    @property
+    def unit(self) -> int | None:
+        """The unit the link carries (None: the outer's link)."""
+        return None if self.name == "outer" else int(self.name)
+
+
 # ---- control: desired states and the job registry -------------------------------------------
 
 
@@ -573,6 +604,7 @@ class RunSummary(Record):
     elapsed_s: NonNegativeFloat
     outer: OuterStatus | None = None
     units: dict[Count, UnitStatus] = {}
+    links: dict[str, LinkStatus] = Field({}, description="shaped links by name, last read")
     tokens_per_s: NonNegativeFloat | None = None
     restarts: dict[str, Count] = {}
     ledger: Books

@@ -88,6 +88,18 @@ def unit_of_status_key(job: str, key: str) -> int | None:
     return int(number) if number.isdigit() and len(number) < 10 else None
 
 
+def link_status_key(job: str, name: str) -> str:
+    """KV key (bucket STATUS_BUCKET) of a shaped link's counters (``name``: a unit or
+    ``outer``)."""
+    return f"{job}.link.{name}"
+
+
+def link_of_status_key(job: str, key: str) -> str | None:
+    """The link name of a key made by :func:`link_status_key` for ``job`` (None for others)."""
+    prefix = f"{job}.link."
+    return key[len(prefix) :] if key.startswith(prefix) else None
+
+
 def outer_status_key(job: str) -> str:
     """KV key (bucket STATUS_BUCKET) of the outer optimizer's heartbeat and status."""
     return f"{job}.outer"

@@ -10,10 +10,13 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from services.local import files
 from shared import transport
 from shared.job_status import JobStatus, read_job_status
 from shared.kv import KvError
@@ -113,3 +116,93 @@ class ServiceProcesses:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+# ---- diloco up ------------------------------------------------------------------------------
+
+
+def processes_mentioning(marker: str) -> list[str]:
+    """Command lines of live processes that mention ``marker`` (our data dir), except us."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+def cluster_processes(data_dir: Path, out_path: Path) -> list[str]:
+    """Live processes of one `diloco up` run: nats-server (its config lives in the data dir)
+    and every service (their command lines carry the server's unique URL)."""
+    url = next(
+        line.split()[1]
+        for line in out_path.read_text().splitlines()
+        if line.startswith("nats-server")
+    )
+    return sorted(set(processes_mentioning(str(data_dir)) + processes_mentioning(url + " ")))
+
+
+def start_up(
+    tmp_path: Path, jax_cache: Path, *extra: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, Path, Path]:
+    """Start ``diloco up`` (tiny model, two learners unless ``extra`` says otherwise) with
+    ``env`` added to its environment, which its children inherit."""
+    data_dir = tmp_path / "cluster-data"
+    out_path = tmp_path / "up.out"
+    env = {
+        **os.environ,
+        "DILOCO_JAX_CACHE": str(jax_cache),
+        "PYTHONUNBUFFERED": "1",
+        **(env or {}),
+    }
+    with open(out_path, "wb") as out:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "services.cli",
+                "up",
+                "--data-dir",
+                str(data_dir),
+                "--gateway-port",
+                "0",
+                "--model",
+                "tiny",
+                "--learners",
+                "2",
+                "--progress-every-s",
+                "1",
+                "--eval-every-s",
+                "2",
+                *extra,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    return process, data_dir, out_path
+
+
+def live_pids(data_dir: Path) -> dict[str, int]:
+    """The live children's PIDs by name, from ``pids.json`` (empty until it is written)."""
+    record = files.read_pids(data_dir)
+    return record.pids if record is not None else {}
+
+
+def answers_http(url: str) -> bool:
+    """Whether an HTTP server answers at ``url`` (with any status)."""
+    try:
+        urllib.request.urlopen(url, timeout=2).close()
+    except urllib.error.HTTPError:
+        return True
+    except OSError:
+        return False
+    return True

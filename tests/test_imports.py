@@ -48,6 +48,8 @@ def imported_heavy_modules(*modules: str) -> list[str]:
         "services.outer.settings",
         "services.local.settings",
         "services.local.run",
+        "services.link.settings",
+        "services.link.service",
         "services.cli",
         "services.gateway.client",
         "shared.settings",

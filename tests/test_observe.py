@@ -14,10 +14,12 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.views import job_metrics, job_view, unit_view, version_lag
 from services.local.broker import free_port
 from shared.job_status import JobStatus
+from shared.link_spec import parse_link
 from shared.records import (
     EvalPoint,
     EvalRecord,
     EvaluationRecord,
+    LinkStatus,
     OuterStatus,
     Stamped,
     TrainPoint,
@@ -83,8 +85,27 @@ def unit_record(unit: int, **overrides) -> UnitStatus:
     return record.model_copy(update=overrides)
 
 
-def job_status(outer: Stamped | None, units: dict[int, Stamped] | None = None) -> JobStatus:
-    return JobStatus("j", outer, units or {}, SERVER_TIME)
+def link_record(name: str, **overrides) -> LinkStatus:
+    record = LinkStatus(
+        name=name,
+        spec=parse_link("20mbit/50ms"),
+        bytes_up=30_000,
+        bytes_down=50_000,
+        busy_up_s=1.5,
+        busy_down_s=3.0,
+        uptime_s=60.0,
+        connects=2,
+        outages=1,
+    )
+    return record.model_copy(update=overrides)
+
+
+def job_status(
+    outer: Stamped | None,
+    units: dict[int, Stamped] | None = None,
+    links: dict[str, Stamped] | None = None,
+) -> JobStatus:
+    return JobStatus("j", outer, units or {}, links or {}, server_time=SERVER_TIME)
 
 
 def test_a_unit_is_lost_after_the_timeout_on_the_server_clock_unless_it_ended():
@@ -119,6 +140,27 @@ def test_the_unit_view_carries_the_heartbeat_stamp_ledger_and_counters():
     # Without a desired state written, the unit's own is shown.
     reported = unit_view("j", 1, stamped(unit_record(1, desired="idle"), 0), None, None, 1)
     assert reported.desired == "idle" and reported.version_lag is None
+    assert view.link is None
+
+
+def test_a_units_link_is_shown_per_token_and_by_how_busy_it_was():
+    link = stamped(link_record("1"), 0.75)
+    view = unit_view("j", 1, stamped(unit_record(1), 0.25), None, outer_record(), TIMEOUT_S, link)
+    assert view.link is not None
+    assert (view.link.link, view.link.rate_bps, view.link.delay_s) == (
+        "20mbit/50ms",
+        20e6,
+        0.05,
+    )
+    assert (view.link.bytes_up, view.link.bytes_down) == (30_000, 50_000)
+    assert view.link.bytes_per_token == round(80_000 / 8192, 3)
+    assert (view.link.utilisation_up, view.link.utilisation_down) == (0.025, 0.05)
+    assert (view.link.outages, view.link.connects, view.link.report_age_s) == (1, 2, 0.75)
+    # An unshaped link has no utilisation; a unit that never reported has no tokens.
+    free = stamped(link_record("1", spec=parse_link("unlimited")), 0)
+    absent = unit_view("j", 1, None, None, None, TIMEOUT_S, free)
+    assert absent.link is not None and absent.link.utilisation_up is None
+    assert absent.link.bytes_per_token is None
 
 
 def test_job_metrics_combine_outer_histories_and_unit_heartbeats():
@@ -178,8 +220,11 @@ def test_prometheus_collector_reports_every_job_and_unit():
             "j": job_status(
                 stamped(outer_record(), 1.0),
                 {0: stamped(unit_record(0), 0.5), 1: stamped(unit_record(1, state="paused"), 0.5)},
+                {"1": stamped(link_record("1", outage="stall"), 0.5)},
             ),
-            "other": JobStatus("other", None, {3: stamped(unit_record(3), 60.0)}, SERVER_TIME),
+            "other": JobStatus(
+                "other", None, {3: stamped(unit_record(3), 60.0)}, server_time=SERVER_TIME
+            ),
         },
         rejected={("UnitStatus", "state: bad"): 3},
     )
@@ -214,6 +259,13 @@ def test_prometheus_collector_reports_every_job_and_unit():
     assert samples[("diloco_unit_state", lost)] == 1
     assert ("diloco_outer_version", (("job", "other"),)) not in samples
     assert ("diloco_unit_version_lag", (("job", "other"), ("unit", "3"))) not in samples
+    link_up = (("direction", "up"), ("job", "j"), ("link", "1"))
+    link_down = (("direction", "down"), ("job", "j"), ("link", "1"))
+    assert samples[("diloco_link_bytes_total", link_up)] == 30_000
+    assert samples[("diloco_link_bytes_total", link_down)] == 50_000
+    assert samples[("diloco_link_busy_seconds_total", link_down)] == 3.0
+    assert samples[("diloco_link_rate_bits_per_second", (("job", "j"), ("link", "1")))] == 20e6
+    assert samples[("diloco_link_outage", (("job", "j"), ("link", "1")))] == 1
 
 
 def test_a_stale_outer_is_not_up():

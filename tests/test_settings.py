@@ -8,6 +8,8 @@ import pytest
 
 from services.cli import build_parser
 from services.learner.settings import LearnerSettings
+from services.link.settings import LinkSettings
+from services.local.settings import UpSettings
 from shared.settings import SettingsError, add_settings_arguments, settings_from_args
 
 
@@ -181,3 +183,31 @@ def test_checkpoint_dir_defaults_to_none_and_round_trips_through_flags(monkeypat
     assert parse(LearnerSettings, []).checkpoint_dir is None
     monkeypatch.setenv("DILOCO_CHECKPOINT_DIR", "/tmp/ck")
     assert parse(LearnerSettings, []).checkpoint_dir == "/tmp/ck"
+
+
+@pytest.mark.parametrize(
+    ("cls", "argv", "fragment"),
+    [
+        (LinkSettings, ["--link", "10mb"], "expected a rate like 100mbit"),
+        (LinkSettings, ["--name", "learner"], "expected a unit index below 100 or 'outer'"),
+        (LinkSettings, ["--outages", "5s+1s,5.5s+1s"], "overlap"),
+        (UpSettings, ["--link", "1mbit", "--links", "1mbit,2mbit,3mbit,4mbit"], "not both"),
+        (UpSettings, ["--links", "1mbit,2mbit"], "expected 1 or 4 comma-separated links"),
+        (UpSettings, ["--link-outages", "5s+1s"], "needs learners' links"),
+        (UpSettings, ["--outer-link", "fast"], "expected a rate"),
+    ],
+)
+def test_invalid_link_options_are_named(cls, argv, fragment):
+    with pytest.raises(SettingsError) as err:
+        parse(cls, argv)
+    assert fragment in str(err.value)
+
+
+def test_link_options_give_each_unit_its_link():
+    argv = ["--learners", "2", "--links", "1mbit/10ms,5mbit", "--outer-link", "1gbit"]
+    up = parse(UpSettings, argv)
+    assert [spec.text() for spec in up.unit_links()] == ["1mbit/10ms", "5mbit/0ms"]
+    assert up.outer_link_spec().rate_bps == 1e9
+    assert parse(UpSettings, []).unit_links() is None
+    link = parse(LinkSettings, ["--nats-url", "nats://10.0.0.2:4333", "--name", "outer"])
+    assert link.upstream() == ("10.0.0.2", 4333) and link.link_spec().rate_bps is None

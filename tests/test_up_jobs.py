@@ -11,8 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import wait_for
-from tests.test_up import answers_http, cluster_processes, live_pids, start_up
+from tests.helpers import answers_http, cluster_processes, live_pids, start_up, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 

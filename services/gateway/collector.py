@@ -20,7 +20,14 @@ from prometheus_client.registry import Collector
 
 from services.gateway.views import version_lag
 from shared.job_status import JobStatus
-from shared.records import UNIT_STATES, OuterStatus, UnitStatus, outer_liveness, unit_liveness
+from shared.records import (
+    UNIT_STATES,
+    LinkStatus,
+    OuterStatus,
+    UnitStatus,
+    outer_liveness,
+    unit_liveness,
+)
 
 #: States the ``diloco_unit_state`` gauge always reports (1 for the current one).
 SHOWN_UNIT_STATES = (*UNIT_STATES, "lost")
@@ -109,6 +116,7 @@ class StatusCollector(Collector):
         yield records
         yield from self._outer_families()
         yield from self._unit_families()
+        yield from self._link_families()
 
     def _outer_families(self) -> Iterator[Metric]:
         job_label = ["job"]
@@ -208,3 +216,31 @@ class StatusCollector(Collector):
         yield from (lag, age, state)
         for _, family in counters:
             yield family
+
+    def _link_families(self) -> Iterator[Metric]:
+        labels = ["job", "link", "direction"]
+        transferred = CounterMetricFamily(
+            "diloco_link_bytes", "bytes that crossed a shaped link, measured at the link", labels=labels
+        )
+        busy = CounterMetricFamily(
+            "diloco_link_busy_seconds", "seconds a shaped link's direction was busy", labels=labels
+        )
+        rate = GaugeMetricFamily(
+            "diloco_link_rate_bits_per_second", "a shaped link's cap", labels=["job", "link"]
+        )
+        outage = GaugeMetricFamily(
+            "diloco_link_outage", "1 while the link is in an outage", labels=["job", "link"]
+        )
+        for job, status in sorted(self.snapshot.items()):
+            for name, entry in sorted(status.links.items()):
+                record: LinkStatus = entry.record
+                for direction, sent, busy_s in (
+                    ("up", record.bytes_up, record.busy_up_s),
+                    ("down", record.bytes_down, record.busy_down_s),
+                ):
+                    transferred.add_metric([job, name, direction], float(sent))
+                    busy.add_metric([job, name, direction], busy_s)
+                if record.spec.rate_bps is not None:
+                    rate.add_metric([job, name], record.spec.rate_bps)
+                outage.add_metric([job, name], 1.0 if record.outage else 0.0)
+        yield from (transferred, busy, rate, outage)

@@ -23,6 +23,7 @@ from shared.records import (
     JobSpec,
     JobState,
     LedgerRecord,
+    LinkStatus,
     OuterState,
     OuterStatus,
     Stamped,
@@ -60,6 +61,50 @@ CONFLICT = refusal(409, "not allowed in the current state (the message says why)
 
 
 # ---- units -----------------------------------------------------------------------------------
+
+
+class LinkView(BaseModel):
+    """A unit's shaped link, as measured at the link (``diloco link``) since it started."""
+
+    link: str = Field(description="RATE/DELAY[/JITTER]", examples=["20mbit/50ms"])
+    rate_bps: float | None = Field(None, description="cap of each direction (None: no cap)")
+    delay_s: float = Field(0.0, description="one-way delay")
+    bytes_up: int = Field(description="bytes from the unit towards NATS")
+    bytes_down: int = Field(description="bytes from NATS towards the unit")
+    bytes_per_token: float | None = Field(
+        None, description="(bytes up + down) / tokens the unit trained"
+    )
+    utilisation_up: float | None = Field(
+        None, description="share of time the up direction was busy (None: no cap)"
+    )
+    utilisation_down: float | None = Field(
+        None, description="share of time the down direction was busy (None: no cap)"
+    )
+    outage: str | None = Field(None, description="the outage in progress (stall or cut)")
+    outages: int = Field(0, description="outages begun so far")
+    connects: int = Field(0, description="connections accepted")
+    report_age_s: float = Field(description="seconds since the link last reported")
+
+
+def link_view(entry: Stamped[LinkStatus], tokens: int | None) -> LinkView:
+    """A link's status record as the gateway shows it, per token of its unit."""
+    record = entry.record
+    capped = record.spec.rate_bps is not None and record.uptime_s > 0
+    total = record.bytes_up + record.bytes_down
+    return LinkView(
+        link=record.spec.text(),
+        rate_bps=record.spec.rate_bps,
+        delay_s=record.spec.delay_s,
+        bytes_up=record.bytes_up,
+        bytes_down=record.bytes_down,
+        bytes_per_token=round(total / tokens, 3) if tokens else None,
+        utilisation_up=round(record.busy_up_s / record.uptime_s, 4) if capped else None,
+        utilisation_down=round(record.busy_down_s / record.uptime_s, 4) if capped else None,
+        outage=record.outage,
+        outages=record.outages,
+        connects=record.connects,
+        report_age_s=round(entry.age_s, AGE_DIGITS),
+    )
 
 
 class UnitView(BaseModel):
@@ -106,6 +151,7 @@ class UnitView(BaseModel):
     last_error: str | None = None
     counters: dict[str, int] = Field({}, description="this process's counters")
     lifetime: dict[str, int] | None = Field(None, description="upload counters across restarts")
+    link: LinkView | None = Field(None, description="its shaped link (None: it has none)")
 
     model_config = {
         "json_schema_extra": {
@@ -160,6 +206,7 @@ def unit_view(
     desired: DesiredState | None,
     outer: OuterStatus | None,
     timeout_s: float,
+    link: Stamped[LinkStatus] | None = None,
 ) -> UnitView:
     """One unit as the gateway shows it.
 
@@ -170,6 +217,7 @@ def unit_view(
         desired: the desired state written for it (None: none written).
         outer: the outer's status record, for its ledger of the unit and its version.
         timeout_s: heartbeat age past which a unit that has not ended is lost.
+        link: its shaped link's status record with its age (None: it has none).
     """
     state = unit_liveness(entry, timeout_s)
     ledger = outer.unit_ledger(unit) if outer is not None else None
@@ -183,8 +231,12 @@ def unit_view(
         "last_staleness": ledger.last_staleness if ledger is not None else None,
     }
     if entry is None:
+        if link is not None:
+            shown["link"] = link_view(link, None)
         return UnitView(desired=desired or DEFAULT_DESIRED, **shown)
     status = entry.record
+    if link is not None:
+        shown["link"] = link_view(link, status.tokens)
     return UnitView(
         reported_state=status.state,
         desired=desired or status.desired,
@@ -219,7 +271,15 @@ def unit_views(
     """:func:`unit_view` of each of ``indexes``, in order."""
     outer = status.outer_record()
     return [
-        unit_view(status.job, unit, status.units.get(unit), desired.get(unit), outer, timeout_s)
+        unit_view(
+            status.job,
+            unit,
+            status.units.get(unit),
+            desired.get(unit),
+            outer,
+            timeout_s,
+            status.links.get(str(unit)),
+        )
         for unit in sorted(indexes)
     ]
 

@@ -27,6 +27,7 @@ from services.local.children import Child, Launch, popen
 from services.local.registry import Registry
 from services.local.settings import UpSettings
 from services.local.supervisor import RestartPolicy, State, Supervisor
+from shared.link_spec import LinkSpec
 from shared.records import PidsFile
 
 STOP_GRACE_S = 30.0
@@ -50,6 +51,7 @@ class Cluster:
     server: broker.NatsServer | None = None
     learners: list[Child] = field(default_factory=list)
     services: list[Child] = field(default_factory=list)
+    links: list[Child] = field(default_factory=list)  # shaped links in front of nats-server
     job_children: list[Child] = field(default_factory=list)  # processes of registry jobs
     registry_busy: bool = False  # the last registry read found a job that is not stopped
     gateway_url: str = ""
@@ -103,7 +105,11 @@ class Cluster:
         )
         self.supervisor.add(NATS, time.monotonic())
         self.print(f"nats-server  {self.nats_url}  (fresh JetStream store {store})")
-        outer = commands.outer_args(s, self.nats_url)
+        outer_spec = s.outer_link_spec()
+        outer_url = self.nats_url
+        if outer_spec is not None:
+            outer_url = self.start_link("outer", outer_spec, "")
+        outer = commands.outer_args(s, outer_url)
         self.services.append(self.spawn("outer", outer, commands.cache_env(s)))
         port = s.gateway_port or broker.free_port()
         self.gateway_url = f"http://127.0.0.1:{port}"
@@ -117,12 +123,26 @@ class Cluster:
         )
         self.write_pids()
 
+    def start_link(self, name: str, spec: LinkSpec, outages: str) -> str:
+        """Start the shaped link ``link-<name>`` in front of nats-server; returns the NATS URL
+        its client connects to."""
+        port = broker.free_port()
+        args = commands.link_args(self.settings, self.nats_url, name, spec, port, outages)
+        self.links.append(self.spawn(f"link-{name}", args))
+        self.print(f"link-{name:<7} nats://127.0.0.1:{port}  ({spec.text()})")
+        return f"nats://127.0.0.1:{port}"
+
     def start_learners(self) -> None:
-        """Start the learner processes (after ``start_services``)."""
+        """Start the learner processes (after ``start_services``), each behind its shaped link
+        when the run has links."""
         s = self.settings
         env = commands.learner_env(s)
+        links = s.unit_links()
         for unit in range(s.learners):
-            args = commands.learner_args(s, self.nats_url, unit)
+            url = self.nats_url
+            if links is not None:
+                url = self.start_link(str(unit), links[unit], s.link_outages)
+            args = commands.learner_args(s, url, unit)
             # A learner that exits 0 has trained all its steps.
             self.learners.append(self.spawn(f"learner-{unit}", args, env, may_finish=True))
         self.print(
@@ -141,7 +161,13 @@ class Cluster:
 
     def children(self) -> list[Child]:
         """Every service process (learners first), not nats-server."""
-        return [*self.learners, *self.job_learners(), *self.services, *self.job_outers()]
+        return [
+            *self.learners,
+            *self.job_learners(),
+            *self.services,
+            *self.job_outers(),
+            *self.links,
+        ]
 
     def _job_states(self) -> dict[str, State]:
         names = {c.name for c in self.job_children}
@@ -197,7 +223,8 @@ class Cluster:
 
     def pids(self) -> dict[str, int]:
         """PIDs of the live children by name (``nats-server``, ``outer``, ``gateway``,
-        ``learner-<unit>``, ``<job>/outer``, ``<job>/learner-<unit>``)."""
+        ``learner-<unit>``, ``link-<unit>``, ``link-outer``, ``<job>/outer``,
+        ``<job>/learner-<unit>``)."""
         pids = {}
         if self.server is not None and self.server.alive():
             pids[NATS] = self.server.pid
@@ -282,10 +309,12 @@ class Cluster:
         self.print(f"{name} restarted (restart #{number}, pid {pid})")
 
     def stop(self) -> None:
-        """Stop everything: learners, then outers and gateway, then NATS; kill stragglers."""
+        """Stop everything: learners, then outers and gateway, then the links that carried
+        their last messages, then NATS; kill stragglers."""
         for group in (
             [*self.learners, *self.job_learners()],
             [*self.services, *self.job_outers()],
+            self.links,
         ):
             for child in group:
                 child.terminate()

@@ -12,6 +12,7 @@ from pathlib import Path
 from services.learner.settings import InnerSettings
 from services.local.settings import UpSettings
 from services.outer.settings import OuterAlgorithmSettings
+from shared.link_spec import LinkSpec
 from shared.settings import CommonJobSettings, to_flags
 
 JAX_CACHE_DIR = "jax-cache"
@@ -76,6 +77,28 @@ def gateway_args(settings: UpSettings, nats_url: str, port: int) -> list[str]:
         "--port",
         str(port),
         "--local",
+    ]
+
+
+def link_args(
+    settings: UpSettings, nats_url: str, name: str, spec: LinkSpec, port: int, outages: str
+) -> list[str]:
+    """``diloco link`` arguments: a shaped link named ``name`` (a unit or ``outer``) of the job,
+    listening on ``port`` in front of the nats-server at ``nats_url``."""
+    return [
+        "link",
+        "--nats-url",
+        nats_url,
+        "--job",
+        settings.job,
+        "--name",
+        name,
+        "--link",
+        spec.text(),
+        "--outages",
+        outages,
+        "--listen-port",
+        str(port),
     ]
 
 

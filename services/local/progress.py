@@ -7,7 +7,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from shared.records import EvaluationRecord, LedgerRecord, OuterStatus, RunSummary, UnitStatus
+from shared.records import (
+    EvaluationRecord,
+    LedgerRecord,
+    LinkStatus,
+    OuterStatus,
+    RunSummary,
+    UnitStatus,
+)
 
 SMALL_HISTOGRAM = 6  # a staleness histogram with at most this many values is shown whole
 
@@ -112,4 +119,30 @@ def summary_lines(summary: RunSummary) -> list[str]:
             f"unit {unit}: {status.state} at step {status.step},"
             f" {status.counter('published')} uploads, train loss {status.train_loss}"
         )
+        link = summary.links.get(str(unit))
+        if link is not None:
+            lines.append("  " + link_line(link, status.tokens))
+    outer_link = summary.links.get("outer")
+    if outer_link is not None:
+        lines.append("outer " + link_line(outer_link, None))
     return lines
+
+
+def link_line(link: LinkStatus, tokens: int | None) -> str:
+    """What crossed a shaped link: bytes each way, per token, and how busy it was."""
+    parts = [
+        f"link {link.spec.text()}: {_megabytes(link.bytes_up)} up,"
+        f" {_megabytes(link.bytes_down)} down"
+    ]
+    if tokens:
+        parts.append(f"{(link.bytes_up + link.bytes_down) / tokens:,.1f} B/token")
+    if link.spec.rate_bps is not None and link.uptime_s > 0:
+        up, down = link.busy_up_s / link.uptime_s, link.busy_down_s / link.uptime_s
+        parts.append(f"busy {up:.1%} up, {down:.1%} down")
+    if link.outages:
+        parts.append(f"{link.outages} outage(s)")
+    return ", ".join(parts)
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 1e6:,.2f} MB"

@@ -30,7 +30,7 @@ from services.local.registry import read_registry
 from services.local.settings import UpSettings
 from shared import kv, ledger, retry, subjects, transport
 from shared.job_status import read_job_status
-from shared.records import OuterStatus, RunSummary, UnitStatus
+from shared.records import LinkStatus, OuterStatus, RunSummary, UnitStatus
 from shared.settings import NatsSettings
 
 STATUS_READ_TIMEOUT_S = 3.0  # bounds a status read while NATS is down, so healing goes on
@@ -58,6 +58,7 @@ class _Watch:
     released: bool
     outer: OuterStatus | None = None
     units: dict[int, UnitStatus] = field(default_factory=dict)
+    links: dict[str, LinkStatus] = field(default_factory=dict)
     nats_reachable: bool = True
     last_reconcile: float = 0.0
     throughput: Throughput = field(default_factory=Throughput)
@@ -97,6 +98,7 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
             raise nats.errors.ConnectionReconnectingError
         status = await asyncio.wait_for(read_job_status(nc, js, s.job), STATUS_READ_TIMEOUT_S)
         watch.outer, watch.units = status.outer_record(), status.unit_records()
+        watch.links = {name: entry.record for name, entry in status.links.items()}
 
     async def act(elapsed: float) -> None:
         """Match the registry's processes and release the units, when due."""
@@ -160,6 +162,7 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
         elapsed_s=time.monotonic() - started,
         outer=watch.outer,
         units=watch.units,
+        links=watch.links,
         tokens_per_s=watch.throughput.tokens_per_s(),
         restarts=cluster.supervisor.restarts(),
         ledger=ledger.balance(watch.outer, watch.units),

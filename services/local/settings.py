@@ -13,6 +13,7 @@ from pydantic_settings import SettingsConfigDict
 from services.learner.settings import InnerSettings
 from services.local.supervisor import DEFAULT_MAX_RESTARTS
 from services.outer.settings import OuterAlgorithmSettings
+from shared.link_spec import LinkSpec, parse_link, parse_links, parse_outages
 from shared.settings import ENV_PREFIX, CommonJobSettings
 
 
@@ -58,6 +59,34 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
         "if it is the outer or nats-server); restarts back off from 1 s to 10 s",
     )
 
+    link: str = Field(
+        "",
+        description="every learner reaches NATS through its own shaped link of this shape, "
+        "RATE[/DELAY[/JITTER]], e.g. 100mbit/25ms (diloco link; default: no link)",
+    )
+    links: str = Field(
+        "",
+        description="one shaped link per learner, comma-separated, e.g. "
+        "100mbit/25ms,20mbit/50ms (instead of --link)",
+    )
+    outer_link: str = Field(
+        "", description="the outer reaches NATS through a shaped link of this shape too"
+    )
+    link_outages: str = Field(
+        "",
+        description="outages of every learner's link, START+DURATION[:stall|cut] from the "
+        "link's start, comma-separated, e.g. 30s+5s (needs --link or --links)",
+    )
+
+    def unit_links(self) -> list[LinkSpec] | None:
+        """The shaped link of each unit (None: the learners reach NATS directly)."""
+        text = self.links or self.link
+        return parse_links(text, self.learners) if text else None
+
+    def outer_link_spec(self) -> LinkSpec | None:
+        """The outer's shaped link (None: it reaches NATS directly)."""
+        return parse_link(self.outer_link) if self.outer_link else None
+
     def unit_steps(self) -> list[int]:
         """Inner steps of each unit: the job's budget (learners × max-steps) shared in proportion
         to speed, so that slow units do less of it and every unit finishes at about the same
@@ -84,6 +113,13 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
             raise ValueError(
                 f"slowdowns needs {self.learners} factors in [1, 100], got {self.slowdowns!r}"
             )
+        if self.link and self.links:
+            raise ValueError("give --link (every unit the same) or --links (per unit), not both")
+        self.unit_links()
+        self.outer_link_spec()
+        parse_outages(self.link_outages)
+        if self.link_outages and not (self.link or self.links):
+            raise ValueError("link-outages needs learners' links: add --link or --links")
         if self.min_quorum > self.learners:
             raise ValueError(f"min-quorum {self.min_quorum} > learners {self.learners}")
         return self

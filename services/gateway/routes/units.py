@@ -62,7 +62,15 @@ async def get_unit_health(
     if entry is None:
         raise never_reported(job, unit)
     desired = await registry.read_desired(job, unit)
-    return unit_view(job, unit, entry, desired, status.outer_record(), settings.heartbeat_timeout_s)
+    return unit_view(
+        job,
+        unit,
+        entry,
+        desired,
+        status.outer_record(),
+        settings.heartbeat_timeout_s,
+        status.links.get(str(unit)),
+    )
 
 
 async def run_unit_action(

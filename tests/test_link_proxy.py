@@ -1,0 +1,291 @@
+"""The link shaper keeps its promises on loopback: rate, delay, jitter, stalls and cuts."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import statistics
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from services.link.pacing import Delay, SerialLine
+from services.link.proxy import LinkProxy
+from shared.link_spec import (
+    LinkSpec,
+    Outage,
+    parse_link,
+    parse_links,
+    parse_outages,
+)
+
+# ---- the spec ---------------------------------------------------------------------------------
+
+
+def test_links_parse_in_tc_units() -> None:
+    assert parse_link("100mbit/25ms") == LinkSpec(rate_bps=100e6, delay_s=0.025)
+    assert parse_link("512kbit") == LinkSpec(rate_bps=512e3)
+    assert parse_link("1.5Gbit/1s/200ms") == LinkSpec(rate_bps=1.5e9, delay_s=1, jitter_s=0.2)
+    assert parse_link("unlimited/10ms") == LinkSpec(delay_s=0.01)
+    assert parse_links("1mbit", 3) == [LinkSpec(rate_bps=1e6)] * 3
+    assert [s.rate_bps for s in parse_links("1mbit,2mbit", 2)] == [1e6, 2e6]
+    outage = Outage(start_s=90, duration_s=0.5, mode="cut")
+    assert outage.text() == "1.5m+500ms:cut" and parse_outages(outage.text()) == [outage]
+    assert parse_link("512kbit/0.5ms").text() == "512kbit/500us"
+    assert parse_link("unlimited").text() == "unlimited/0ms"
+    assert parse_outages("1m+10s:cut, 5s+2s") == [
+        Outage(start_s=5, duration_s=2),
+        Outage(start_s=60, duration_s=10, mode="cut"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("100mb", "expected a rate"),
+        ("0mbit", "above zero"),
+        ("10mbit/25", "expected a duration"),
+        ("10mbit/1ms/5ms", "cannot exceed"),
+        ("1mbit/1ms/1ms/1ms", "expected a link"),
+        ("", "expected a link"),
+    ],
+)
+def test_a_malformed_link_is_refused_with_what_is_expected(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_link(text)
+
+
+def test_malformed_lists_of_links_and_outages_are_refused() -> None:
+    with pytest.raises(ValueError, match="1 or 3"):
+        parse_links("1mbit,2mbit", 3)
+    with pytest.raises(ValueError, match="overlap"):
+        parse_outages("1s+5s,3s+1s")
+    with pytest.raises(ValueError, match="expected an outage"):
+        parse_outages("5s:stall")
+    with pytest.raises(ValueError, match="expected an outage"):
+        parse_outages("5s+1s:drop")
+
+
+@given(
+    rate=st.none() | st.floats(1, 1e11),
+    delay=st.floats(0, 60),
+    jitter_share=st.floats(0, 1),
+)
+def test_a_spec_written_out_parses_back_the_same(rate, delay, jitter_share) -> None:
+    spec = LinkSpec(rate_bps=rate, delay_s=delay, jitter_s=delay * jitter_share)
+    again = parse_link(spec.text())
+    assert again.rate_bps == (None if rate is None else pytest.approx(rate, rel=1e-11))
+    assert again.delay_s == pytest.approx(spec.delay_s, rel=1e-11)
+    assert again.jitter_s == pytest.approx(spec.jitter_s, rel=1e-11)
+
+
+# ---- pacing (pure) ----------------------------------------------------------------------------
+
+
+def test_a_serial_line_carries_bytes_at_its_rate_and_saves_no_credit() -> None:
+    line = SerialLine(1000.0)
+    assert line.send(500, now=10.0) == (10.0, 10.5)
+    assert line.send(500, now=10.1) == (10.5, 11.0)  # queued behind the first
+    assert line.send(100, now=20.0) == (20.0, 20.1)  # idle time is not saved up
+    assert line.busy_s == pytest.approx(1.1)
+    assert SerialLine(None).send(10**9, now=3.0) == (3.0, 3.0)
+    assert SerialLine(8e6 / 8).slice_bytes() == 5000
+    with pytest.raises(ValueError):
+        SerialLine(0.0)
+
+
+@given(st.lists(st.floats(0, 10), min_size=1, max_size=50), st.integers(0, 2**32))
+def test_jitter_stays_within_its_bounds_and_never_reorders(times, seed) -> None:
+    delay = Delay(0.05, 0.02, random.Random(seed))
+    crossed = sorted(times)
+    arrivals = [delay.arrival(t) for t in crossed]
+    assert arrivals == sorted(arrivals)
+    for t, arrival in zip(crossed, arrivals, strict=True):
+        assert arrival >= t + 0.03 - 1e-9
+    # Never later than the latest jittered arrival of any chunk up to it.
+    assert all(a <= max(crossed[: i + 1]) + 0.07 + 1e-9 for i, a in enumerate(arrivals))
+
+
+# ---- the proxy on loopback --------------------------------------------------------------------
+
+
+class Sink:
+    """A TCP server that reads everything, noting when each chunk came."""
+
+    def __init__(self) -> None:
+        self.received: list[tuple[float, int]] = []
+        self.digest = hashlib.sha256()
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    @property
+    def total(self) -> int:
+        return sum(n for _, n in self.received)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 16):
+            self.received.append((time.monotonic(), len(data)))
+            self.digest.update(data)
+        writer.close()
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+async def echo_server() -> asyncio.Server:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def wait_until(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("mbit", [1, 10, 100])
+def test_throughput_stays_within_ten_percent_of_the_cap(mbit: int) -> None:
+    """Two seconds' worth of bytes at the cap: the rate the receiver sees, first byte to last,
+    is the cap ±10%, and the link counted every byte."""
+
+    async def run() -> tuple[float, int]:
+        sink = Sink()
+        proxy = LinkProxy(LinkSpec(rate_bps=mbit * 1e6), "127.0.0.1", await sink.start())
+        port = await proxy.start()
+        size = int(mbit * 1e6 / 8 * 2.0)
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"\x5a" * size)
+        await writer.drain()
+        await wait_until(lambda: sink.total >= size, 30)
+        (first, first_size), (last, _) = sink.received[0], sink.received[-1]
+        writer.close()
+        counted = proxy.counters().bytes_up
+        await proxy.close()
+        await sink.close()
+        return (size - first_size) * 8 / (last - first) / 1e6, counted
+
+    measured, counted = asyncio.run(run())
+    assert counted == int(mbit * 1e6 / 8 * 2.0)
+    assert measured == pytest.approx(mbit, rel=0.10), (
+        f"{measured:.3f} Mbit/s at a {mbit} Mbit/s cap"
+    )
+
+
+def test_delay_adds_its_one_way_time_each_way_and_jitter_spreads_it() -> None:
+    """A round trip over a 25 ms link takes 50 ms more than without it (±10% or ±2 ms); with
+    ±10 ms of jitter the round trips spread, within their bounds."""
+
+    async def round_trips(port: int, count: int) -> list[float]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        times = []
+        for _ in range(count):
+            start = time.monotonic()
+            writer.write(b"ping")
+            await reader.readexactly(4)
+            times.append(time.monotonic() - start)
+        writer.close()
+        return times
+
+    async def run() -> tuple[list[float], list[float], list[float]]:
+        echo = await echo_server()
+        echo_port = echo.sockets[0].getsockname()[1]
+        direct = await round_trips(echo_port, 20)
+        steady = LinkProxy(parse_link("unlimited/25ms"), "127.0.0.1", echo_port)
+        jittery = LinkProxy(parse_link("unlimited/25ms/10ms"), "127.0.0.1", echo_port, seed=1)
+        shaped = await round_trips(await steady.start(), 20)
+        spread = await round_trips(await jittery.start(), 30)
+        for proxy in (steady, jittery):
+            await proxy.close()
+        echo.close()
+        return direct, shaped, spread
+
+    direct, shaped, spread = asyncio.run(run())
+    added = statistics.median(shaped) - statistics.median(direct)
+    assert abs(added - 0.050) <= max(0.005, 0.002), f"added {added * 1e3:.2f} ms, expected 50"
+    assert min(spread) >= 0.030 and max(spread) <= 0.070 + 0.010
+    assert statistics.pstdev(spread) > 0.002
+
+
+def test_a_stall_holds_every_byte_then_delivers_them_all() -> None:
+    async def run() -> None:
+        sink = Sink()
+        proxy = LinkProxy(parse_link("10mbit"), "127.0.0.1", await sink.start())
+        _, writer = await asyncio.open_connection("127.0.0.1", await proxy.start())
+        payload = random.Random(0).randbytes(400_000)
+        writer.write(payload[:100_000])
+        await wait_until(lambda: sink.total == 100_000, 10)
+        stall = asyncio.create_task(proxy.stall(1.0))
+        await asyncio.sleep(0.05)
+        assert proxy.counters().outage == "stall"
+        writer.write(payload[100_000:])
+        await asyncio.sleep(0.8)
+        assert sink.total == 100_000, "bytes crossed during the stall"
+        await stall
+        await wait_until(lambda: sink.total == len(payload), 10)
+        assert sink.digest.digest() == hashlib.sha256(payload).digest()
+        counters = proxy.counters()
+        assert (counters.outage, counters.outages, counters.connections) == (None, 1, 1)
+        writer.close()
+        await proxy.close()
+        await sink.close()
+
+    asyncio.run(run())
+
+
+def test_a_cut_closes_connections_and_refuses_new_ones_until_it_ends() -> None:
+    async def run() -> None:
+        echo = await echo_server()
+        proxy = LinkProxy(LinkSpec(), "127.0.0.1", echo.sockets[0].getsockname()[1])
+        port = await proxy.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"hello")
+        assert await reader.readexactly(5) == b"hello"
+        cut = asyncio.create_task(proxy.cut(0.5))
+        assert await asyncio.wait_for(reader.read(), 2) == b""  # closed by the link
+        refused_reader, _ = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(refused_reader.read(), 2) == b""
+        await cut
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"again")
+        assert await reader.readexactly(5) == b"again"
+        assert proxy.counters().connects == 2 and proxy.counters().outages == 1
+        writer.close()
+        await proxy.close()
+        echo.close()
+
+    asyncio.run(run())
+
+
+def test_scheduled_outages_run_at_their_times() -> None:
+    async def run() -> list[tuple[float, str | None]]:
+        echo = await echo_server()
+        proxy = LinkProxy(LinkSpec(), "127.0.0.1", echo.sockets[0].getsockname()[1])
+        await proxy.start()
+        schedule = asyncio.create_task(proxy.run_outages(parse_outages("0.2s+0.2s,0.6s+0.2s:cut")))
+        seen = []
+        start = time.monotonic()
+        while not schedule.done():
+            seen.append((time.monotonic() - start, proxy.counters().outage))
+            await asyncio.sleep(0.01)
+        await proxy.close()
+        echo.close()
+        return seen
+
+    seen = asyncio.run(run())
+    stalled = [t for t, mode in seen if mode == "stall"]
+    cut = [t for t, mode in seen if mode == "cut"]
+    assert min(stalled) >= 0.18 and max(stalled) <= 0.45
+    assert min(cut) >= 0.58 and max(cut) <= 0.85
