@@ -41,6 +41,15 @@ class ModelConfig:
                 f"{self.name}: d_model={self.d_model} is not divisible by n_heads={self.n_heads}"
             )
 
+    @property
+    def param_count(self) -> int:
+        """Parameters of the model ``shared/model.py`` builds: per block the attention's
+        qkv and output projections with biases (4C² + 4C), two layer norms (4C) and the MLP
+        (2CF + F + C); then token and position embeddings, the final norm and the head."""
+        c, f, v = self.d_model, self.d_ff, self.vocab_size
+        block = 4 * c * c + 2 * c * f + 9 * c + f
+        return self.n_layers * block + 2 * v * c + self.seq_len * c + 2 * c
+
 
 SIZES: dict[ModelSize, ModelConfig] = {
     # For unit tests: compiles and runs in well under a second on a laptop CPU.

@@ -220,6 +220,9 @@ class UnitStatus(Record):
     tokens: Count = Field(0, description="tokens trained, across restarts (with checkpoints)")
     tokens_per_s: NonNegativeFloat = 0.0
     slowdown: float = Field(1.0, ge=1.0)
+    model: ModelSize | None = Field(None, description="the model the unit trains")
+    num_units: Count = Field(0, description="units of the job, as the unit was started")
+    tokens_per_step: Count = Field(0, description="tokens one inner step trains (batch × seq)")
     unsent: Count = Field(0, description="uploads queued, not yet accepted by JetStream")
     counters: dict[str, Count] = Field({}, description="this process's counters")
     lifetime: dict[str, Count] = Field({}, description="upload counters across restarts")

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from services.local.progress import Throughput, progress_line, staleness_summary, summary_lines
 from shared.ledger import balance
-from shared.records import EvalRecord, EvaluationRecord, OuterStatus, RunSummary, UnitStatus
+from shared.link_spec import parse_link
+from shared.records import (
+    EvalRecord,
+    EvaluationRecord,
+    LinkStatus,
+    OuterStatus,
+    RunSummary,
+    UnitStatus,
+)
 
 OUTER = OuterStatus(
     state="running",
@@ -107,3 +115,38 @@ def test_throughput_counts_from_the_first_step_seen_to_the_last_token():
     meter.observe(units, now=14.0)
     meter.observe(units, now=99.0)  # nothing new (stopping): the rate is not diluted
     assert meter.tokens_per_s() == 100.0
+
+
+def test_summary_lines_show_what_crossed_each_link():
+    spec = parse_link("1mbit/100ms")
+    units = {
+        0: UNITS[0].model_copy(update={"model": "tiny", "num_units": 2, "tokens_per_step": 1024}),
+        1: UNITS[1],
+    }
+    links = {
+        "0": LinkStatus(
+            name="0",
+            spec=spec,
+            bytes_up=40_000,
+            bytes_down=60_000,
+            busy_up_s=3,
+            busy_down_s=6,
+            uptime_s=60,
+            outages=1,
+        ),
+        "1": LinkStatus(name="1", spec=parse_link("unlimited"), bytes_up=5, bytes_down=7),
+        "outer": LinkStatus(name="outer", spec=spec, bytes_up=2_500_000, uptime_s=10),
+    }
+    summary = RunSummary(
+        reason="finished", elapsed_s=1, units=units, links=links, ledger=balance(None, units)
+    )
+    lines = summary_lines(summary)
+    per_token, data_parallel = 100_000 / 5000, 8 * 84288 / 1024
+    assert lines[-4:] == [
+        "  link 1mbit/100ms: 0.04 MB up, 0.06 MB down,"
+        f" {per_token:.1f} B/token ({data_parallel / per_token:.0f}x less than data-parallel),"
+        " busy 5.0% up, 10.0% down, 1 outage(s)",
+        "unit 1: running at step 99, 0 uploads, train loss None",
+        "  link unlimited/0ms: 0.00 MB up, 0.00 MB down",
+        "outer link 1mbit/100ms: 2.50 MB up, 0.00 MB down, busy 0.0% up, 0.0% down",
+    ]

@@ -59,6 +59,11 @@ def test_param_counts_in_stated_ranges(params):
     assert 80_000_000 <= count("large") <= 120_000_000
 
 
+@pytest.mark.parametrize("name", ["tiny", "small", "medium", "large"])
+def test_the_configs_formula_counts_the_params_the_model_builds(name):
+    assert get_config(name).param_count == count(name)
+
+
 def test_params_are_float32_and_deterministic(cfg, params):
     leaves = jax.tree_util.tree_leaves(params)
     assert all(leaf.dtype == jnp.float32 for leaf in leaves)

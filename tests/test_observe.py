@@ -154,6 +154,11 @@ def test_a_units_link_is_shown_per_token_and_by_how_busy_it_was():
     )
     assert (view.link.bytes_up, view.link.bytes_down) == (30_000, 50_000)
     assert view.link.bytes_per_token == round(80_000 / 8192, 3)
+    assert view.link.data_parallel_bytes_per_token is None  # the unit did not say its model
+    reporting = unit_record(1, model="tiny", num_units=2, tokens_per_step=1024)
+    full = unit_view("j", 1, stamped(reporting, 0), None, None, TIMEOUT_S, link).link
+    assert full is not None and full.data_parallel_bytes_per_token == round(8 * 84288 / 1024, 1)
+    assert full.times_less_than_data_parallel == round(8 * 84288 / 1024 / (80_000 / 8192), 1)
     assert (view.link.utilisation_up, view.link.utilisation_down) == (0.025, 0.05)
     assert (view.link.outages, view.link.connects, view.link.report_age_s) == (1, 2, 0.75)
     # An unshaped link has no utilisation; a unit that never reported has no tokens.

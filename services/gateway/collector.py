@@ -220,7 +220,9 @@ class StatusCollector(Collector):
     def _link_families(self) -> Iterator[Metric]:
         labels = ["job", "link", "direction"]
         transferred = CounterMetricFamily(
-            "diloco_link_bytes", "bytes that crossed a shaped link, measured at the link", labels=labels
+            "diloco_link_bytes",
+            "bytes that crossed a shaped link, measured at the link",
+            labels=labels,
         )
         busy = CounterMetricFamily(
             "diloco_link_busy_seconds", "seconds a shaped link's direction was busy", labels=labels

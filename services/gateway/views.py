@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from shared.bandwidth import times_less, unit_data_parallel_bytes_per_token
 from shared.job_status import JobStatus
 from shared.records import (
     DesiredState,
@@ -74,6 +75,14 @@ class LinkView(BaseModel):
     bytes_per_token: float | None = Field(
         None, description="(bytes up + down) / tokens the unit trained"
     )
+    data_parallel_bytes_per_token: float | None = Field(
+        None,
+        description="bytes per token each worker would send plus receive under data-parallel "
+        "training of the same model and units (fp32 ring all-reduce every step)",
+    )
+    times_less_than_data_parallel: float | None = Field(
+        None, description="data_parallel_bytes_per_token / bytes_per_token"
+    )
     utilisation_up: float | None = Field(
         None, description="share of time the up direction was busy (None: no cap)"
     )
@@ -86,18 +95,26 @@ class LinkView(BaseModel):
     report_age_s: float = Field(description="seconds since the link last reported")
 
 
-def link_view(entry: Stamped[LinkStatus], tokens: int | None) -> LinkView:
-    """A link's status record as the gateway shows it, per token of its unit."""
+def link_view(entry: Stamped[LinkStatus], unit: UnitStatus | None) -> LinkView:
+    """A link's status record as the gateway shows it, per token of its unit (``unit``: the
+    unit's status record; None when it never reported)."""
     record = entry.record
     capped = record.spec.rate_bps is not None and record.uptime_s > 0
-    total = record.bytes_up + record.bytes_down
+    tokens = unit.tokens if unit is not None else 0
+    per_token = (record.bytes_up + record.bytes_down) / tokens if tokens else None
+    data_parallel = unit_data_parallel_bytes_per_token(unit) if unit is not None else None
+    saving = times_less(per_token, data_parallel)
     return LinkView(
         link=record.spec.text(),
         rate_bps=record.spec.rate_bps,
         delay_s=record.spec.delay_s,
         bytes_up=record.bytes_up,
         bytes_down=record.bytes_down,
-        bytes_per_token=round(total / tokens, 3) if tokens else None,
+        bytes_per_token=round(per_token, 3) if per_token is not None else None,
+        data_parallel_bytes_per_token=(
+            round(data_parallel, 1) if data_parallel is not None else None
+        ),
+        times_less_than_data_parallel=round(saving, 1) if saving is not None else None,
         utilisation_up=round(record.busy_up_s / record.uptime_s, 4) if capped else None,
         utilisation_down=round(record.busy_down_s / record.uptime_s, 4) if capped else None,
         outage=record.outage,
@@ -236,7 +253,7 @@ def unit_view(
         return UnitView(desired=desired or DEFAULT_DESIRED, **shown)
     status = entry.record
     if link is not None:
-        shown["link"] = link_view(link, status.tokens)
+        shown["link"] = link_view(link, status)
     return UnitView(
         reported_state=status.state,
         desired=desired or status.desired,

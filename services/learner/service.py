@@ -199,6 +199,9 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             tokens=tokens_total,
             tokens_per_s=round(tokens_per_s, 1),
             slowdown=settings.slowdown,
+            model=settings.model,
+            num_units=settings.num_units,
+            tokens_per_step=core.tokens_per_step,
         )
 
     while core.step < settings.max_steps and not stop.is_set():

@@ -7,6 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from shared.bandwidth import times_less, unit_data_parallel_bytes_per_token
 from shared.records import (
     EvaluationRecord,
     LedgerRecord,
@@ -121,21 +122,26 @@ def summary_lines(summary: RunSummary) -> list[str]:
         )
         link = summary.links.get(str(unit))
         if link is not None:
-            lines.append("  " + link_line(link, status.tokens))
+            lines.append("  " + link_line(link, status))
     outer_link = summary.links.get("outer")
     if outer_link is not None:
         lines.append("outer " + link_line(outer_link, None))
     return lines
 
 
-def link_line(link: LinkStatus, tokens: int | None) -> str:
-    """What crossed a shaped link: bytes each way, per token, and how busy it was."""
+def link_line(link: LinkStatus, unit: UnitStatus | None) -> str:
+    """What crossed a shaped link: bytes each way, per token of its unit (against
+    data-parallel training), and how busy it was."""
     parts = [
         f"link {link.spec.text()}: {_megabytes(link.bytes_up)} up,"
         f" {_megabytes(link.bytes_down)} down"
     ]
-    if tokens:
-        parts.append(f"{(link.bytes_up + link.bytes_down) / tokens:,.1f} B/token")
+    if unit is not None and unit.tokens:
+        per_token = (link.bytes_up + link.bytes_down) / unit.tokens
+        data_parallel = unit_data_parallel_bytes_per_token(unit)
+        saving = times_less(per_token, data_parallel)
+        against = "" if saving is None else f" ({saving:,.0f}x less than data-parallel)"
+        parts.append(f"{per_token:,.1f} B/token{against}")
     if link.spec.rate_bps is not None and link.uptime_s > 0:
         up, down = link.busy_up_s / link.uptime_s, link.busy_down_s / link.uptime_s
         parts.append(f"busy {up:.1%} up, {down:.1%} down")
