@@ -508,15 +508,25 @@ class LeaseRecord(Record):
 
 
 class ParamsHead(Record):
-    """The newest global params of one fragment: which upload holds them, in how many chunks."""
+    """The newest global params of one fragment: which upload holds them, in which chunks."""
 
     version: Count
     upload: str = Field(max_length=200)
     chunks: int = Field(ge=1, le=1 << 24)
+    sequences: list[Annotated[int, Field(ge=1)]] = Field(
+        description="the stream sequence of each chunk, in order: a read by sequence sees "
+        "exactly this version however many newer ones are published meanwhile"
+    )
     size: Count
     params_checksum: int | None = Field(
         None, ge=0, lt=1 << 64, description="XXH3-64 of the encoded params (shared.wire)"
     )
+
+    @model_validator(mode="after")
+    def _one_sequence_per_chunk(self) -> ParamsHead:
+        if len(self.sequences) != self.chunks:
+            raise ValueError(f"{len(self.sequences)} sequences for {self.chunks} chunks")
+        return self
 
 
 # ---- learner files ---------------------------------------------------------------------------

@@ -51,6 +51,16 @@ def params_head_subject(job: str, fragment: int | str) -> str:
     return f"diloco.{job}.params.{fragment}.head"
 
 
+def fragment_of_params_head(job: str, subject: str) -> int | None:
+    """The fragment of a subject made by :func:`params_head_subject` for ``job`` (None for
+    any other subject)."""
+    prefix, suffix = f"diloco.{job}.params.", ".head"
+    if not (subject.startswith(prefix) and subject.endswith(suffix)):
+        return None
+    number = subject[len(prefix) : -len(suffix)]
+    return int(number) if number.isdigit() and len(number) < 4 else None
+
+
 def params_chunk_subject(job: str, fragment: int, index: int) -> str:
     """Subject holding chunk ``index`` of a fragment's newest global params (last value)."""
     return f"diloco.{job}.params.{fragment}.chunk.{index}"

@@ -56,6 +56,9 @@ RETRYABLE_API_CODES = {429, 503}
 # range, so that after a server restart the clients do not all reconnect at the same moments.
 RECONNECT_WAIT_S = (0.5, 1.5)
 TORN_READ_BACKOFF = Backoff(initial_s=0.05, max_s=0.5, jitter_s=0.05)
+# Versions of each fragment's params the stream keeps: a read over a slow link that started on
+# a version completes unless this many newer ones are published before it ends.
+PARAMS_VERSIONS_KEPT = 8
 
 
 class TransportError(RuntimeError):
@@ -138,7 +141,7 @@ async def ensure_streams(js: JetStreamContext) -> None:
             name=subjects.PARAMS_STREAM,
             subjects=[subjects.PARAMS_ALL],
             storage=StorageType.FILE,
-            max_msgs_per_subject=1,
+            max_msgs_per_subject=PARAMS_VERSIONS_KEPT,
             allow_direct=True,
             discard=DiscardPolicy.OLD,
         ),
@@ -183,7 +186,7 @@ async def publish_blob(
     *,
     inflight: int = 8,
     extra_headers: dict[str, str] | None = None,
-) -> int:
+) -> list[int]:
     """Publish ``blob`` as chunk messages with a bounded window of in-flight publishes.
 
     Each chunk is retried (``shared.retry``) with the same ``Nats-Msg-Id`` on timeouts and on
@@ -200,13 +203,15 @@ async def publish_blob(
         extra_headers: headers added to every chunk.
 
     Returns:
-        The number of chunks sent.
+        The stream sequence of each chunk, in order (a chunk JetStream already held as a
+        duplicate has the sequence it was stored under).
 
     Raises:
         TransportError: when a chunk fails after all retries or the server rejects it.
     """
     chunks = split_chunks(blob, chunk_size)
     window = asyncio.Semaphore(inflight)
+    sequences = [0] * len(chunks)
 
     def retryable(err: BaseException) -> bool:
         if isinstance(err, nats.js.errors.APIError):
@@ -220,7 +225,7 @@ async def publish_blob(
         target = subject(index) if callable(subject) else subject
         async with window:
             try:
-                await retry(
+                ack = await retry(
                     lambda: js.publish(target, data, headers=headers, timeout=PUBLISH_TIMEOUT_S),
                     f"publish {upload} chunk {index}",
                     on=retryable,
@@ -233,9 +238,10 @@ async def publish_blob(
                 raise TransportError(
                     f"chunk {index} of {upload} failed after {PUBLISH_ATTEMPTS} tries: {err!r}"
                 ) from err
+        sequences[index] = ack.seq
 
     await asyncio.gather(*(send(i, c) for i, c in enumerate(chunks)))
-    return len(chunks)
+    return sequences
 
 
 async def publish_params(
@@ -249,20 +255,23 @@ async def publish_params(
 ) -> None:
     """Publish a fragment's global params: chunks first, then the head that points at them.
 
-    The params stream keeps one message per subject, so the newest version replaces the old one
-    and a unit that starts late reads the newest (last-value semantics). ``params_checksum``
+    The head names the stream sequence of every chunk, and the params stream keeps the last
+    ``PARAMS_VERSIONS_KEPT`` messages of each subject, so a reader that started on a version
+    reads exactly it even while newer ones are published (up to that many), and a unit that
+    starts late reads the newest head. ``params_checksum``
     (:func:`shared.wire.payload_checksum` of the encoded params) goes into the head, so that
     anyone can check that a version number always stands for the same params, however often
     it is announced.
     """
     upload = upload_id(job, -1, version, fragment)
-    count = await publish_blob(
+    sequences = await publish_blob(
         js, lambda i: subjects.params_chunk_subject(job, fragment, i), blob, upload, chunk_size
     )
     head = ParamsHead(
         version=version,
         upload=upload,
-        chunks=count,
+        chunks=len(sequences),
+        sequences=sequences,
         size=len(blob),
         params_checksum=params_checksum,
     )
@@ -286,7 +295,8 @@ async def read_params_head(js: JetStreamContext, job: str, fragment: int) -> Par
 
 
 class TornRead(TransportError):
-    """A newer params version replaced chunks while they were being read."""
+    """The version being read was dropped (``PARAMS_VERSIONS_KEPT`` newer ones were published
+    meanwhile) before all its chunks were read."""
 
 
 async def read_latest_params(
@@ -294,8 +304,9 @@ async def read_latest_params(
 ) -> tuple[int, bytes] | None:
     """Fetch a fragment's newest global params blob: ``(version, blob)``, or None if none yet.
 
-    A newer version may overwrite chunks while we read; every chunk names its upload, so a torn
-    read is detected and retried against the new head.
+    The chunks are read by the sequences the head names, so the blob is exactly that version
+    however many are published meanwhile, unless the stream dropped it (more than
+    ``PARAMS_VERSIONS_KEPT`` newer ones): then the read starts again from the newest head.
 
     Raises:
         TransportError: if no consistent read succeeds within ``attempts``.
@@ -308,15 +319,21 @@ async def read_latest_params(
             return None
         reassembler = Reassembler(max_upload_bytes=max_bytes, max_pending_uploads=1)
         blob = None
-        for index in range(head.chunks):
-            msg = await js.get_last_msg(
-                subjects.PARAMS_STREAM,
-                subjects.params_chunk_subject(job, fragment, index),
-                direct=True,
-            )
+        for index, sequence in enumerate(head.sequences):
+            try:
+                msg = await js.get_msg(subjects.PARAMS_STREAM, seq=sequence, direct=True)
+            except nats.js.errors.NotFoundError:
+                raise TornRead(
+                    f"version {head.version} of job {job} fragment {fragment} was dropped "
+                    "while read"
+                ) from None
             info = parse_chunk_headers(msg.headers)
-            if info.upload != head.upload:
-                raise TornRead(f"params of job {job} fragment {fragment} changed while read")
+            expected = subjects.params_chunk_subject(job, fragment, index)
+            if msg.subject != expected or info.upload != head.upload:
+                raise WireError(
+                    f"params head of job {job} fragment {fragment} names sequence {sequence}, "
+                    f"which holds {msg.subject} of {info.upload}"
+                )
             blob = reassembler.add(info, msg.data)
         if blob is None:
             raise TornRead(f"params of job {job} fragment {fragment} incomplete")

@@ -62,14 +62,17 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
         await transport.ensure_streams(js)
         max_payload = nc.max_payload
         chunk_size = transport.chunk_size_for(nc)
-        sent = await transport.publish_blob(
+        sequences = await transport.publish_blob(
             js, subjects.grads_subject("big", 0), blob, wire.upload_id("big", 0, 0, 0), chunk_size
         )
+        sent = len(sequences)
         assert sent == -(-len(blob) // chunk_size) and sent >= 10
-        # Retrying the same upload is deduplicated by Nats-Msg-Id: the stream holds one copy.
-        await transport.publish_blob(
+        # Retrying the same upload is deduplicated by Nats-Msg-Id: the stream holds one copy,
+        # and the retry is told where each chunk already is.
+        again = await transport.publish_blob(
             js, subjects.grads_subject("big", 0), blob, wire.upload_id("big", 0, 0, 0), chunk_size
         )
+        assert again == sequences
         info = await js.stream_info(subjects.GRADS_STREAM)
         assert info.state.messages == sent
 

@@ -98,7 +98,14 @@ def test_records_round_trip() -> None:
             ),
         ),
         JobRecord(spec=JobSpec(job="demo"), state="created", units=4, created=1.0, updated=2.0),
-        ParamsHead(version=4, upload="demo.u-1.r4.f0", chunks=2, size=10, params_checksum=2**63),
+        ParamsHead(
+            version=4,
+            upload="demo.u-1.r4.f0",
+            chunks=2,
+            sequences=[7, 9],
+            size=10,
+            params_checksum=2**63,
+        ),
     ]
     for sample in samples:
         assert records.decode(type(sample), records.encode(sample)) == sample

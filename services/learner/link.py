@@ -8,7 +8,7 @@ do the slow work on its event loop:
 
 * :class:`~services.learner.sender.Sender` — the upload queue and its publisher, with the
   :class:`~services.learner.encoder.UploadEncoder` (the codec and its error-feedback state);
-* :class:`~services.learner.params_fetcher.ParamsFetcher` — the newest global params;
+* :class:`~services.learner.params_fetcher.ParamsFetcher` — the global params each sync needs;
 * :class:`~services.learner.unit_control.UnitControl` — desired state, the outer's next round,
   peers' speeds;
 * :class:`~services.learner.heartbeat.Heartbeat` — the unit's status record.
@@ -76,8 +76,14 @@ class LearnerLink:
         self.unit_state = unit_state or UnitState(job=settings.job, unit=settings.unit)
         self.counters = Counters()
         self.encoder = UploadEncoder(settings, self.counters)
-        self.sender = Sender(settings, self.unit_state, self.counters, self.encoder)
         self.params = ParamsFetcher(settings, max_params_bytes, self.counters)
+        self.sender = Sender(
+            settings,
+            self.unit_state,
+            self.counters,
+            self.encoder,
+            on_published=self.params.want_after_upload,
+        )
         self.control = UnitControl(settings, self.unit_state)
         self.heartbeat = Heartbeat(
             settings, self.unit_state, self.counters, self.sender, self.control

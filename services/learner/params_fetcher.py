@@ -1,11 +1,16 @@
-"""Fetching the newest global params of each fragment for a learner.
+"""Fetching the global params a learner will use: one copy of a fragment per sync.
 
 The outer publishes each fragment's params as chunks plus a small head message
-(``shared.records.ParamsHead``) on ``diloco.J.params.<p>.head``. The fetcher subscribes to the
-heads of its job as notifications and also looks every ``PARAMS_POLL_S`` (a notification may
-be missed while reconnecting); for each fragment whose head is newer than what it has, it reads
-and decodes the params and keeps them until the training thread takes them at a step boundary
-(:meth:`ParamsFetcher.take_new`: only the newest version of each fragment).
+(``shared.records.ParamsHead``) on ``diloco.J.params.<p>.head``, a new version after every
+merge. A unit needs only the version that follows its own upload, not every version: the
+fetcher wants fragment p once at start and then once after each upload of p that JetStream
+accepted (:meth:`ParamsFetcher.want_after_upload`), and fetches the newest version published
+after that moment, once. Over a slow link this is one copy per sync period instead of one
+per merge of any unit.
+
+It subscribes to the heads of its job as notifications and also looks every
+``PARAMS_POLL_S`` (a notification may be missed while reconnecting); a fetched version waits
+until the training thread takes it at a step boundary (:meth:`ParamsFetcher.take_new`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ import numpy as np
 
 from services.learner.counters import Counters
 from services.learner.settings import LearnerSettings
-from shared import codec, subjects, transport, wire
+from shared import codec, records, subjects, transport, wire
+from shared.records import ParamsHead
 from shared.retry import NATS_ERRORS, retry
 from shared.transport import TransportError
 
@@ -57,6 +63,9 @@ class ParamsFetcher:
         self._lock = threading.Lock()
         self._newest: dict[int, GlobalFragment] = {}
         self._known_versions = [-1] * settings.fragments
+        # Per fragment: fetch the first version newer than this (None: nothing wanted).
+        self._wanted: list[int | None] = [-1] * settings.fragments
+        self._head_versions = [-1] * settings.fragments  # the newest head seen
         self._head_seen: asyncio.Event | None = None
         self._subscription: Any = None
 
@@ -67,12 +76,24 @@ class ParamsFetcher:
             arrived, self._newest = list(self._newest.values()), {}
         return arrived
 
+    def want_after_upload(self, fragment: int) -> None:
+        """Fetch ``fragment`` once more: its first version published after now (the merge
+        that applies the upload JetStream just accepted, or a later one). Call on the link's
+        event loop."""
+        self._wanted[fragment] = self._head_versions[fragment]
+        if self._head_seen is not None:
+            self._head_seen.set()
+
     async def subscribe(self, nc: Any, on_error: Callable[[str], None] | None = None) -> None:
         """Subscribe to the job's params heads (retried until it works; each failure is told
         to ``on_error``)."""
         head_seen = self._head_seen = asyncio.Event()
 
-        async def on_head(_msg: Any) -> None:
+        async def on_head(msg: Any) -> None:
+            fragment = subjects.fragment_of_params_head(self.settings.job, msg.subject)
+            head = records.decode(ParamsHead, msg.data, msg.subject)
+            if fragment is not None and fragment < self.settings.fragments and head is not None:
+                self._head_versions[fragment] = max(self._head_versions[fragment], head.version)
             head_seen.set()
 
         self._subscription = await retry(
@@ -104,9 +125,15 @@ class ParamsFetcher:
             await self._subscription.unsubscribe()
 
     async def _fetch(self, js: Any, fragment: int) -> None:
+        wanted = self._wanted[fragment]
+        if wanted is None:
+            return
         job = self.settings.job
         head = await transport.read_params_head(js, job, fragment)
-        if head is None or head.version <= self._known_versions[fragment]:
+        if head is None:
+            return
+        self._head_versions[fragment] = max(self._head_versions[fragment], head.version)
+        if head.version <= max(wanted, self._known_versions[fragment]):
             return
         fetched = await transport.read_latest_params(js, job, fragment, self.max_params_bytes)
         if fetched is None:
@@ -119,4 +146,6 @@ class ParamsFetcher:
         with self._lock:
             self._newest[fragment] = GlobalFragment(fragment, version, pieces)
             self._known_versions[fragment] = version
+        if self._wanted[fragment] == wanted:  # no newer upload asked for more meanwhile
+            self._wanted[fragment] = None
         self.counters.add("params_received")

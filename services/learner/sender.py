@@ -16,6 +16,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import nats.errors
@@ -44,6 +45,7 @@ class Sender:
         unit_state: UnitState,
         counters: Counters,
         encoder: UploadEncoder,
+        on_published: Callable[[int], None] = lambda _fragment: None,
     ) -> None:
         """Args:
         settings: the unit's settings (job, unit, ``max_unsent``).
@@ -51,11 +53,14 @@ class Sender:
         counters: this process's counters (``queued``, ``dropped_unsent``, ``published``,
             ``rejected_local``, ``bytes_sent``) and last error.
         encoder: encodes the uploads.
+        on_published: told the fragment of every upload JetStream accepted (on the link's
+            event loop).
         """
         self.settings = settings
         self.unit_state = unit_state
         self.counters = counters
         self.encoder = encoder
+        self.on_published = on_published
         self.last_published_round: int | None = None
         self._lock = threading.Lock()
         self._queue: collections.deque[Upload] = collections.deque()
@@ -147,6 +152,7 @@ class Sender:
                 return
             self.counters.add("bytes_sent", len(blob))
             self._finish(upload, "published")
+            self.on_published(upload.fragment)
 
     async def _publish(self, js: Any, upload: Upload, blob: bytes, chunk_size: int) -> None:
         """Publish ``blob`` until JetStream accepts it; raises once past the flush deadline."""

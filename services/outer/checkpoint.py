@@ -160,7 +160,7 @@ class CheckpointStore:
             TransportError: when the chunks cannot be stored.
         """
         name = checkpoint_id(self.job, epoch, seq)
-        count = await publish_blob(
+        sequences = await publish_blob(
             self.js,
             lambda i: subjects.checkpoint_chunk_subject(self.job, epoch, slot, i),
             blob,
@@ -171,7 +171,7 @@ class CheckpointStore:
             id=name,
             epoch=epoch,
             slot=slot,
-            chunks=count,
+            chunks=len(sequences),
             size=len(blob),
             crc=zlib.crc32(blob),
             versions=versions,

@@ -1,0 +1,117 @@
+"""A learner fetches the global params it will use: once at start, then once after each of its
+uploads, the first version published after it — never every version (real nats-server)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import numpy as np
+
+from services.learner.counters import Counters
+from services.learner.params_fetcher import GlobalFragment, ParamsFetcher
+from services.learner.settings import LearnerSettings
+from services.link.proxy import LinkProxy
+from services.outer.publishing import params_envelope
+from shared import codec, transport, wire
+from shared.link_spec import parse_link
+
+JOB = "fetch"
+SETTINGS = LearnerSettings(job=JOB, model="tiny", unit=0, num_units=2)
+
+
+def values(version: int, size: int) -> np.ndarray:
+    """The params of ``version``: incompressible, different for every version."""
+    return np.random.default_rng(version).standard_normal(size).astype(np.float32) + version
+
+
+async def publish(js, version: int, size: int = 1000) -> None:
+    params = {"w": values(version, size)}
+    blob, checksum = params_envelope(JOB, "tiny", 0, version, 0, params)
+    await transport.publish_params(js, JOB, 0, version, blob, 4096, params_checksum=checksum)
+
+
+async def taken(fetcher: ParamsFetcher, timeout_s: float) -> list[GlobalFragment]:
+    """What the training thread would take within ``timeout_s``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        arrived = fetcher.take_new()
+        if arrived:
+            return arrived
+        await asyncio.sleep(0.05)
+    return []
+
+
+def test_one_copy_at_start_and_one_after_each_upload(nats_server) -> None:
+    async def scenario() -> None:
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        await transport.ensure_streams(js)
+        counters = Counters()
+        fetcher = ParamsFetcher(SETTINGS, 1 << 20, counters)
+        await fetcher.subscribe(nc)
+        runner = asyncio.create_task(fetcher.run(js))
+        try:
+            await publish(js, 1)
+            assert [f.version for f in await taken(fetcher, 10)] == [1]
+            # Versions published while nothing is wanted are not fetched.
+            await publish(js, 2)
+            await publish(js, 3)
+            assert await taken(fetcher, 1.0) == []
+            # An upload: the next version after the newest head seen (3) is wanted, not 3.
+            await asyncio.sleep(0.3)  # the heads' notifications have arrived
+            fetcher.want_after_upload(0)
+            assert await taken(fetcher, 1.0) == []
+            await publish(js, 4)
+            arrived = await taken(fetcher, 10)
+            assert [f.version for f in arrived] == [4]
+            assert np.array_equal(arrived[0].pieces["w"], values(4, 1000))
+            # And once only: later versions wait for the next upload.
+            await publish(js, 5)
+            assert await taken(fetcher, 1.0) == []
+            assert counters.as_dict()["params_received"] == 2
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+            await fetcher.close()
+            await nc.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_slow_read_gets_exactly_the_version_it_started_on(nats_server) -> None:
+    """Over a 1 Mbit/s link one copy takes about two seconds; five newer versions published
+    meanwhile do not tear it. Past PARAMS_VERSIONS_KEPT newer ones it starts again on the
+    newest, and still completes."""
+
+    async def read_while_publishing(newer: int) -> tuple[int, bytes]:
+        direct = await nats.connect(nats_server.url)
+        js = direct.jetstream()
+        await transport.ensure_streams(js)
+        host, port = nats_server.url.removeprefix("nats://").split(":")
+        proxy = LinkProxy(parse_link("1mbit"), host, int(port))
+        slow = await nats.connect(f"nats://127.0.0.1:{await proxy.start()}")
+        try:
+            await publish(js, 1, size=60_000)
+            read = asyncio.create_task(
+                transport.read_latest_params(slow.jetstream(), JOB, 0, 1 << 22)
+            )
+            for version in range(2, 2 + newer):
+                await asyncio.sleep(0.02)
+                await publish(js, version, size=60_000)
+            result = await asyncio.wait_for(read, 60)
+            assert result is not None
+            return result
+        finally:
+            await slow.close()
+            await proxy.close()
+            await direct.close()
+
+    def read_values(blob: bytes) -> np.ndarray:
+        envelope = wire.unpack_envelope(blob)
+        return codec.decode_tensors(envelope.payload, envelope.codec)["w"]
+
+    version, blob = asyncio.run(read_while_publishing(5))
+    assert version == 1 and np.array_equal(read_values(blob), values(1, 60_000))
+    version, blob = asyncio.run(read_while_publishing(transport.PARAMS_VERSIONS_KEPT + 4))
+    assert version > 1 and np.array_equal(read_values(blob), values(version, 60_000))
