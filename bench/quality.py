@@ -52,6 +52,7 @@ from shared.runtime import configure_jax  # noqa: E402
 
 SECTION = "## Quality: asynchronous merging vs synchronous DiLoCo"
 CODEC_SECTION = "## Quality: upload codecs"
+DOWNLINK_SECTION = "## Quality: downlink (how global params reach units)"
 CODECS = [
     ("fp32", CodecConfig("fp32")),
     ("int8 (default)", CodecConfig("int8")),
@@ -82,6 +83,8 @@ class Method:
     dynamic: bool = False
     headline: bool = False
     codec: CodecConfig | None = None
+    params_codec: str = "fp32"
+    every_version: bool = False
 
 
 def default_method(speeds: list[float], units: int, h_steps: int, **changes) -> Method:
@@ -158,6 +161,8 @@ def run_method(method: Method, work: sim.Workload, start) -> sim.SimResult:
         method.dynamic,
         method.name,
         method.codec,
+        method.params_codec,
+        method.every_version,
     )
 
 
@@ -176,6 +181,27 @@ def codec_methods(units: int, h: int, momentum: float | None = None) -> list[Met
     method = default_method(HETEROGENEOUS, units, h, lr=lr, **changes)
     method.name, method.headline, method.codec = LR_CONTROL, True, CodecConfig("fp32")
     rows.append(method)
+    return rows
+
+
+#: Rows of the downlink comparison: how globals reach a unit, and in which codec.
+DOWNLINKS = [
+    ("every version, fp32", "fp32", True),
+    ("after each upload, fp32", "fp32", False),
+    ("after each upload, bf16", "bf16", False),
+    ("after each upload, int8", "int8", False),
+]
+DOWNLINK_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / 256}
+
+
+def downlink_methods(units: int, h: int) -> list[Method]:
+    """The default configuration (heterogeneous speeds, int8 uploads) once per downlink."""
+    rows = []
+    for name, params_codec, every_version in DOWNLINKS:
+        method = default_method(HETEROGENEOUS, units, h)
+        method.name, method.headline = name, True
+        method.params_codec, method.every_version = params_codec, every_version
+        rows.append(method)
     return rows
 
 
@@ -238,6 +264,9 @@ def main() -> None:
     parser.add_argument("--no-real", action="store_true", help="skip the real-system run")
     parser.add_argument("--codecs", action="store_true", help="compare upload codecs instead")
     parser.add_argument(
+        "--downlink", action="store_true", help="compare how globals reach units instead"
+    )
+    parser.add_argument(
         "--outer-momentum", type=float, default=None, help="--codecs: override outer momentum"
     )
     parser.add_argument(
@@ -261,6 +290,8 @@ def main() -> None:
 
     if args.codecs:
         make_rows = functools.partial(codec_methods, momentum=args.outer_momentum)
+    elif args.downlink:
+        make_rows = downlink_methods
     else:
         make_rows = methods
     wanted = args.only.split("|")
@@ -287,6 +318,12 @@ def main() -> None:
         print("\n" + table)
         if args.write:
             write_section(args.section, table)
+        return
+    if args.downlink:
+        table = render_downlink(args, setup, rows, results, time.time() - started)
+        print("\n" + table)
+        if args.write:
+            write_section(DOWNLINK_SECTION, table)
         return
     twin = real = None
     if not args.no_real:
@@ -410,6 +447,48 @@ def render_codecs(args, setup, rows, results, elapsed_s) -> str:
         else:
             bits_shown = str(bits)
         lines.append(f"| {method.name} | {bits_shown} | {fmt(finals)} | {vs} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def render_downlink(args, setup, rows, results, elapsed_s) -> str:
+    """Downlink rows against the first (every version in fp32), paired by seed."""
+    shown = [a for a in sys.argv[1:] if a != "--write"]
+    command = shlex.join(["python", "bench/quality.py", *shown])
+    lines = [
+        DOWNLINK_SECTION,
+        "",
+        f"`{command.strip()}` — the default configuration (Delayed Nesterov, (1+s)^-0.5, "
+        f"DyLU, int8 uploads; slowdowns {','.join(f'{s:g}' for s in HETEROGENEOUS)}) with "
+        f"model `{setup.model}`, K={setup.num_units}, {setup.steps_per_unit} inner steps per "
+        f"unit, H={setup.h_steps}, {args.pretrain} pretraining steps; only how the global "
+        "params reach the units changes: every version the outer publishes, or (as learners "
+        "fetch) the first version after each of the unit's uploads, in fp32, bf16 or blockwise "
+        "int8 (block 256, each version encoded afresh). Copies per sync period: 1 after each "
+        f"upload, about K={setup.num_units} for every version. Same seeds in every row; the "
+        "last column is the mean over seeds of the per-seed difference to the first row. "
+        f"Eval: held-out nats/byte. Whole run: {elapsed_s / 60:.1f} min on {os.cpu_count()} "
+        "cores.",
+        "",
+        "| global params reach a unit | bytes/param per copy | final eval (nats/byte) "
+        "| vs first row (paired) |",
+        "|---|---|---|---|",
+    ]
+    first = results.get(0)
+    for index, method in enumerate(rows):
+        if index not in results:
+            continue
+        finals = [r.final_eval for r in results[index]]
+        vs = "-"
+        if first is not None and index > 0:
+            diffs = [
+                100 * (r.final_eval / f.final_eval - 1)
+                for r, f in zip(results[index], first, strict=True)
+            ]
+            spread = f" ± {statistics.stdev(diffs):.2f}" if len(diffs) > 1 else ""
+            vs = f"{statistics.mean(diffs):+.2f}%{spread}"
+        size = DOWNLINK_BYTES[method.params_codec]
+        lines.append(f"| {method.name} | {size:.3g} | {fmt(finals)} | {vs} |")
     lines.append("")
     return "\n".join(lines)
 

@@ -189,13 +189,17 @@ def async_run(
     dynamic: bool = False,
     name: str = "async",
     codec_config: codec.CodecConfig | None = None,
+    params_codec: str = "fp32",
+    every_version: bool = False,
 ) -> SimResult:
     """Decoupled DiLoCo on a simulated clock: units never wait; the outer merges by policy.
 
     Units step until the job has processed the token budget (fast units take more of it); then
     every unit uploads what it has left and the outer merges everything still buffered.
     Uploads go through ``codec_config`` (default: int8) as on the wire, each unit with its own
-    error-feedback state.
+    error-feedback state. Globals reach a unit as the learner fetches them: the first version
+    of a fragment published after each of its uploads of it (``every_version``: every
+    version), in ``params_codec``.
     """
     wire_codec = codec_config or codec.CodecConfig()
     s = work.setup
@@ -221,6 +225,9 @@ def async_run(
     ]
     counter = itertools.count()
     events: list[tuple[float, int, str, Any]] = []
+    # Per unit and fragment: deliver the first version newer than this (None: none wanted),
+    # as services/learner/params_fetcher.py fetches.
+    wanted: list[list[int | None]] = [[-1] * schedule.fragments for _ in range(s.num_units)]
 
     def push(time: float, kind: str, payload: Any) -> None:
         heapq.heappush(events, (time, next(counter), kind, payload))
@@ -232,8 +239,15 @@ def async_run(
                 stats[staleness] = stats.get(staleness, 0) + 1
             merged_sizes.append(len(result.arrivals))
             pieces = outer.fragment_params(fragment)
+            if params_codec != "fp32":
+                exact = {k: np.asarray(v) for k, v in pieces.items()}
+                payload, description = codec.encode_tensors(exact, params_codec)
+                pieces = codec.decode_tensors(payload, description)
             for unit in range(s.num_units):
-                push(now + s.latency_s, "global", (unit, fragment, result.version, pieces))
+                want = wanted[unit][fragment]
+                if every_version or (want is not None and result.version > want):
+                    wanted[unit][fragment] = None
+                    push(now + s.latency_s, "global", (unit, fragment, result.version, pieces))
         deadline = outer.next_deadline()
         if deadline is not None:
             push(max(deadline, now), "wake", None)
@@ -247,6 +261,7 @@ def async_run(
             state = codec.extend_state(wire_codec, codec_states[unit], shapes)
             payload, description, codec_states[unit] = codec.encode(up.tensors, wire_codec, state)
             received = codec.decode_tensors(payload, description)
+            wanted[unit][up.fragment] = outer.version(up.fragment)
             arrival = Arrival(
                 unit,
                 up.round,

@@ -13,9 +13,12 @@ MergePolicyName = Literal["each", "quorum"]
 StalenessRuleName = Literal["constant", "polynomial", "hinge", "exponential"]
 CombineName = Literal["weighted", "rda"]
 TokenWeightingName = Literal["uniform", "tokens", "tokens2_per_step"]
+#: Codecs the outer may send the global params in (a subset of ``shared.codec_config``'s).
+ParamsCodecName = Literal["fp32", "bf16", "int8"]
 
 OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizerName)
 POLICIES: tuple[str, ...] = get_args(MergePolicyName)
 STALENESS_RULES: tuple[str, ...] = get_args(StalenessRuleName)
 COMBINES: tuple[str, ...] = get_args(CombineName)
 TOKEN_WEIGHTINGS: tuple[str, ...] = get_args(TokenWeightingName)
+PARAMS_CODECS: tuple[str, ...] = get_args(ParamsCodecName)

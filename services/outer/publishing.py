@@ -1,11 +1,12 @@
 """What the outer sends: each fragment's global params, and copies of the uploads it rejects.
 
-Params go out as a ``params`` envelope (fp32 codec) through ``shared.transport.publish_params``,
-whose head (``shared.records.ParamsHead``) carries the checksum of the encoded params, so that
-anyone can check that a version number always stands for the same params however often it is
-announced. A rejected upload's chunk messages are copied to the job's dead-letter subject with
-the reason, and only then terminated (never redelivered); both happen after the rejection is
-committed, so a crash in between redelivers them to the next outer, which rejects them again.
+Params go out as a ``params`` envelope (in ``--params-codec``, fp32 by default) through
+``shared.transport.publish_params``, whose head (``shared.records.ParamsHead``) carries the
+checksum of the encoded params, so that anyone can check that a version number always stands
+for the same params however often it is announced. A rejected upload's chunk messages are
+copied to the job's dead-letter subject with the reason, and only then terminated (never
+redelivered); both happen after the rejection is committed, so a crash in between redelivers
+them to the next outer, which rejects them again.
 """
 
 from __future__ import annotations
@@ -28,7 +29,13 @@ log = logging.getLogger(__name__)
 
 
 def params_envelope(
-    job: str, model: str, fragment: int, version: int, tokens: int, params: Mapping[str, Any]
+    job: str,
+    model: str,
+    fragment: int,
+    version: int,
+    tokens: int,
+    params: Mapping[str, Any],
+    params_codec: str = "fp32",
 ) -> tuple[bytes, int]:
     """One fragment's global params as a packed ``params`` envelope.
 
@@ -38,12 +45,16 @@ def params_envelope(
         version: Its version (the envelope's ``round`` and ``base_version``).
         tokens: Tokens the outer has applied so far.
         params: ``{piece name: float32 array}``.
+        params_codec: ``fp32`` (exact), ``bf16`` or ``int8`` (each version encoded afresh:
+            no error feedback, so errors do not build up across versions).
 
     Returns:
         The packed envelope and the checksum of its payload (``shared.wire.payload_checksum``).
     """
     payload, description = codec.encode_tensors(
-        {name: np.asarray(value) for name, value in params.items()}, codec="fp32", zstd_level=1
+        {name: np.asarray(value) for name, value in params.items()},
+        codec=params_codec,
+        zstd_level=1,
     )
     envelope = wire.Envelope(
         kind="params",
@@ -73,13 +84,14 @@ async def publish_fragment(
     tokens: int,
     params: Mapping[str, Any],
     stopping: Callable[[], bool],
+    params_codec: str = "fp32",
 ) -> bool:
     """Publish one fragment's params, retrying (``shared.retry``) until it is done.
 
     Returns:
         True once published; False if ``stopping()`` became true first.
     """
-    blob, checksum = params_envelope(job, model, fragment, version, tokens, params)
+    blob, checksum = params_envelope(job, model, fragment, version, tokens, params, params_codec)
     try:
         await retry(
             lambda: transport.publish_params(

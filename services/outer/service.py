@@ -436,6 +436,7 @@ class OuterService:
             self.ledger.tokens_applied,
             self.core.fragment_params(fragment),
             stopping=self.stop.is_set,
+            params_codec=self.settings.params_codec,
         )
 
     async def _evaluate(self) -> None:

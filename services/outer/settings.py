@@ -11,6 +11,7 @@ from shared.outer_choices import (
     CombineName,
     MergePolicyName,
     OuterOptimizerName,
+    ParamsCodecName,
     StalenessRuleName,
     TokenWeightingName,
 )
@@ -56,6 +57,11 @@ class OuterAlgorithmSettings(BaseSettings):
     staleness_b: float = Field(0.0, ge=0, le=1e6, description="hinge point b (full weight up to b)")
     max_staleness: int | None = Field(
         None, ge=0, description="drop updates staler than this (default: keep all)"
+    )
+    params_codec: ParamsCodecName = Field(
+        "fp32",
+        description="codec of the global params sent to learners: fp32, bf16 or int8 "
+        "(blockwise, no error feedback); BENCHMARKS.md, 'Downlink codecs', measures them",
     )
     participation_scale: bool = Field(
         True,
