@@ -205,6 +205,16 @@ def outer_liveness(entry: Stamped[OuterStatus] | None, timeout_s: float) -> str:
 # ---- unit status ----------------------------------------------------------------------------
 
 
+class LatencySummary(Record):
+    """Percentiles of a unit's recent durations of one kind, on its own monotonic clock."""
+
+    count: Count = Field(description="durations measured in all")
+    p50_s: NonNegativeFloat
+    p95_s: NonNegativeFloat
+    p99_s: NonNegativeFloat
+    max_s: NonNegativeFloat
+
+
 class UnitStatus(Record):
     """A learner unit's heartbeat (every ``--status-interval-s``)."""
 
@@ -223,6 +233,16 @@ class UnitStatus(Record):
     model: ModelSize | None = Field(None, description="the model the unit trains")
     num_units: Count = Field(0, description="units of the job, as the unit was started")
     tokens_per_step: Count = Field(0, description="tokens one inner step trains (batch × seq)")
+    upload_latency: LatencySummary | None = Field(
+        None, description="an upload's time from the training loop to JetStream's acceptance"
+    )
+    params_latency: LatencySummary | None = Field(
+        None,
+        description="a global's time from its head's notification to the training loop taking it",
+    )
+    network_wait_s: NonNegativeFloat = Field(
+        0.0, description="seconds the training loop spent in calls to the NATS link"
+    )
     unsent: Count = Field(0, description="uploads queued, not yet accepted by JetStream")
     counters: dict[str, Count] = Field({}, description="this process's counters")
     lifetime: dict[str, Count] = Field({}, description="upload counters across restarts")

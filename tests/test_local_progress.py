@@ -9,6 +9,7 @@ from shared.link_spec import parse_link
 from shared.records import (
     EvalRecord,
     EvaluationRecord,
+    LatencySummary,
     LinkStatus,
     OuterStatus,
     RunSummary,
@@ -120,7 +121,17 @@ def test_throughput_counts_from_the_first_step_seen_to_the_last_token():
 def test_summary_lines_show_what_crossed_each_link():
     spec = parse_link("1mbit/100ms")
     units = {
-        0: UNITS[0].model_copy(update={"model": "tiny", "num_units": 2, "tokens_per_step": 1024}),
+        0: UNITS[0].model_copy(
+            update={
+                "model": "tiny",
+                "num_units": 2,
+                "tokens_per_step": 1024,
+                "upload_latency": LatencySummary(
+                    count=12, p50_s=0.25, p95_s=1.5, p99_s=2.0, max_s=2.5
+                ),
+                "network_wait_s": 0.0012,
+            }
+        ),
         1: UNITS[1],
     }
     links = {
@@ -142,7 +153,8 @@ def test_summary_lines_show_what_crossed_each_link():
     )
     lines = summary_lines(summary)
     per_token, data_parallel = 100_000 / 5000, 8 * 84288 / 1024
-    assert lines[-4:] == [
+    assert lines[-5:] == [
+        "  upload p50 0.25 s, p95 1.50 s; params -; training loop in network calls 0.001 s",
         "  link 1mbit/100ms: 0.04 MB up, 0.06 MB down,"
         f" {per_token:.1f} B/token ({data_parallel / per_token:.0f}x less than data-parallel),"
         " busy 5.0% up, 10.0% down, 1 outage(s)",

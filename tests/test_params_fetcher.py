@@ -70,6 +70,8 @@ def test_one_copy_at_start_and_one_after_each_upload(nats_server) -> None:
             await publish(js, 5)
             assert await taken(fetcher, 1.0) == []
             assert counters.as_dict()["params_received"] == 2
+            latency = fetcher.params_latency.summary()
+            assert latency is not None and latency.count == 2 and latency.max_s < 10
         finally:
             runner.cancel()
             await asyncio.gather(runner, return_exceptions=True)

@@ -50,6 +50,11 @@ def test_units_train_through_shaped_links_and_a_stall_loses_nothing(tmp_path, ja
     assert summary is not None and summary.reason == "finished", output
     assert summary.ledger.balanced and summary.ledger.rejected == 0, summary.ledger
     assert {u: s.step for u, s in summary.units.items()} == {0: STEPS, 1: STEPS}
+    for status in summary.units.values():
+        # Measured on the unit's clock; the training loop never waits for the network.
+        assert status.upload_latency is not None and status.upload_latency.count >= 10
+        assert status.params_latency is not None and status.params_latency.count >= 1
+        assert status.network_wait_s < 1.0, status.network_wait_s
     assert set(summary.links) == {"0", "1"}
     for name, link in summary.links.items():
         assert link.outages == 1 and link.outage is None, link

@@ -23,6 +23,7 @@ from shared.records import (
     JobRecord,
     JobSpec,
     JobState,
+    LatencySummary,
     LedgerRecord,
     LinkStatus,
     OuterState,
@@ -168,6 +169,15 @@ class UnitView(BaseModel):
     last_error: str | None = None
     counters: dict[str, int] = Field({}, description="this process's counters")
     lifetime: dict[str, int] | None = Field(None, description="upload counters across restarts")
+    upload_latency: LatencySummary | None = Field(
+        None, description="recent uploads: training loop → accepted by JetStream (its clock)"
+    )
+    params_latency: LatencySummary | None = Field(
+        None, description="recent globals: head notification → taken by the training loop"
+    )
+    network_wait_s: float | None = Field(
+        None, description="seconds the training loop spent in calls to the NATS link"
+    )
     link: LinkView | None = Field(None, description="its shaped link (None: it has none)")
 
     model_config = {
@@ -275,6 +285,9 @@ def unit_view(
         last_error=status.last_error or None,
         counters=status.counters,
         lifetime=status.lifetime,
+        upload_latency=status.upload_latency,
+        params_latency=status.params_latency,
+        network_wait_s=round(status.network_wait_s, 6),
         **shown,
     )
 

@@ -2,8 +2,9 @@
 
 The record is written every ``--status-interval-s`` and once more when the link stops. It
 joins what the training thread reports (:meth:`Heartbeat.set_status`: state, step, loss,
-speed, ...) with what the link knows at the moment of writing: the desired state, the unsent
-queue, this process's counters (with ``records_rejected``, the records this process could not
+speed, time spent in calls to the link, ...) with what the link knows at the moment of
+writing: the desired state, the unsent queue, upload and params latencies, this process's
+counters (with ``records_rejected``, the records this process could not
 parse), the lifetime counts and rounds from the state file, and the last error. Readers judge
 liveness by the record's age on the NATS server's clock, so it carries no time of its own.
 """
@@ -16,6 +17,7 @@ import threading
 from typing import Any
 
 from services.learner.counters import Counters
+from services.learner.params_fetcher import ParamsFetcher
 from services.learner.sender import Sender
 from services.learner.settings import LearnerSettings
 from services.learner.unit_control import UnitControl
@@ -37,19 +39,22 @@ class Heartbeat:
         counters: Counters,
         sender: Sender,
         control: UnitControl,
+        params: ParamsFetcher,
     ) -> None:
         """Args:
         settings: the unit's settings (job, unit, ``status_interval_s``).
         unit_state: the unit's durable record (lifetime counts, published rounds).
         counters: this process's counters and last error.
-        sender: the upload queue (unsent uploads, last published round).
+        sender: the upload queue (unsent uploads, last published round, upload latency).
         control: the unit's desired state.
+        params: the params fetcher (params latency).
         """
         self.settings = settings
         self.unit_state = unit_state
         self.counters = counters
         self.sender = sender
         self.control = control
+        self.params = params
         self.restored_from_step: int | None = None
         self._lock = threading.Lock()
         self._progress = UnitStatus(unit=settings.unit)
@@ -88,6 +93,8 @@ class Heartbeat:
                 "last_published_round": self.sender.last_published_round,
                 "restored_from_step": self.restored_from_step,
                 "last_error": self.counters.last_error,
+                "upload_latency": self.sender.upload_latency.summary(),
+                "params_latency": self.params.params_latency.summary(),
             }
         )
 

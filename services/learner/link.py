@@ -34,6 +34,7 @@ from services.learner.core import Upload
 from services.learner.counters import Counters
 from services.learner.encoder import UploadEncoder
 from services.learner.heartbeat import Heartbeat
+from services.learner.latency import TimeSpent
 from services.learner.params_fetcher import GlobalFragment, ParamsFetcher
 from services.learner.sender import Sender
 from services.learner.settings import LearnerSettings
@@ -56,6 +57,7 @@ class LearnerLink:
 
     Attributes:
         counters: this process's counters and last error.
+        training_wait: time the training thread spent in calls to the link.
         control: the unit's desired state, the outer's next round and peers' speeds.
         heartbeat: the unit's status record.
     """
@@ -86,8 +88,11 @@ class LearnerLink:
         )
         self.control = UnitControl(settings, self.unit_state)
         self.heartbeat = Heartbeat(
-            settings, self.unit_state, self.counters, self.sender, self.control
+            settings, self.unit_state, self.counters, self.sender, self.control, self.params
         )
+        # Time the training thread spent in this facade's calls: they never wait for the
+        # network, so it stays near zero (reported as network_wait_s).
+        self.training_wait = TimeSpent()
         self._stopping = threading.Event()
         self._reconnected: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name="learner-link", daemon=True)
@@ -134,15 +139,18 @@ class LearnerLink:
 
     def submit(self, upload: Upload) -> None:
         """Queue a pseudo-gradient for publishing; drops the oldest when the queue is full."""
-        self.sender.submit(upload)
+        with self.training_wait.measure():
+            self.sender.submit(upload)
 
     def take_new_params(self) -> list[GlobalFragment]:
         """Global fragments that arrived since the last call (newest version of each)."""
-        return self.params.take_new()
+        with self.training_wait.measure():
+            return self.params.take_new()
 
     def set_status(self, **status: Any) -> None:
         """Replace the training thread's fields (``UnitStatus`` names) in the next heartbeats."""
-        self.heartbeat.set_status(**status)
+        with self.training_wait.measure():
+            self.heartbeat.set_status(**status, network_wait_s=self.training_wait.seconds)
 
     def unsent(self) -> int:
         """Number of pseudo-gradients not yet accepted by JetStream."""

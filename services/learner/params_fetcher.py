@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from services.learner.counters import Counters
+from services.learner.latency import Latencies
 from services.learner.settings import LearnerSettings
 from shared import codec, records, subjects, transport, wire
 from shared.records import ParamsHead
@@ -39,11 +41,12 @@ PARAMS_POLL_S = 2.0  # fallback poll in case a head notification was missed whil
 
 @dataclass
 class GlobalFragment:
-    """A decoded global fragment."""
+    """A decoded global fragment, and when its head was first seen (monotonic seconds)."""
 
     fragment: int
     version: int
     pieces: dict[str, np.ndarray]
+    seen_at: float
 
 
 class ParamsFetcher:
@@ -66,14 +69,20 @@ class ParamsFetcher:
         # Per fragment: fetch the first version newer than this (None: nothing wanted).
         self._wanted: list[int | None] = [-1] * settings.fragments
         self._head_versions = [-1] * settings.fragments  # the newest head seen
+        self._head_seen_at = [0.0] * settings.fragments  # when that head was first seen
+        self.params_latency = Latencies()
         self._head_seen: asyncio.Event | None = None
         self._subscription: Any = None
 
     def take_new(self) -> list[GlobalFragment]:
         """Global fragments fetched since the last call (the newest version of each);
-        thread-safe, returns at once."""
+        thread-safe, returns at once. Each one's time from its head's notification to now is
+        recorded in :attr:`params_latency`."""
         with self._lock:
             arrived, self._newest = list(self._newest.values()), {}
+        now = time.monotonic()
+        for fragment in arrived:
+            self.params_latency.add(now - fragment.seen_at)
         return arrived
 
     def want_after_upload(self, fragment: int) -> None:
@@ -93,7 +102,7 @@ class ParamsFetcher:
             fragment = subjects.fragment_of_params_head(self.settings.job, msg.subject)
             head = records.decode(ParamsHead, msg.data, msg.subject)
             if fragment is not None and fragment < self.settings.fragments and head is not None:
-                self._head_versions[fragment] = max(self._head_versions[fragment], head.version)
+                self._note_head(fragment, head.version)
             head_seen.set()
 
         self._subscription = await retry(
@@ -119,6 +128,11 @@ class ParamsFetcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(head_seen.wait(), timeout=PARAMS_POLL_S)
 
+    def _note_head(self, fragment: int, version: int) -> None:
+        if version > self._head_versions[fragment]:
+            self._head_versions[fragment] = version
+            self._head_seen_at[fragment] = time.monotonic()
+
     async def close(self) -> None:
         """Unsubscribe from the heads (if subscribed)."""
         if self._subscription is not None:
@@ -132,7 +146,7 @@ class ParamsFetcher:
         head = await transport.read_params_head(js, job, fragment)
         if head is None:
             return
-        self._head_versions[fragment] = max(self._head_versions[fragment], head.version)
+        self._note_head(fragment, head.version)
         if head.version <= max(wanted, self._known_versions[fragment]):
             return
         fetched = await transport.read_latest_params(js, job, fragment, self.max_params_bytes)
@@ -143,8 +157,10 @@ class ParamsFetcher:
         if envelope.kind != "params" or envelope.fragment != fragment or envelope.job != job:
             raise wire.WireError(f"expected params of {job} fragment {fragment}")
         pieces = codec.decode_tensors(envelope.payload, envelope.codec)
+        seen_at = self._head_seen_at[fragment] if version == self._head_versions[fragment] else 0
+        global_fragment = GlobalFragment(fragment, version, pieces, seen_at or time.monotonic())
         with self._lock:
-            self._newest[fragment] = GlobalFragment(fragment, version, pieces)
+            self._newest[fragment] = global_fragment
             self._known_versions[fragment] = version
         if self._wanted[fragment] == wanted:  # no newer upload asked for more meanwhile
             self._wanted[fragment] = None

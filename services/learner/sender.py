@@ -23,7 +23,8 @@ import nats.errors
 
 from services.learner.core import Upload
 from services.learner.counters import Counters
-from services.learner.encoder import UploadEncoder, upload_key
+from services.learner.encoder import UploadEncoder, UploadKey, upload_key
+from services.learner.latency import Latencies
 from services.learner.settings import LearnerSettings
 from services.learner.unit_state import UnitState
 from shared import codec, subjects, transport, wire
@@ -61,6 +62,8 @@ class Sender:
         self.counters = counters
         self.encoder = encoder
         self.on_published = on_published
+        self.upload_latency = Latencies()
+        self._queued_at: dict[UploadKey, float] = {}
         self.last_published_round: int | None = None
         self._lock = threading.Lock()
         self._queue: collections.deque[Upload] = collections.deque()
@@ -86,6 +89,9 @@ class Sender:
                     dropped = self._queue[index]
                     del self._queue[index]
             self._queue.append(upload)
+            self._queued_at[upload_key(upload)] = time.monotonic()
+            if dropped is not None:
+                self._queued_at.pop(upload_key(dropped), None)
         self.counters.add("queued")
         if dropped is not None:
             self.counters.add("dropped_unsent")
@@ -180,7 +186,10 @@ class Sender:
             self._in_flight = None
             if counter == "published":
                 self.last_published_round = upload.round
+            queued_at = self._queued_at.pop(upload_key(upload), None)
             live = {upload_key(u) for u in self._queue}
+        if counter == "published" and queued_at is not None:
+            self.upload_latency.add(time.monotonic() - queued_at)
         self.counters.add(counter)
         self.unit_state.record(counter, upload.round)
         # Forget this upload's envelope and those of uploads dropped from a full queue.

@@ -10,6 +10,7 @@ from typing import Any
 from shared.bandwidth import times_less, unit_data_parallel_bytes_per_token
 from shared.records import (
     EvaluationRecord,
+    LatencySummary,
     LedgerRecord,
     LinkStatus,
     OuterStatus,
@@ -120,6 +121,8 @@ def summary_lines(summary: RunSummary) -> list[str]:
             f"unit {unit}: {status.state} at step {status.step},"
             f" {status.counter('published')} uploads, train loss {status.train_loss}"
         )
+        if status.upload_latency is not None or status.params_latency is not None:
+            lines.append("  " + latency_line(status))
         link = summary.links.get(str(unit))
         if link is not None:
             lines.append("  " + link_line(link, status))
@@ -127,6 +130,21 @@ def summary_lines(summary: RunSummary) -> list[str]:
     if outer_link is not None:
         lines.append("outer " + link_line(outer_link, None))
     return lines
+
+
+def latency_line(status: UnitStatus) -> str:
+    """A unit's upload and params latencies, and the time its training loop spent in calls to
+    the NATS link."""
+
+    def shown(name: str, latency: LatencySummary | None) -> str:
+        if latency is None:
+            return f"{name} -"
+        return f"{name} p50 {latency.p50_s:.2f} s, p95 {latency.p95_s:.2f} s"
+
+    return (
+        f"{shown('upload', status.upload_latency)}; {shown('params', status.params_latency)};"
+        f" training loop in network calls {status.network_wait_s:.3f} s"
+    )
 
 
 def link_line(link: LinkStatus, unit: UnitStatus | None) -> str:
