@@ -84,7 +84,7 @@ class Method:
     headline: bool = False
     codec: CodecConfig | None = None
     params_codec: str = "fp32"
-    every_version: bool = False
+    params_fetch: str = "newest"
 
 
 def default_method(speeds: list[float], units: int, h_steps: int, **changes) -> Method:
@@ -162,7 +162,7 @@ def run_method(method: Method, work: sim.Workload, start) -> sim.SimResult:
         method.name,
         method.codec,
         method.params_codec,
-        method.every_version,
+        method.params_fetch,
     )
 
 
@@ -186,10 +186,11 @@ def codec_methods(units: int, h: int, momentum: float | None = None) -> list[Met
 
 #: Rows of the downlink comparison: how globals reach a unit, and in which codec.
 DOWNLINKS = [
-    ("every version, fp32", "fp32", True),
-    ("after each upload, fp32", "fp32", False),
-    ("after each upload, bf16", "bf16", False),
-    ("after each upload, int8", "int8", False),
+    ("newest (every version), fp32", "fp32", "newest"),
+    ("newest (every version), bf16", "bf16", "newest"),
+    ("newest (every version), int8", "int8", "newest"),
+    ("after each upload, fp32", "fp32", "after_upload"),
+    ("after each upload, int8", "int8", "after_upload"),
 ]
 DOWNLINK_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / 256}
 
@@ -197,10 +198,10 @@ DOWNLINK_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / 256}
 def downlink_methods(units: int, h: int) -> list[Method]:
     """The default configuration (heterogeneous speeds, int8 uploads) once per downlink."""
     rows = []
-    for name, params_codec, every_version in DOWNLINKS:
+    for name, params_codec, params_fetch in DOWNLINKS:
         method = default_method(HETEROGENEOUS, units, h)
         method.name, method.headline = name, True
-        method.params_codec, method.every_version = params_codec, every_version
+        method.params_codec, method.params_fetch = params_codec, params_fetch
         rows.append(method)
     return rows
 
@@ -462,10 +463,11 @@ def render_downlink(args, setup, rows, results, elapsed_s) -> str:
         f"DyLU, int8 uploads; slowdowns {','.join(f'{s:g}' for s in HETEROGENEOUS)}) with "
         f"model `{setup.model}`, K={setup.num_units}, {setup.steps_per_unit} inner steps per "
         f"unit, H={setup.h_steps}, {args.pretrain} pretraining steps; only how the global "
-        "params reach the units changes: every version the outer publishes, or (as learners "
-        "fetch) the first version after each of the unit's uploads, in fp32, bf16 or blockwise "
-        "int8 (block 256, each version encoded afresh). Copies per sync period: 1 after each "
-        f"upload, about K={setup.num_units} for every version. Same seeds in every row; the "
+        "params reach the units changes: `--params-fetch newest` (every version the outer "
+        "publishes: no link is slow here) or `after_upload` (the first version after each of "
+        "the unit's uploads), in `--params-codec` fp32, bf16 or blockwise int8 (block 256, "
+        "each version encoded afresh). Copies per sync period: 1 after each upload, about "
+        f"K={setup.num_units} for every version. Same seeds in every row; the "
         "last column is the mean over seeds of the per-seed difference to the first row. "
         f"Eval: held-out nats/byte. Whole run: {elapsed_s / 60:.1f} min on {os.cpu_count()} "
         "cores.",

@@ -190,16 +190,17 @@ def async_run(
     name: str = "async",
     codec_config: codec.CodecConfig | None = None,
     params_codec: str = "fp32",
-    every_version: bool = False,
+    params_fetch: str = "newest",
 ) -> SimResult:
     """Decoupled DiLoCo on a simulated clock: units never wait; the outer merges by policy.
 
     Units step until the job has processed the token budget (fast units take more of it); then
     every unit uploads what it has left and the outer merges everything still buffered.
     Uploads go through ``codec_config`` (default: int8) as on the wire, each unit with its own
-    error-feedback state. Globals reach a unit as the learner fetches them: the first version
-    of a fragment published after each of its uploads of it (``every_version``: every
-    version), in ``params_codec``.
+    error-feedback state. Globals reach a unit as the learner fetches them
+    (``params_fetch``: ``newest``, every version, as no link is slow here; ``after_upload``,
+    the first version of a fragment published after each of the unit's uploads of it), in
+    ``params_codec``.
     """
     wire_codec = codec_config or codec.CodecConfig()
     s = work.setup
@@ -245,7 +246,8 @@ def async_run(
                 pieces = codec.decode_tensors(payload, description)
             for unit in range(s.num_units):
                 want = wanted[unit][fragment]
-                if every_version or (want is not None and result.version > want):
+                newest = params_fetch == "newest"
+                if newest or (want is not None and result.version > want):
                     wanted[unit][fragment] = None
                     push(now + s.latency_s, "global", (unit, fragment, result.version, pieces))
         deadline = outer.next_deadline()

@@ -1,5 +1,5 @@
-"""A learner fetches the global params it will use: once at start, then once after each of its
-uploads, the first version published after it — never every version (real nats-server)."""
+"""A learner fetches global params by its policy — the newest whenever one is announced, or once
+after each of its uploads — and a slow read is never torn (real nats-server)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from shared.link_spec import parse_link
 
 JOB = "fetch"
 SETTINGS = LearnerSettings(job=JOB, model="tiny", unit=0, num_units=2)
+AFTER_UPLOAD = SETTINGS.model_copy(update={"params_fetch": "after_upload"})
 
 
 def values(version: int, size: int) -> np.ndarray:
@@ -42,13 +43,39 @@ async def taken(fetcher: ParamsFetcher, timeout_s: float) -> list[GlobalFragment
     return []
 
 
-def test_one_copy_at_start_and_one_after_each_upload(nats_server) -> None:
+def test_newest_fetches_each_announced_version(nats_server) -> None:
+    async def scenario() -> None:
+        nc = await nats.connect(nats_server.url)
+        js = nc.jetstream()
+        await transport.ensure_streams(js)
+        fetcher = ParamsFetcher(SETTINGS, 1 << 20, Counters())
+        await fetcher.subscribe(nc)
+        runner = asyncio.create_task(fetcher.run(js))
+        try:
+            for version in (1, 2, 3):
+                await publish(js, version)
+                arrived = await taken(fetcher, 10)
+                assert [f.version for f in arrived] == [version]
+                assert np.array_equal(arrived[0].pieces["w"], values(version, 1000))
+            fetcher.want_after_upload(0)  # changes nothing: every newer version is wanted
+            await publish(js, 4)
+            assert [f.version for f in await taken(fetcher, 10)] == [4]
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+            await fetcher.close()
+            await nc.close()
+
+    asyncio.run(scenario())
+
+
+def test_after_upload_fetches_one_copy_at_start_and_one_after_each_upload(nats_server) -> None:
     async def scenario() -> None:
         nc = await nats.connect(nats_server.url)
         js = nc.jetstream()
         await transport.ensure_streams(js)
         counters = Counters()
-        fetcher = ParamsFetcher(SETTINGS, 1 << 20, counters)
+        fetcher = ParamsFetcher(AFTER_UPLOAD, 1 << 20, counters)
         await fetcher.subscribe(nc)
         runner = asyncio.create_task(fetcher.run(js))
         try:

@@ -3,8 +3,9 @@
 The training loop never waits for the network (docs/ARCHITECTURE.md, "Life of one
 pseudo-gradient"). It hands finished pseudo-gradients to :meth:`LearnerLink.submit` and polls
 :meth:`LearnerLink.take_new_params` and :attr:`LearnerLink.desired_state` at step boundaries;
-all of those return at once. The link's thread owns the NATS connection and runs the parts that
-do the slow work on its event loop:
+all of those return at once. The link's thread owns two NATS connections (one for the global
+params, which would otherwise hold up every publish acknowledgement behind them on a slow
+link; one for everything else) and runs the parts that do the slow work on its event loop:
 
 * :class:`~services.learner.sender.Sender` — the upload queue and its publisher, with the
   :class:`~services.learner.encoder.UploadEncoder` (the codec and its error-feedback state);
@@ -198,6 +199,17 @@ class LearnerLink:
         )
         if nc is None:
             return
+        # Global params travel on a connection of their own: over a slow link a copy takes
+        # seconds, and on one connection every publish acknowledgement would wait behind it.
+        params_nc = await transport.connect_with_retry(
+            self.settings,
+            f"learner-{self.settings.job}-{self.settings.unit}-params",
+            stopping=self._stopping.is_set,
+            on_error=self.counters.error,
+        )
+        if params_nc is None:
+            await nc.close()
+            return
         js = nc.jetstream()
         # The connection may drop again at any point: every set-up call is retried.
         await self._retry(lambda: transport.ensure_streams(js), "create streams")
@@ -213,7 +225,7 @@ class LearnerLink:
         await self.params.subscribe(nc, on_error=self.counters.error)
         publisher = asyncio.create_task(self.sender.run(js, transport.chunk_size_for(nc)))
         others = [
-            asyncio.create_task(self.params.run(js)),
+            asyncio.create_task(self.params.run(params_nc.jetstream())),
             asyncio.create_task(self.control.poll_desired(desired_kv)),
             asyncio.create_task(self.heartbeat.run(status_kv)),
             asyncio.create_task(self._keep_streams(js)),
@@ -231,6 +243,7 @@ class LearnerLink:
         try:
             await asyncio.wait_for(final_status, timeout=CLOSE_TIMEOUT_S)
             await self.params.close()
+            await asyncio.wait_for(params_nc.close(), timeout=CLOSE_TIMEOUT_S)
             await asyncio.wait_for(nc.close(), timeout=CLOSE_TIMEOUT_S)
         except NATS_ERRORS as err:
             log.warning("closing NATS: %s", err)

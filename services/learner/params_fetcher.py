@@ -1,12 +1,18 @@
-"""Fetching the global params a learner will use: one copy of a fragment per sync.
+"""Fetching the global params a learner adopts.
 
 The outer publishes each fragment's params as chunks plus a small head message
 (``shared.records.ParamsHead``) on ``diloco.J.params.<p>.head``, a new version after every
-merge. A unit needs only the version that follows its own upload, not every version: the
-fetcher wants fragment p once at start and then once after each upload of p that JetStream
-accepted (:meth:`ParamsFetcher.want_after_upload`), and fetches the newest version published
-after that moment, once. Over a slow link this is one copy per sync period instead of one
-per merge of any unit.
+merge. Two policies (``--params-fetch``):
+
+* ``newest`` (the default): whenever a version newer than the last one fetched is announced
+  and no fetch is under way, fetch the newest. Over a fast link that is every version; over a
+  slow one, versions published while a copy crosses it are skipped. Adopting every version
+  keeps a unit's base fresh, which the quality benchmark shows matters (BENCHMARKS.md,
+  "Quality: downlink").
+* ``after_upload``: fragment p once at start and then once after each upload of p that
+  JetStream accepted (:meth:`ParamsFetcher.want_after_upload`): the first version published
+  after that moment. One copy per sync period, not one per merge of any unit, at the cost of
+  staler params.
 
 It subscribes to the heads of its job as notifications and also looks every
 ``PARAMS_POLL_S`` (a notification may be missed while reconnecting); a fetched version waits
@@ -86,9 +92,11 @@ class ParamsFetcher:
         return arrived
 
     def want_after_upload(self, fragment: int) -> None:
-        """Fetch ``fragment`` once more: its first version published after now (the merge
-        that applies the upload JetStream just accepted, or a later one). Call on the link's
-        event loop."""
+        """With ``after_upload``: fetch ``fragment`` once more, its first version published
+        after now (the merge that applies the upload JetStream just accepted, or a later one).
+        Call on the link's event loop."""
+        if self.settings.params_fetch == "newest":
+            return  # every newer version is wanted anyway
         self._wanted[fragment] = self._head_versions[fragment]
         if self._head_seen is not None:
             self._head_seen.set()
@@ -162,6 +170,7 @@ class ParamsFetcher:
         with self._lock:
             self._newest[fragment] = global_fragment
             self._known_versions[fragment] = version
-        if self._wanted[fragment] == wanted:  # no newer upload asked for more meanwhile
+        newest = self.settings.params_fetch == "newest"
+        if not newest and self._wanted[fragment] == wanted:  # no upload asked for more since
             self._wanted[fragment] = None
         self.counters.add("params_received")

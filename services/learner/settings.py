@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.codec_config import CODECS, CodecConfig, CodecError
 from shared.settings import ENV_PREFIX, JobSettings
+
+#: Which global params a unit fetches (``services/learner/params_fetcher.py``).
+ParamsFetchName = Literal["newest", "after_upload"]
 
 
 class InnerSettings(BaseSettings):
@@ -28,6 +33,12 @@ class InnerSettings(BaseSettings):
     )
     dynamic_h: bool = Field(
         True, description="scale H by the unit's speed relative to the fastest (DyLU)"
+    )
+    params_fetch: ParamsFetchName = Field(
+        "newest",
+        description="which global params a unit fetches: newest (the newest version whenever "
+        "one is announced and the last fetch is done) or after_upload (once after each of its "
+        "uploads: fewer bytes, staler params; BENCHMARKS.md, 'Quality: downlink')",
     )
     codec: str = Field("int8", description=f"pseudo-gradient codec, one of {', '.join(CODECS)}")
     block_size: int = Field(
