@@ -50,6 +50,12 @@ GRADS_DUPLICATE_WINDOW_S = 3600.0  # longer than any learner retry window
 GRADS_MAX_BYTES = 8 << 30  # a full grads stream refuses new uploads instead of losing old ones
 STATUS_TTL_S = 24 * 3600.0  # status keys of long-gone units eventually disappear
 PUBLISH_TIMEOUT_S = 10.0
+# The slowest link a request's timeout allows for: a request that moves n bytes may take
+# PUBLISH_TIMEOUT_S + 8n / MIN_LINK_BITS_PER_S before it counts as lost (and is retried), so a
+# 1 MiB chunk over a 1 Mbit/s link is not re-sent while it is still crossing.
+MIN_LINK_BITS_PER_S = 1e6
+#: Timeout of one direct get of a params chunk (at most one chunk's bytes).
+PARAMS_READ_TIMEOUT_S = PUBLISH_TIMEOUT_S + MAX_CHUNK_BYTES * 8 / MIN_LINK_BITS_PER_S
 PUBLISH_ATTEMPTS = 6
 RETRYABLE_API_CODES = {429, 503}
 # nats-py waits a fixed time between reconnect attempts; each client draws its own from this
@@ -191,7 +197,8 @@ async def publish_blob(
 
     Each chunk is retried (``shared.retry``) with the same ``Nats-Msg-Id`` on timeouts and on
     the server's "busy" answers, which JetStream deduplicates: a timed-out publish may still have
-    been stored.
+    been stored. A chunk's timeout allows for the bytes in flight with it to cross a link of
+    ``MIN_LINK_BITS_PER_S``.
 
     Args:
         js: JetStream context.
@@ -212,6 +219,7 @@ async def publish_blob(
     chunks = split_chunks(blob, chunk_size)
     window = asyncio.Semaphore(inflight)
     sequences = [0] * len(chunks)
+    in_flight_bytes = 0
 
     def retryable(err: BaseException) -> bool:
         if isinstance(err, nats.js.errors.APIError):
@@ -223,10 +231,14 @@ async def publish_blob(
         if extra_headers:
             headers.update(extra_headers)
         target = subject(index) if callable(subject) else subject
+        nonlocal in_flight_bytes
         async with window:
+            # The chunks ahead of this one cross the link first.
+            in_flight_bytes += len(data)
+            timeout = PUBLISH_TIMEOUT_S + in_flight_bytes * 8 / MIN_LINK_BITS_PER_S
             try:
                 ack = await retry(
-                    lambda: js.publish(target, data, headers=headers, timeout=PUBLISH_TIMEOUT_S),
+                    lambda: js.publish(target, data, headers=headers, timeout=timeout),
                     f"publish {upload} chunk {index}",
                     on=retryable,
                     attempts=PUBLISH_ATTEMPTS,
@@ -238,6 +250,8 @@ async def publish_blob(
                 raise TransportError(
                     f"chunk {index} of {upload} failed after {PUBLISH_ATTEMPTS} tries: {err!r}"
                 ) from err
+            finally:
+                in_flight_bytes -= len(data)
         sequences[index] = ack.seq
 
     await asyncio.gather(*(send(i, c) for i, c in enumerate(chunks)))

@@ -1,5 +1,7 @@
-"""`diloco up --links`: every learner reaches NATS through its own shaped link; a five-second
-stall of every link while the units train loses nothing."""
+"""`diloco up --links`: every learner reaches NATS through its own 1 Mbit/s link; a five-second
+stall of every link while the units train loses nothing, and although versions are published
+faster than a copy of the params crosses a link, every unit adopts a newer one at least every
+two of its sync periods and no read fails."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ pytestmark = pytest.mark.slow  # real processes and nats-server (run by make tes
 
 OUTAGE_AT_S = 30  # after the links start; the units train from about 10 s to 60 s after
 STEPS = 500
+# A sync period (about 4 s) is longer than a copy of the tiny model's fp32 params takes to cross a
+# 1 Mbit/s link (about 2.7 s), which is longer than the time between two versions (about 2 s).
+H_STEPS = 40
 
 
 @pytest.mark.timeout(400)
@@ -19,8 +24,8 @@ def test_units_train_through_shaped_links_and_a_stall_loses_nothing(tmp_path, ja
     process, data_dir, out_path = start_up(
         tmp_path,
         jax_cache,
-        *("--max-steps", str(STEPS), "--h-steps", "10", "--slowdowns", "3,3"),
-        *("--links", "20mbit/10ms,5mbit/25ms", "--link-outages", f"{OUTAGE_AT_S}s+5s"),
+        *("--max-steps", str(STEPS), "--h-steps", str(H_STEPS), "--slowdowns", "3,3"),
+        *("--links", "1mbit/50ms,1mbit/25ms", "--link-outages", f"{OUTAGE_AT_S}s+5s"),
     )
     try:
         record = wait_for(lambda: files.read_pids(data_dir), 60, "pids.json")
@@ -55,13 +60,19 @@ def test_units_train_through_shaped_links_and_a_stall_loses_nothing(tmp_path, ja
         assert status.upload_latency is not None and status.upload_latency.count >= 10
         assert status.params_latency is not None and status.params_latency.count >= 1
         assert status.network_wait_s < 1.0, status.network_wait_s
+        # Versions came faster than copies crossed (some were skipped), yet a newer one was
+        # adopted at least once every two uploads, and no read failed.
+        received, published = status.counter("params_received"), status.counter("published")
+        assert summary.outer is not None and received < summary.outer.version, status.counters
+        assert received >= published // 2, status.counters
+        assert status.counter("params_read_failed") == 0, status.counters
     assert set(summary.links) == {"0", "1"}
     for name, link in summary.links.items():
         assert link.outages == 1 and link.outage is None, link
         assert link.bytes_up > 0 and link.bytes_down > 0, link
         # Every upload crossed the link: its bytes up are at least the bytes the unit published.
         assert link.bytes_up >= summary.units[int(name)].counter("bytes_sent"), link
-    assert summary.links["1"].spec.text() == "5mbit/25ms"
-    assert "  link 20mbit/10ms: " in output and "  link 5mbit/25ms: " in output, output
+    assert summary.links["1"].spec.text() == "1mbit/25ms"
+    assert "  link 1mbit/50ms: " in output and "  link 1mbit/25ms: " in output, output
     assert "link-0 0" in output and "link-1 0" in output  # the restarts line
     assert cluster_processes(data_dir, out_path) == []

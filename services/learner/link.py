@@ -225,7 +225,9 @@ class LearnerLink:
         await self.params.subscribe(nc, on_error=self.counters.error)
         publisher = asyncio.create_task(self.sender.run(js, transport.chunk_size_for(nc)))
         others = [
-            asyncio.create_task(self.params.run(params_nc.jetstream())),
+            asyncio.create_task(
+                self.params.run(params_nc.jetstream(timeout=transport.PARAMS_READ_TIMEOUT_S))
+            ),
             asyncio.create_task(self.control.poll_desired(desired_kv)),
             asyncio.create_task(self.heartbeat.run(status_kv)),
             asyncio.create_task(self._keep_streams(js)),

@@ -64,7 +64,8 @@ class ParamsFetcher:
         """Args:
         settings: the unit's settings (job, fragments).
         max_params_bytes: largest global params envelope accepted.
-        counters: where ``params_received`` and ``params_rejected`` are counted.
+        counters: where ``params_received``, ``params_rejected`` and ``params_read_failed``
+            (NATS unreachable, or a read outrun by newer versions) are counted.
         """
         self.settings = settings
         self.max_params_bytes = max_params_bytes
@@ -131,6 +132,7 @@ class ParamsFetcher:
                     self.counters.error(f"bad global params: {err}")
                     log.error("bad global params: %s", err)
                 except (TransportError, *NATS_ERRORS) as err:
+                    self.counters.add("params_read_failed")
                     log.info("params fetch: %r", err)
             head_seen.clear()
             with contextlib.suppress(TimeoutError):
