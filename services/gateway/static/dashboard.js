@@ -59,7 +59,7 @@ async function setDesired(unit, action) {
 // ---- units table --------------------------------------------------------------------------
 
 const COLUMNS = ["state", "desired", "step", "tokens-per-s", "train-loss", "version-lag",
-  "heartbeat", "bytes-sent"];
+  "heartbeat", "bytes-sent", "link", "link-bytes", "bytes-per-token"];
 
 function unitRow(unit) {
   let row = $(`#units tbody tr[data-unit="${unit}"]`);
@@ -100,6 +100,15 @@ function renderUnits(units) {
     $(".heartbeat", row).textContent =
       u.heartbeat_age_s === null ? "–" : `${u.heartbeat_age_s.toFixed(1)} s ago`;
     $(".bytes-sent", row).textContent = bytes(u.bytes_sent);
+    // Measured at the unit's shaped link (diloco link), when it has one.
+    const link = u.link;
+    const outage = link && link.outage ? ` (${link.outage})` : "";
+    $(".link", row).textContent = link ? link.link + outage : "–";
+    $(".link-bytes", row).textContent =
+      link ? `${bytes(link.bytes_up)} / ${bytes(link.bytes_down)}` : "–";
+    const saving = link && link.times_less_than_data_parallel;
+    $(".bytes-per-token", row).textContent = !link ? "–"
+      : fmt(link.bytes_per_token, 1) + (saving ? ` (${fmt(saving)}× less than DP)` : "");
     $("button.pause", row).disabled = u.desired === "paused";
     $("button.resume", row).disabled = u.desired === "running";
   }
