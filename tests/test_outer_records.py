@@ -142,8 +142,11 @@ def test_an_outer_starts_over_malformed_lease_status_and_params_head(nats_server
             assert not run.done(), run.exception()
             assert time.monotonic() < deadline, "the outer never started"
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)  # a heartbeat
-        status = (await read_job_status(nc, js, job)).outer_record()
+        status = None
+        while status is None or status.state != "running":  # its next heartbeat says so
+            assert time.monotonic() < deadline, f"no heartbeat of the running outer: {status}"
+            await asyncio.sleep(0.1)
+            status = (await read_job_status(nc, js, job)).outer_record()
         head = await transport.read_params_head(js, job, 0)
         service.stop.set()
         await run
