@@ -324,7 +324,8 @@ def test_replay_with_and_without_an_outer_crash_gives_bit_identical_params(
     # One upload per fetch: each is merged and committed on its own, so the applied count
     # climbs in small steps that the test can kill between (with a fetch of 32, a fast outer
     # applied all 90 within one 0.3 s heartbeat and the kills came too late).
-    one_at_a_time = ("--fetch-batch", "1")
+    # fp32 params, so that the published copies show the params bit for bit.
+    one_at_a_time = ("--fetch-batch", "1", "--params-codec", "fp32")
     results = {}
     for job, crash in (("replaya", False), ("replayb", True)):
         _publish_uploads(nats_server.url, job, count)

@@ -28,7 +28,7 @@ def values(version: int, size: int) -> np.ndarray:
 
 async def publish(js, version: int, size: int = 1000) -> None:
     params = {"w": values(version, size)}
-    blob, checksum = params_envelope(JOB, "tiny", 0, version, 0, params)
+    blob, checksum = params_envelope(JOB, "tiny", 0, version, 0, params, "fp32")
     await transport.publish_params(js, JOB, 0, version, blob, 4096, params_checksum=checksum)
 
 

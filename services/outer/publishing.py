@@ -1,6 +1,6 @@
 """What the outer sends: each fragment's global params, and copies of the uploads it rejects.
 
-Params go out as a ``params`` envelope (in ``--params-codec``, fp32 by default) through
+Params go out as a ``params`` envelope (in ``--params-codec``, int8 by default) through
 ``shared.transport.publish_params``, whose head (``shared.records.ParamsHead``) carries the
 checksum of the encoded params, so that anyone can check that a version number always stands
 for the same params however often it is announced. A rejected upload's chunk messages are
@@ -35,7 +35,7 @@ def params_envelope(
     version: int,
     tokens: int,
     params: Mapping[str, Any],
-    params_codec: str = "fp32",
+    params_codec: str = "int8",
 ) -> tuple[bytes, int]:
     """One fragment's global params as a packed ``params`` envelope.
 
@@ -45,8 +45,8 @@ def params_envelope(
         version: Its version (the envelope's ``round`` and ``base_version``).
         tokens: Tokens the outer has applied so far.
         params: ``{piece name: float32 array}``.
-        params_codec: ``fp32`` (exact), ``bf16`` or ``int8`` (each version encoded afresh:
-            no error feedback, so errors do not build up across versions).
+        params_codec: ``int8`` (blockwise), ``bf16`` or ``fp32`` (exact); each version is
+            encoded afresh from the exact params, so errors do not build up across versions.
 
     Returns:
         The packed envelope and the checksum of its payload (``shared.wire.payload_checksum``).
@@ -84,7 +84,7 @@ async def publish_fragment(
     tokens: int,
     params: Mapping[str, Any],
     stopping: Callable[[], bool],
-    params_codec: str = "fp32",
+    params_codec: str = "int8",
 ) -> bool:
     """Publish one fragment's params, retrying (``shared.retry``) until it is done.
 

@@ -59,9 +59,10 @@ class OuterAlgorithmSettings(BaseSettings):
         None, ge=0, description="drop updates staler than this (default: keep all)"
     )
     params_codec: ParamsCodecName = Field(
-        "fp32",
-        description="codec of the global params sent to learners: fp32, bf16 or int8 "
-        "(blockwise, no error feedback); BENCHMARKS.md, 'Downlink codecs', measures them",
+        "int8",
+        description="codec of the global params sent to learners: int8 (blockwise, each "
+        "version encoded afresh; a quarter of fp32's bytes), bf16 or fp32 (exact); "
+        "BENCHMARKS.md, 'Quality: downlink', measures them",
     )
     participation_scale: bool = Field(
         True,
