@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from services.learner.core import LearnerCore, SyncSchedule, dynamic_h
+from services.learner.core import STEPS_IN_FLIGHT, LearnerCore, SyncSchedule, dynamic_h
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from shared import codec, model, pytree
 
@@ -215,3 +215,16 @@ def test_a_step_returns_its_loss_on_the_device():
     assert isinstance(loss, jax.Array) and loss.shape == ()
     core.read_losses()
     assert core.syncs[0].loss_sum == float(loss)
+
+
+def test_dispatch_stays_within_steps_in_flight_of_the_device():
+    """JAX would queue any number of steps; the core waits so that at most STEPS_IN_FLIGHT are
+    unfinished, and the loop sees new globals, pauses and stops within a step or two."""
+    core = make_core(SyncSchedule(h_steps=1000))
+    most = 0
+    for step in range(12):
+        core.train_step(batch(step))
+        most = max(most, core.steps_in_flight())
+    assert 1 <= most <= STEPS_IN_FLIGHT
+    core.read_losses()
+    assert core.steps_in_flight() == 0

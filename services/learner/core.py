@@ -6,7 +6,9 @@ Per fragment p (``shared/fragments.py``) the core keeps a base version, the step
 loss since p's last upload, and the *anchor* pieces the unsent local progress is measured from.
 An inner step's loss stays on the device until a boundary needs it (taking uploads, a
 snapshot): reading it on the host waits for the step, which would stop JAX from dispatching the
-next step while this one runs.
+next step while this one runs. Dispatch runs at most ``STEPS_IN_FLIGHT`` steps ahead of the
+device, though: JAX would otherwise queue a whole sync period in no time, and the loop would
+see new globals, pauses and stops only at the next upload.
 
 * **Upload.** When p's step counter reaches its target (H, or H − offset(p) the first time, so
   fragments are staggered), Δ_p = anchor_p − θ_p goes out and anchor_p ← θ_p.
@@ -31,6 +33,10 @@ import numpy as np
 from services.learner.trainer import InnerState, InnerTrainer
 from shared import codec, pytree
 from shared.fragments import FragmentPlan, plan_fragments, sync_offset
+
+#: Inner steps dispatched but not finished, at most: the step running on the device and the
+#: one queued behind it, so that the host prepares the next batch while the device computes.
+STEPS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True)
@@ -137,11 +143,14 @@ class LearnerCore:
         return [sync.base_version for sync in self.syncs]
 
     def train_step(self, batch: Any) -> jax.Array:
-        """One inner step, dispatched without waiting for it to finish.
+        """One inner step, dispatched without waiting for it to finish (but first for the step
+        ``STEPS_IN_FLIGHT`` back, so that at most that many are unfinished).
 
         Returns:
             The step's loss as a device scalar; reading it on the host waits for the step.
         """
+        if len(self._unread_losses) >= STEPS_IN_FLIGHT:
+            self._unread_losses[-STEPS_IN_FLIGHT].block_until_ready()
         self.state, loss = self.trainer.step(self.state, batch)
         self._unread_losses.append(loss)
         self.step += 1
@@ -149,6 +158,10 @@ class LearnerCore:
             sync.steps += 1
             sync.tokens += self.tokens_per_step
         return loss
+
+    def steps_in_flight(self) -> int:
+        """Inner steps dispatched and not finished yet."""
+        return sum(not loss.is_ready() for loss in self._unread_losses)
 
     def read_losses(self) -> None:
         """Add the losses of the steps since the last read to every fragment's ``loss_sum``,
