@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from report import write_section  # bench/ is on sys.path when run as a script
+from cluster import up_command  # bench/ is on sys.path when run as a script
+from report import shown_command, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -70,21 +70,9 @@ def rows(learners: int) -> list[Row]:
 def run(row: Row, args: argparse.Namespace, cache: Path) -> RunSummary:
     """One ``diloco up`` run; its summary."""
     with tempfile.TemporaryDirectory() as data_dir:
-        command = [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "up",
-            "--data-dir",
-            data_dir,
-            "--gateway-port",
-            "0",
-            *common_flags(args),
-            "--codec",
-            row.codec,
-            "--links",
-            ",".join(row.links),
-        ]
+        command = up_command(
+            data_dir, *common_flags(args), "--codec", row.codec, "--links", ",".join(row.links)
+        )
         env = {**os.environ, "DILOCO_JAX_CACHE": str(cache)}
         result = subprocess.run(
             command, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600
@@ -250,8 +238,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="run only rows whose label contains this")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md + plot")
     args = parser.parse_args()
-    shown = [a for a in sys.argv[1:] if a != "--write"]
-    command = shlex.join([".venv/bin/python", "bench/links.py", *shown])
+    command = shown_command(".venv/bin/python bench/links.py")
     all_rows = [row for row in rows(args.learners) if args.only in row.label]
     cache = Path(tempfile.mkdtemp(prefix="links-jax-cache-"))
     started = time.time()

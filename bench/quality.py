@@ -24,7 +24,6 @@ import argparse
 import functools
 import os
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ import jax
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from report import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
+from report import shown_command, write_section  # noqa: E402  (bench/ is on sys.path as a script)
 
 from services import simulation as sim  # noqa: E402
 from services.learner.core import SyncSchedule  # noqa: E402
@@ -356,8 +355,7 @@ def render(args, setup, rows, results, twin, real, elapsed_s) -> str:
     names = [m.name for m in rows]
     sync = mean(names.index("synchronous DiLoCo")) if "synchronous DiLoCo" in names else None
     dp = mean(names.index("data-parallel")) if "data-parallel" in names else None
-    shown = [a for a in sys.argv[1:] if a != "--write"]
-    command = shlex.join(["python", "bench/quality.py", *shown])
+    command = shown_command("python bench/quality.py")
     lines = [
         SECTION,
         "",
@@ -409,8 +407,7 @@ def render_codecs(args, setup, rows, results, elapsed_s) -> str:
     """Codec rows against fp32, paired by seed (same data order and arrival sequence)."""
     names = [m.name for m in rows]
     fp32 = results.get(names.index("fp32")) if "fp32" in names else None
-    shown = [a for a in sys.argv[1:] if a != "--write"]
-    command = shlex.join(["python", "bench/quality.py", *shown])
+    command = shown_command("python bench/quality.py")
     lines = [
         args.section,
         "",
@@ -454,8 +451,7 @@ def render_codecs(args, setup, rows, results, elapsed_s) -> str:
 
 def render_downlink(args, setup, rows, results, elapsed_s) -> str:
     """Downlink rows against the first (every version in fp32), paired by seed."""
-    shown = [a for a in sys.argv[1:] if a != "--write"]
-    command = shlex.join(["python", "bench/quality.py", *shown])
+    command = shown_command("python bench/quality.py")
     lines = [
         DOWNLINK_SECTION,
         "",

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
 HEADER = "# Benchmarks\n\nEvery figure comes from the command written above its table.\n"
+
+
+def shown_command(program: str) -> str:
+    """The command line shown above a table: ``program`` and this run's arguments, without
+    ``--write``."""
+    shown = [argument for argument in sys.argv[1:] if argument != "--write"]
+    return " ".join([program, shlex.join(shown)]).strip()
 
 
 def write_section(section: str, table: str, path: Path = BENCHMARKS) -> None:

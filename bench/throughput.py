@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shlex
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from report import write_section  # bench/ is on sys.path when run as a script
+from cluster import up_command  # bench/ is on sys.path when run as a script
+from report import shown_command, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -54,18 +54,7 @@ def run_config(extra: list[str], common: list[str], cache: Path) -> dict[str, fl
     with tempfile.TemporaryDirectory() as data_dir:
         env = {**os.environ, "DILOCO_JAX_CACHE": str(cache)}
         result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "up",
-                "--data-dir",
-                data_dir,
-                "--gateway-port",
-                "0",
-                *common,
-                *extra,
-            ],
+            up_command(data_dir, *common, *extra),
             cwd=REPO,
             env=env,
             capture_output=True,
@@ -202,10 +191,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=8, help="standalone: blocks per row")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     args = parser.parse_args()
-    command = "python bench/throughput.py " + " ".join(
-        shlex.quote(a) for a in sys.argv[1:] if a != "--write"
-    )
-    command = command.strip()
+    command = shown_command("python bench/throughput.py")
     tables = []
     if args.only != "standalone":
         tables.append((SECTION, cluster_table(args, command)))

@@ -4,6 +4,8 @@ after each of its uploads — and a slow read is never torn (real nats-server)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import nats
 import numpy as np
@@ -43,15 +45,27 @@ async def taken(fetcher: ParamsFetcher, timeout_s: float) -> list[GlobalFragment
     return []
 
 
+@contextlib.asynccontextmanager
+async def running_fetcher(url: str, settings: LearnerSettings) -> AsyncIterator[tuple]:
+    """A fetcher following ``url``'s params, and the JetStream context to publish with."""
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await transport.ensure_streams(js)
+    fetcher = ParamsFetcher(settings, 1 << 20, Counters())
+    await fetcher.subscribe(nc)
+    runner = asyncio.create_task(fetcher.run(js))
+    try:
+        yield js, fetcher
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await fetcher.close()
+        await nc.close()
+
+
 def test_newest_fetches_each_announced_version(nats_server) -> None:
     async def scenario() -> None:
-        nc = await nats.connect(nats_server.url)
-        js = nc.jetstream()
-        await transport.ensure_streams(js)
-        fetcher = ParamsFetcher(SETTINGS, 1 << 20, Counters())
-        await fetcher.subscribe(nc)
-        runner = asyncio.create_task(fetcher.run(js))
-        try:
+        async with running_fetcher(nats_server.url, SETTINGS) as (js, fetcher):
             for version in (1, 2, 3):
                 await publish(js, version)
                 arrived = await taken(fetcher, 10)
@@ -60,25 +74,13 @@ def test_newest_fetches_each_announced_version(nats_server) -> None:
             fetcher.want_after_upload(0)  # changes nothing: every newer version is wanted
             await publish(js, 4)
             assert [f.version for f in await taken(fetcher, 10)] == [4]
-        finally:
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
-            await fetcher.close()
-            await nc.close()
 
     asyncio.run(scenario())
 
 
 def test_after_upload_fetches_one_copy_at_start_and_one_after_each_upload(nats_server) -> None:
     async def scenario() -> None:
-        nc = await nats.connect(nats_server.url)
-        js = nc.jetstream()
-        await transport.ensure_streams(js)
-        counters = Counters()
-        fetcher = ParamsFetcher(AFTER_UPLOAD, 1 << 20, counters)
-        await fetcher.subscribe(nc)
-        runner = asyncio.create_task(fetcher.run(js))
-        try:
+        async with running_fetcher(nats_server.url, AFTER_UPLOAD) as (js, fetcher):
             await publish(js, 1)
             assert [f.version for f in await taken(fetcher, 10)] == [1]
             # Versions published while nothing is wanted are not fetched.
@@ -96,14 +98,9 @@ def test_after_upload_fetches_one_copy_at_start_and_one_after_each_upload(nats_s
             # And once only: later versions wait for the next upload.
             await publish(js, 5)
             assert await taken(fetcher, 1.0) == []
-            assert counters.as_dict()["params_received"] == 2
+            assert fetcher.counters["params_received"] == 2
             latency = fetcher.params_latency.summary()
             assert latency is not None and latency.count == 2 and latency.max_s < 10
-        finally:
-            runner.cancel()
-            await asyncio.gather(runner, return_exceptions=True)
-            await fetcher.close()
-            await nc.close()
 
     asyncio.run(scenario())
 
