@@ -2,11 +2,12 @@
 
 One ``diloco up`` run per row, each with the same model, units and steps: links without a cap
 (the baseline: the same link processes, nothing throttled), then 100, 20, 5 and 1 Mbit/s per
-unit with 50 ms one-way delay, each with int8 and int4 uploads, and one run in which one unit's
+unit (and 500 kbit/s, where one upload takes most of the time between two) with 50 ms one-way
+delay, each with int8 and int4 uploads, and one run in which one unit's
 link is 10x slower than the others'. Every figure comes from the run's ``summary.json``:
 
-* tokens/s: the slowest unit's training speed (its last reported rate), and as a ratio to the
-  baseline of the same codec in this run;
+* tokens/s: the slowest unit's training speed (its tokens over the seconds it spent training),
+  and as a ratio to the baseline of the same codec in this run;
 * bytes up and down per token, measured at each unit's link, and how many times fewer than
   data-parallel training of the same model, units and tokens (``shared.bandwidth``);
 * link utilisation (busiest direction), upload and params latency percentiles (on the units'
@@ -37,12 +38,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from shared.bandwidth import unit_data_parallel_bytes_per_token  # noqa: E402
-from shared.records import RunSummary  # noqa: E402
+from shared.records import RunSummary, UnitStatus  # noqa: E402
 
 SECTION = "## Throttled links"
 PLOT = REPO / "bench" / "links.png"
 DELAY = "50ms"
-RATES = ["unlimited", "100mbit", "20mbit", "5mbit", "1mbit"]
+RATES = ["unlimited", "100mbit", "20mbit", "5mbit", "1mbit", "500kbit"]
 CODECS = ["int8", "int4"]
 
 
@@ -116,9 +117,14 @@ class Figures:
     final_eval: float | None
 
 
+def speed(status: UnitStatus) -> float:
+    """A unit's training speed over the whole run: its tokens per second spent training."""
+    return status.tokens / status.training_s if status.training_s > 0 else 0.0
+
+
 def figures(summary: RunSummary, h_steps: int) -> Figures:
     units = summary.units
-    slowest = min(units.values(), key=lambda status: status.tokens_per_s)
+    slowest = min(units.values(), key=speed)
     tokens = sum(status.tokens for status in units.values())
     up = sum(summary.links[str(unit)].bytes_up for unit in units)
     down = sum(summary.links[str(unit)].bytes_down for unit in units)
@@ -134,15 +140,15 @@ def figures(summary: RunSummary, h_steps: int) -> Figures:
         if upload is not None:
             up50.append(upload.p50_s)
             up95.append(upload.p95_s)
-            if status.tokens_per_s > 0:
-                interval = h_steps * status.tokens_per_step / status.tokens_per_s
+            if speed(status) > 0:
+                interval = h_steps * status.tokens_per_step / speed(status)
                 ratios.append(upload.p50_s / interval)
         if params is not None:
             par50.append(params.p50_s)
             par95.append(params.p95_s)
     last = summary.outer.evaluation.last if summary.outer is not None else None
     return Figures(
-        tokens_per_s=slowest.tokens_per_s,
+        tokens_per_s=speed(slowest),
         up_per_token=up / tokens,
         down_per_token=down / tokens,
         times_less=data_parallel / ((up + down) / tokens) if data_parallel else None,
@@ -171,7 +177,8 @@ def table(args, all_rows, results, elapsed_s, command) -> str:
         f"reaches NATS through its own `diloco link` ({DELAY} one-way delay; 'no cap': the same "
         "links without a rate cap, the baseline). Figures from each run's summary.json: "
         "tokens/s of the slowest unit and its ratio to the baseline of the same codec (same "
-        "run of this script); bytes per token measured at the links (all units' bytes over all "
+        "run of this script; a unit's speed is its tokens over the seconds it spent "
+        "training); bytes per token measured at the links (all units' bytes over all "
         "units' tokens) and how many times fewer than data-parallel training of the same "
         "model, units and tokens (fp32 ring all-reduce every step); the busiest link "
         "direction's utilisation; one upload's median time over the time between two uploads "

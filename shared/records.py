@@ -228,7 +228,10 @@ class UnitStatus(Record):
     base_versions: list[Count] = []
     train_loss: float | None = None
     tokens: Count = Field(0, description="tokens trained, across restarts (with checkpoints)")
-    tokens_per_s: NonNegativeFloat = 0.0
+    tokens_per_s: NonNegativeFloat = Field(0.0, description="recent training speed")
+    training_s: NonNegativeFloat = Field(
+        0.0, description="seconds this process has spent training (not paused or idle)"
+    )
     slowdown: float = Field(1.0, ge=1.0)
     model: ModelSize | None = Field(None, description="the model the unit trains")
     num_units: Count = Field(0, description="units of the job, as the unit was started")

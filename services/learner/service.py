@@ -162,6 +162,9 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
     # The steps' losses, on the device until a status report reads them (in step order).
     unread_losses: list[jax.Array] = []
     rate_window: list[tuple[float, int]] = [(time.monotonic(), tokens_total)]
+    # Seconds spent training (running) in this process, and when the running stretch began.
+    training_s = 0.0
+    running_since: float | None = None
     last_status = 0.0
     state_name = "running"
 
@@ -198,6 +201,9 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             train_loss=round(loss_ema, 4) if math.isfinite(loss_ema) else None,
             tokens=tokens_total,
             tokens_per_s=round(tokens_per_s, 1),
+            training_s=round(
+                training_s + (now - running_since if running_since is not None else 0.0), 3
+            ),
             slowdown=settings.slowdown,
             model=settings.model,
             num_units=settings.num_units,
@@ -211,6 +217,9 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             break
         if desired in ("paused", "idle"):
             # Idle (created, not started yet) behaves like paused: no training, no uploads.
+            if running_since is not None:
+                training_s += time.monotonic() - running_since
+                running_since = None
             if state_name != desired:
                 state_name = desired
                 log.info("unit %d %s at step %d", settings.unit, desired, core.step)
@@ -221,6 +230,8 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             state_name = "running"
             log.info("unit %d resumed at step %d", settings.unit, core.step)
             rate_window[:] = [(time.monotonic(), tokens_total)]
+        if running_since is None:
+            running_since = time.monotonic()
 
         for fragment in link.take_new_params():
             core.offer_global(fragment.fragment, fragment.version, fragment.pieces)
@@ -246,6 +257,9 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         hand_off(core.due_uploads(next_h), core, link, unit_state, writer, tokens_total)
         report()
 
+    if running_since is not None:
+        training_s += time.monotonic() - running_since
+        running_since = None
     # Send whatever is left (partial rounds), then flush the queue.
     hand_off(core.flush(), core, link, unit_state, writer, tokens_total)
     state_name = "finishing"
