@@ -9,7 +9,7 @@ link; one for everything else) and runs the parts that do the slow work on its e
 
 * :class:`~services.learner.sender.Sender` — the upload queue and its publisher, with the
   :class:`~services.learner.encoder.UploadEncoder` (the codec and its error-feedback state);
-* :class:`~services.learner.params_fetcher.ParamsFetcher` — the global params each sync needs;
+* :class:`~services.learner.params_fetcher.ParamsFetcher` — the global params the unit adopts;
 * :class:`~services.learner.unit_control.UnitControl` — desired state, the outer's next round,
   peers' speeds;
 * :class:`~services.learner.heartbeat.Heartbeat` — the unit's status record.
