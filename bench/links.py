@@ -129,11 +129,7 @@ def figures(summary: RunSummary, h_steps: int) -> Figures:
     up = sum(summary.links[str(unit)].bytes_up for unit in units)
     down = sum(summary.links[str(unit)].bytes_down for unit in units)
     data_parallel = unit_data_parallel_bytes_per_token(slowest)
-    utilisation = [
-        max(link.busy_up_s, link.busy_down_s) / link.uptime_s
-        for link in summary.links.values()
-        if link.spec.rate_bps is not None and link.uptime_s > 0
-    ]
+    utilisation = [max(busy) for link in summary.links.values() if (busy := link.utilisation())]
     ratios, up50, up95, par50, par95 = [], [], [], [], []
     for status in units.values():
         upload, params = status.upload_latency, status.params_latency

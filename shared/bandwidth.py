@@ -8,8 +8,10 @@ together: the figure a unit's bytes per token measured at its link are compared 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from shared.model_config import SIZES
-from shared.records import UnitStatus
+from shared.records import LinkStatus, UnitStatus
 
 FP32_BYTES = 4
 
@@ -40,3 +42,21 @@ def unit_data_parallel_bytes_per_token(status: UnitStatus) -> float | None:
     return data_parallel_bytes_per_token(
         SIZES[status.model].param_count, status.num_units, status.tokens_per_step
     )
+
+
+@dataclass(frozen=True)
+class LinkUsage:
+    """What a unit's link carried per token, against data-parallel training (None: unknown)."""
+
+    bytes_per_token: float | None
+    data_parallel_bytes_per_token: float | None
+    times_less: float | None
+
+
+def link_usage(link: LinkStatus, unit: UnitStatus | None) -> LinkUsage:
+    """Bytes up and down per token the unit trained, and how many times fewer than
+    data-parallel (``unit``: the unit's status record; None when it never reported)."""
+    tokens = unit.tokens if unit is not None else 0
+    per_token = (link.bytes_up + link.bytes_down) / tokens if tokens else None
+    data_parallel = unit_data_parallel_bytes_per_token(unit) if unit is not None else None
+    return LinkUsage(per_token, data_parallel, times_less(per_token, data_parallel))

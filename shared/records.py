@@ -405,6 +405,12 @@ class LinkStatus(Record):
         """The unit the link carries (None: the outer's link)."""
         return None if self.name == "outer" else int(self.name)
 
+    def utilisation(self) -> tuple[float, float] | None:
+        """Share of its lifetime each direction (up, down) was busy (None: no rate cap)."""
+        if self.spec.rate_bps is None or self.uptime_s <= 0:
+            return None
+        return self.busy_up_s / self.uptime_s, self.busy_down_s / self.uptime_s
+
 
 # ---- control: desired states and the job registry -------------------------------------------
 

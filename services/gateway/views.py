@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from shared.bandwidth import times_less, unit_data_parallel_bytes_per_token
+from shared.bandwidth import link_usage
 from shared.job_status import JobStatus
 from shared.records import (
     DesiredState,
@@ -100,24 +100,23 @@ def link_view(entry: Stamped[LinkStatus], unit: UnitStatus | None) -> LinkView:
     """A link's status record as the gateway shows it, per token of its unit (``unit``: the
     unit's status record; None when it never reported)."""
     record = entry.record
-    capped = record.spec.rate_bps is not None and record.uptime_s > 0
-    tokens = unit.tokens if unit is not None else 0
-    per_token = (record.bytes_up + record.bytes_down) / tokens if tokens else None
-    data_parallel = unit_data_parallel_bytes_per_token(unit) if unit is not None else None
-    saving = times_less(per_token, data_parallel)
+    usage = link_usage(record, unit)
+    busy = record.utilisation()
+
+    def rounded(value: float | None, digits: int) -> float | None:
+        return round(value, digits) if value is not None else None
+
     return LinkView(
         link=record.spec.text(),
         rate_bps=record.spec.rate_bps,
         delay_s=record.spec.delay_s,
         bytes_up=record.bytes_up,
         bytes_down=record.bytes_down,
-        bytes_per_token=round(per_token, 3) if per_token is not None else None,
-        data_parallel_bytes_per_token=(
-            round(data_parallel, 1) if data_parallel is not None else None
-        ),
-        times_less_than_data_parallel=round(saving, 1) if saving is not None else None,
-        utilisation_up=round(record.busy_up_s / record.uptime_s, 4) if capped else None,
-        utilisation_down=round(record.busy_down_s / record.uptime_s, 4) if capped else None,
+        bytes_per_token=rounded(usage.bytes_per_token, 3),
+        data_parallel_bytes_per_token=rounded(usage.data_parallel_bytes_per_token, 1),
+        times_less_than_data_parallel=rounded(usage.times_less, 1),
+        utilisation_up=rounded(busy[0], 4) if busy is not None else None,
+        utilisation_down=rounded(busy[1], 4) if busy is not None else None,
         outage=record.outage,
         outages=record.outages,
         connects=record.connects,

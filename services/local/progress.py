@@ -7,7 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from shared.bandwidth import times_less, unit_data_parallel_bytes_per_token
+from shared.bandwidth import link_usage
 from shared.records import (
     EvaluationRecord,
     LatencySummary,
@@ -154,15 +154,14 @@ def link_line(link: LinkStatus, unit: UnitStatus | None) -> str:
         f"link {link.spec.text()}: {_megabytes(link.bytes_up)} up,"
         f" {_megabytes(link.bytes_down)} down"
     ]
-    if unit is not None and unit.tokens:
-        per_token = (link.bytes_up + link.bytes_down) / unit.tokens
-        data_parallel = unit_data_parallel_bytes_per_token(unit)
-        saving = times_less(per_token, data_parallel)
+    usage = link_usage(link, unit)
+    if usage.bytes_per_token is not None:
+        saving = usage.times_less
         against = "" if saving is None else f" ({saving:,.0f}x less than data-parallel)"
-        parts.append(f"{per_token:,.1f} B/token{against}")
-    if link.spec.rate_bps is not None and link.uptime_s > 0:
-        up, down = link.busy_up_s / link.uptime_s, link.busy_down_s / link.uptime_s
-        parts.append(f"busy {up:.1%} up, {down:.1%} down")
+        parts.append(f"{usage.bytes_per_token:,.1f} B/token{against}")
+    busy = link.utilisation()
+    if busy is not None:
+        parts.append(f"busy {busy[0]:.1%} up, {busy[1]:.1%} down")
     if link.outages:
         parts.append(f"{link.outages} outage(s)")
     return ", ".join(parts)
