@@ -40,8 +40,9 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
     ]
     services.start("outer", "outer", *job_flags, "--num-units", "2", "--eval-every-s", "2")
 
-    # Start the units once the outer serves, and pace them (--slowdown 3): tiny units are so
-    # fast that they would otherwise finish before the outer has compiled its first merge.
+    # Start the units once the outer serves, and pace them (--slowdown 3): an unpaced tiny unit
+    # runs several rounds while one params version reaches it, so its uploads arrive stale (up
+    # to 9 versions), are weighted down, and the eval barely moves on a loaded machine.
     def outer_runs() -> bool:
         outer = read_status(nats_server.url, job)[0]
         return outer is not None and outer.state == "running"
@@ -63,6 +64,7 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
             "--batch-size",
             "16",
             "--no-dynamic-h",
+            *("--slowdown", "3"),
             "--codec",
             codecs[unit],
             # The 2-bit unit also carries its quantization error forward (error feedback).
