@@ -50,6 +50,31 @@ class ModelConfig:
         block = 4 * c * c + 2 * c * f + 9 * c + f
         return self.n_layers * block + 2 * v * c + self.seq_len * c + 2 * c
 
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{name: shape}`` of every tensor ``shared/model.py`` builds, named as on the wire
+        (``shared.pytree.flatten_named``: JAX key paths, sorted), without importing JAX."""
+        c, f, v, n = self.d_model, self.d_ff, self.vocab_size, self.n_layers
+        shapes = {
+            "['blocks']['attn']['b_out']": (n, c),
+            "['blocks']['attn']['b_qkv']": (n, 3 * c),
+            "['blocks']['attn']['w_out']": (n, c, c),
+            "['blocks']['attn']['w_qkv']": (n, c, 3 * c),
+            "['blocks']['ln1']['bias']": (n, c),
+            "['blocks']['ln1']['scale']": (n, c),
+            "['blocks']['ln2']['bias']": (n, c),
+            "['blocks']['ln2']['scale']": (n, c),
+            "['blocks']['mlp']['b_in']": (n, f),
+            "['blocks']['mlp']['b_out']": (n, c),
+            "['blocks']['mlp']['w_in']": (n, c, f),
+            "['blocks']['mlp']['w_out']": (n, f, c),
+            "['head']": (c, v),
+            "['ln_f']['bias']": (c,),
+            "['ln_f']['scale']": (c,),
+            "['wpe']": (self.seq_len, c),
+            "['wte']": (v, c),
+        }
+        return shapes
+
 
 SIZES: dict[ModelSize, ModelConfig] = {
     # For unit tests: compiles and runs in well under a second on a laptop CPU.

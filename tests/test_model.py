@@ -64,6 +64,18 @@ def test_the_configs_formula_counts_the_params_the_model_builds(name):
     assert get_config(name).param_count == count(name)
 
 
+@pytest.mark.parametrize("name", ["tiny", "small", "medium", "large"])
+def test_the_configs_shapes_are_the_tensors_the_model_builds(name):
+    cfg = get_config(name)
+    traced = jax.eval_shape(lambda k: init_params(cfg, k), jax.random.key(0))
+    built = {
+        jax.tree_util.keystr(path): leaf.shape
+        for path, leaf in jax.tree_util.tree_flatten_with_path(traced)[0]
+    }
+    assert list(cfg.param_shapes().items()) == list(built.items())  # same names, same order
+    assert sum(math.prod(shape) for shape in built.values()) == cfg.param_count
+
+
 def test_params_are_float32_and_deterministic(cfg, params):
     leaves = jax.tree_util.tree_leaves(params)
     assert all(leaf.dtype == jnp.float32 for leaf in leaves)

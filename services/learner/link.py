@@ -35,13 +35,13 @@ from services.learner.core import Upload
 from services.learner.counters import Counters
 from services.learner.encoder import UploadEncoder
 from services.learner.heartbeat import Heartbeat
-from services.learner.latency import TimeSpent
 from services.learner.params_fetcher import GlobalFragment, ParamsFetcher
 from services.learner.sender import Sender
 from services.learner.settings import LearnerSettings
 from services.learner.unit_control import UnitControl
 from services.learner.unit_state import UnitState
 from shared import subjects, transport
+from shared.latency import TimeSpent
 from shared.records import DesiredState
 from shared.retry import NATS_ERRORS, retry
 

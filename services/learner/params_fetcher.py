@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 
 from services.learner.counters import Counters
-from services.learner.latency import Latencies
 from services.learner.settings import LearnerSettings
 from shared import codec, records, subjects, transport, wire
+from shared.latency import Latencies
 from shared.records import ParamsHead
 from shared.retry import NATS_ERRORS, retry
 from shared.transport import TransportError

@@ -24,10 +24,10 @@ import nats.errors
 from services.learner.core import Upload
 from services.learner.counters import Counters
 from services.learner.encoder import UploadEncoder, UploadKey, upload_key
-from services.learner.latency import Latencies
 from services.learner.settings import LearnerSettings
 from services.learner.unit_state import UnitState
 from shared import codec, subjects, transport, wire
+from shared.latency import Latencies
 from shared.retry import retry
 from shared.transport import TransportError
 

@@ -1,4 +1,4 @@
-"""Durations a learner measures on its own clocks: recent durations of one kind with their
+"""Durations a process measures on its own clocks: recent durations of one kind with their
 percentiles for the heartbeat (``shared.records.LatencySummary``), and time spent in calls.
 """
 
@@ -28,6 +28,11 @@ class Latencies:
         with self._lock:
             self._values.append(max(0.0, seconds))
             self._count += 1
+
+    def values(self) -> list[float]:
+        """The kept durations, oldest first."""
+        with self._lock:
+            return list(self._values)
 
     def summary(self) -> LatencySummary | None:
         """Count (in all) and percentiles of the kept durations (None before the first)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from services.learner.latency import Latencies, TimeSpent
+from shared.latency import Latencies, TimeSpent
 
 
 def test_latencies_summarise_the_most_recent_durations():
