@@ -266,7 +266,7 @@ class OuterService:
             if not await self._publish(js, fragment):
                 return
         if self.progress.evaluation.last is None:
-            await self._evaluate()  # saved by the next commit
+            await self._evaluate(*self._eval_snapshot())  # saved by the next commit
         sub = await self._retry(lambda: self.subscribe(js), "subscribe")
         self.state = "running"
         await self._serve(js, sub, store)
@@ -283,40 +283,64 @@ class OuterService:
 
     async def _serve(self, js: Any, sub: Any, store: checkpoint.CheckpointStore) -> None:
         last_eval = time.monotonic()
-        while not self._stopping():
-            deadline = self.core.next_deadline()
-            wait_s = 1.0 if deadline is None else min(1.0, max(0.05, deadline - time.monotonic()))
-            try:
-                msgs = await retry(
-                    lambda w=wait_s: self._fetch(sub, w),
-                    "fetch uploads",
-                    on=(nats.errors.Error,),
-                    stopping=self._stopping,
-                    backoff=QUICK,
-                )
-            except nats.errors.Error:
-                return
-            if await self.intake.take(msgs):
-                self._dirty = True  # rejections are committed before they are dead-lettered
-            results = await self.merge_due(time.monotonic())
-            if self._dirty and not await self._commit(store):
-                return  # stopping: nothing acknowledged, JetStream redelivers to the next outer
-            for fragment in sorted({r.fragment for r in results}):
-                if not await self._publish(js, fragment):
+        # An evaluation of a large model takes seconds: it runs beside this loop, which goes on
+        # merging, on a copy of the params taken here (no merge runs at that moment).
+        evaluation: asyncio.Task[None] | None = None
+        try:
+            while not self._stopping():
+                if evaluation is not None and evaluation.done():
+                    evaluation.result()
+                    evaluation = None
+                    self._dirty = True  # the evaluation goes into the next checkpoint
+                    last_eval = time.monotonic()
+                idle = await self._serve_once(js, sub, store)
+                if idle is None:
                     return
-            for result in results:
-                for arrival in result.arrivals:
-                    for msg in arrival.messages:
-                        with contextlib.suppress(nats.errors.Error):
-                            await msg.ack()
-            await self.dead_letters.flush(js)
-            idle = not msgs
-            due = time.monotonic() - last_eval >= self.settings.eval_every_s
-            last = self.progress.evaluation.last
-            if (last is None or last.version != self.core.total_version) and (idle or due):
-                await self._evaluate()
-                self._dirty = True  # the evaluation goes into the next checkpoint
-                last_eval = time.monotonic()
+                last = self.progress.evaluation.last
+                due = time.monotonic() - last_eval >= self.settings.eval_every_s
+                if (
+                    evaluation is None
+                    and (last is None or last.version != self.core.total_version)
+                    and (due or (idle and self.settings.eval_when_idle))
+                ):
+                    evaluation = asyncio.create_task(self._evaluate(*self._eval_snapshot()))
+        finally:
+            if evaluation is not None:
+                evaluation.cancel()
+                await asyncio.gather(evaluation, return_exceptions=True)
+
+    async def _serve_once(
+        self, js: Any, sub: Any, store: checkpoint.CheckpointStore
+    ) -> bool | None:
+        """Fetch, take, merge, commit, publish and acknowledge once. Returns whether nothing
+        came (idle), or None when stopping."""
+        deadline = self.core.next_deadline()
+        wait_s = 1.0 if deadline is None else min(1.0, max(0.05, deadline - time.monotonic()))
+        try:
+            msgs = await retry(
+                lambda w=wait_s: self._fetch(sub, w),
+                "fetch uploads",
+                on=(nats.errors.Error,),
+                stopping=self._stopping,
+                backoff=QUICK,
+            )
+        except nats.errors.Error:
+            return None
+        if await self.intake.take(msgs):
+            self._dirty = True  # rejections are committed before they are dead-lettered
+        results = await self.merge_due(time.monotonic())
+        if self._dirty and not await self._commit(store):
+            return None  # stopping: nothing acknowledged, JetStream redelivers
+        for fragment in sorted({r.fragment for r in results}):
+            if not await self._publish(js, fragment):
+                return None
+        for result in results:
+            for arrival in result.arrivals:
+                for msg in arrival.messages:
+                    with contextlib.suppress(nats.errors.Error):
+                        await msg.ack()
+        await self.dead_letters.flush(js)
+        return not msgs
 
     async def _fetch(self, sub: Any, wait_s: float) -> list[Any]:
         """The next batch of chunk messages; none if nothing came within ``wait_s``."""
@@ -439,11 +463,17 @@ class OuterService:
             params_codec=self.settings.params_codec,
         )
 
-    async def _evaluate(self) -> None:
-        """Evaluate the global params on held-out data and enter the result (a loss that is
-        not finite, from a diverged model, is entered as None and logged)."""
-        params = pytree.unflatten_named(self.template, self.core.full_params())
-        version = self.core.total_version
+    def _eval_snapshot(self) -> tuple[Any, int]:
+        """A copy of the global params and their version, for :meth:`_evaluate`. Take it on
+        the event loop between merges (merges run on a worker thread)."""
+        return pytree.unflatten_named(self.template, self.core.full_params()), (
+            self.core.total_version
+        )
+
+    async def _evaluate(self, params: Any, version: int) -> None:
+        """Evaluate ``params`` (global version ``version``) on held-out data and enter the
+        result (a loss that is not finite, from a diverged model, is entered as None and
+        logged)."""
         result = await asyncio.get_running_loop().run_in_executor(None, self.evaluate, params)
         log.info(
             "eval v%d: %.4f nats/byte (%.4f bits/byte)",

@@ -111,6 +111,11 @@ class OuterSettings(JobSettings, OuterAlgorithmSettings):
     eval_every_s: float = Field(
         5.0, gt=0, description="seconds between held-out evaluations of the global params"
     )
+    eval_when_idle: bool = Field(
+        True,
+        description="also evaluate a new version whenever no upload came for a second (the "
+        "last version of a run is evaluated at once)",
+    )
     eval_batches: int = Field(8, ge=1, le=1000, description="held-out batches per evaluation")
     eval_batch_size: int = Field(16, ge=1, le=4096, description="sequences per eval batch")
     fetch_batch: int = Field(32, ge=1, le=1024, description="messages fetched per pull")
