@@ -52,6 +52,7 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     NonNegativeInt,
+    PositiveFloat,
     ValidationError,
     model_validator,
 )
@@ -78,7 +79,8 @@ ENDED_STATES = ("finished", "stopped")
 OuterState = Literal["starting", "standby", "restoring", "running", "stopped", "deposed"]
 JobState = Literal["created", "running", "paused", "stopped"]
 JOB_STATES: tuple[str, ...] = get_args(JobState)
-MAX_UNITS = 64
+MAX_UNITS = 64  # units of a job in the registry (REST, `diloco up`)
+MAX_OUTER_UNITS = 1024  # units one outer serves (`diloco outer --num-units`)
 MAX_RECORD_BYTES = 8 << 20  # larger than any record a writer makes; bounds a hostile one
 MAX_ERROR_CHARS = 1000
 
@@ -549,6 +551,12 @@ class ParamsHead(Record):
     size: Count
     params_checksum: int | None = Field(
         None, ge=0, lt=1 << 64, description="XXH3-64 of the encoded params (shared.wire)"
+    )
+    applied: dict[Count, Annotated[int, Field(ge=-1)]] = Field(
+        {},
+        max_length=MAX_OUTER_UNITS,
+        description="per unit, the newest round the outer had applied when it published this "
+        "version: a unit's upload of round r is in this version if r <= applied[unit]",
     )
 
     @model_validator(mode="after")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import nats
@@ -266,6 +266,7 @@ async def publish_params(
     blob: bytes,
     chunk_size: int,
     params_checksum: int | None = None,
+    applied: Mapping[int, int] | None = None,
 ) -> None:
     """Publish a fragment's global params: chunks first, then the head that points at them.
 
@@ -275,7 +276,8 @@ async def publish_params(
     starts late reads the newest head. ``params_checksum``
     (:func:`shared.wire.payload_checksum` of the encoded params) goes into the head, so that
     anyone can check that a version number always stands for the same params, however often
-    it is announced.
+    it is announced. ``applied`` (per unit, the newest round applied) goes into the head too,
+    so that a unit can tell when its upload reached the global params.
     """
     upload = upload_id(job, -1, version, fragment)
     sequences = await publish_blob(
@@ -288,6 +290,7 @@ async def publish_params(
         sequences=sequences,
         size=len(blob),
         params_checksum=params_checksum,
+        applied=dict(applied or {}),
     )
     await js.publish(
         subjects.params_head_subject(job, fragment),

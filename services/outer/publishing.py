@@ -85,8 +85,11 @@ async def publish_fragment(
     params: Mapping[str, Any],
     stopping: Callable[[], bool],
     params_codec: str = "int8",
+    applied: Mapping[int, int] | None = None,
 ) -> bool:
     """Publish one fragment's params, retrying (``shared.retry``) until it is done.
+
+    ``applied`` (per unit, the newest round applied) goes into the head.
 
     Returns:
         True once published; False if ``stopping()`` became true first.
@@ -95,7 +98,14 @@ async def publish_fragment(
     try:
         await retry(
             lambda: transport.publish_params(
-                js, job, fragment, version, blob, chunk_size, params_checksum=checksum
+                js,
+                job,
+                fragment,
+                version,
+                blob,
+                chunk_size,
+                params_checksum=checksum,
+                applied=applied,
             ),
             f"publish version {version} of fragment {fragment}",
             on=(TransportError, *NATS_ERRORS),

@@ -461,6 +461,7 @@ class OuterService:
             self.core.fragment_params(fragment),
             stopping=self.stop.is_set,
             params_codec=self.settings.params_codec,
+            applied={unit: books.last_round for unit, books in self.ledger.units.items()},
         )
 
     def _eval_snapshot(self) -> tuple[Any, int]:

@@ -15,6 +15,7 @@ from shared.outer_choices import (
     StalenessRuleName,
     TokenWeightingName,
 )
+from shared.records import MAX_OUTER_UNITS
 from shared.settings import ENV_PREFIX, JobSettings
 
 if TYPE_CHECKING:
@@ -106,7 +107,10 @@ class OuterSettings(JobSettings, OuterAlgorithmSettings):
     """The outer optimizer of one job: how it merges pseudo-gradients and reports progress."""
 
     num_units: int = Field(
-        1, ge=1, le=1024, description="units in the job (K: participation share, quorum checks)"
+        1,
+        ge=1,
+        le=MAX_OUTER_UNITS,
+        description="units in the job (K: participation share, quorum checks)",
     )
     eval_every_s: float = Field(
         5.0, gt=0, description="seconds between held-out evaluations of the global params"
