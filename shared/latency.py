@@ -72,3 +72,48 @@ class TimeSpent:
         """The time summed so far."""
         with self._lock:
             return self._seconds
+
+
+class SyncLatency:
+    """Each upload's time from its sync point until the outer has published global params
+    that include it: a params head's ``applied`` round for this unit reaches the upload's round
+    (``shared.records.ParamsHead``). Thread-safe.
+
+    Attributes:
+        latencies: the measured durations.
+    """
+
+    def __init__(self, kept: int = KEPT, max_pending: int = 4096) -> None:
+        """Args:
+        kept: durations kept for the percentiles.
+        max_pending: rounds waiting for a head at most (the oldest is forgotten beyond).
+        """
+        self.latencies = Latencies(kept)
+        self._max_pending = max_pending
+        self._lock = threading.Lock()
+        self._due: dict[int, float] = {}  # round -> its sync point, in order
+
+    def due(self, round_: int, at: float) -> None:
+        """Round ``round_`` reached its sync point at ``at`` (``time.monotonic()``)."""
+        with self._lock:
+            self._due[round_] = at
+            while len(self._due) > self._max_pending:
+                del self._due[next(iter(self._due))]
+
+    def forget(self, round_: int) -> None:
+        """Round ``round_`` will never be applied (dropped before it was sent)."""
+        with self._lock:
+            self._due.pop(round_, None)
+
+    def applied(self, up_to: int, at: float) -> None:
+        """A head says every round up to ``up_to`` is in the global params, seen at ``at``."""
+        with self._lock:
+            done = [r for r in self._due if r <= up_to]
+            durations = [at - self._due.pop(r) for r in done]
+        for duration in durations:
+            self.latencies.add(duration)
+
+    def pending(self) -> int:
+        """Rounds still waiting for a head."""
+        with self._lock:
+            return len(self._due)

@@ -52,7 +52,6 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     NonNegativeInt,
-    PositiveFloat,
     ValidationError,
     model_validator,
 )
@@ -244,6 +243,11 @@ class UnitStatus(Record):
     params_latency: LatencySummary | None = Field(
         None,
         description="a global's time from its head's notification to the training loop taking it",
+    )
+    sync_latency: LatencySummary | None = Field(
+        None,
+        description="an upload's time from its sync point to the first params head that "
+        "includes it (the outer applied it and published the result)",
     )
     network_wait_s: NonNegativeFloat = Field(
         0.0, description="seconds the training loop spent in calls to the NATS link"
@@ -658,3 +662,4 @@ class RunSummary(Record):
     tokens_per_s: NonNegativeFloat | None = None
     restarts: dict[str, Count] = {}
     ledger: Books
+

@@ -1,10 +1,11 @@
-"""A learner's own measurements: latency percentiles and time spent in calls (pure)."""
+"""Durations a process measures on its own clock: latency percentiles, time spent in calls and
+sync latency (pure)."""
 
 from __future__ import annotations
 
 import time
 
-from shared.latency import Latencies, TimeSpent
+from shared.latency import Latencies, SyncLatency, TimeSpent
 
 
 def test_latencies_summarise_the_most_recent_durations():
@@ -25,3 +26,25 @@ def test_time_spent_adds_up_the_measured_blocks():
         with spent.measure():
             time.sleep(0.01)
     assert 0.03 <= spent.seconds < 0.5
+
+
+def test_sync_latency_ends_when_a_head_includes_the_round():
+    sync = SyncLatency()
+    sync.due(0, 10.0)
+    sync.due(1, 12.0)
+    sync.due(2, 14.0)
+    sync.forget(1)  # dropped unsent: never applied
+    sync.applied(-1, 15.0)  # a head from before any of this unit's uploads
+    assert sync.pending() == 2 and sync.latencies.summary() is None
+    sync.applied(0, 15.5)
+    assert sync.latencies.values() == [5.5] and sync.pending() == 1
+    sync.applied(5, 20.0)  # later rounds in one head
+    assert sync.latencies.values() == [5.5, 6.0] and sync.pending() == 0
+
+
+def test_sync_latency_forgets_the_oldest_beyond_its_bound():
+    sync = SyncLatency(max_pending=2)
+    for round_ in range(3):
+        sync.due(round_, float(round_))
+    sync.applied(2, 10.0)
+    assert sync.latencies.values() == [9.0, 8.0]

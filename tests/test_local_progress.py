@@ -129,6 +129,9 @@ def test_summary_lines_show_what_crossed_each_link():
                 "upload_latency": LatencySummary(
                     count=12, p50_s=0.25, p95_s=1.5, p99_s=2.0, max_s=2.5
                 ),
+                "sync_latency": LatencySummary(
+                    count=12, p50_s=1.25, p95_s=3.0, p99_s=4.0, max_s=4.5
+                ),
                 "network_wait_s": 0.0012,
             }
         ),
@@ -154,7 +157,8 @@ def test_summary_lines_show_what_crossed_each_link():
     lines = summary_lines(summary)
     per_token, data_parallel = 100_000 / 5000, 8 * 84288 / 1024
     assert lines[-5:] == [
-        "  upload p50 0.25 s, p95 1.50 s; params -; training loop in network calls 0.001 s",
+        "  upload p50 0.25 s, p95 1.50 s; sync p50 1.25 s, p95 3.00 s; params -;"
+        " training loop in network calls 0.001 s",
         "  link 1mbit/100ms: 0.04 MB up, 0.06 MB down,"
         f" {per_token:.1f} B/token ({data_parallel / per_token:.0f}x less than data-parallel),"
         " busy 5.0% up, 10.0% down, 1 outage(s)",

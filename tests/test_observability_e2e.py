@@ -237,6 +237,16 @@ def test_dashboard_pauses_a_unit_in_headless_chromium(nats_server, services, tmp
         row = '[data-unit="1"]'
         assert driver.find_element(By.CSS_SELECTOR, f"{row} .state").text == "running"
 
+        def latencies_shown():
+            # upload / sync / params medians: the first two once an upload reached the params.
+            upload, sync, _ = driver.find_element(By.CSS_SELECTOR, f"{row} .latency").text.split(
+                " / "
+            )
+            return upload != "–" and sync != "–" and float(sync) > 0
+
+        wait_for(latencies_shown, 30, "the dashboard to show unit 1's upload and sync latency")
+        assert float(driver.find_element(By.CSS_SELECTOR, f"{row} .network-wait").text) >= 0
+
         driver.find_element(By.ID, "token").send_keys(GATEWAY_TOKEN)
         driver.find_element(By.CSS_SELECTOR, f"{row} button.pause").click()
 

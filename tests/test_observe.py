@@ -19,6 +19,7 @@ from shared.records import (
     EvalPoint,
     EvalRecord,
     EvaluationRecord,
+    LatencySummary,
     LinkStatus,
     OuterStatus,
     Stamped,
@@ -83,6 +84,9 @@ def unit_record(unit: int, **overrides) -> UnitStatus:
         lifetime={"published": 9},
     )
     return record.model_copy(update=overrides)
+
+
+SYNC = LatencySummary(count=4, p50_s=1.5, p95_s=2.5, p99_s=3.0, max_s=3.5)
 
 
 def link_record(name: str, **overrides) -> LinkStatus:
@@ -224,7 +228,13 @@ def test_prometheus_collector_reports_every_job_and_unit():
         {
             "j": job_status(
                 stamped(outer_record(), 1.0),
-                {0: stamped(unit_record(0), 0.5), 1: stamped(unit_record(1, state="paused"), 0.5)},
+                {
+                    0: stamped(unit_record(0), 0.5),
+                    1: stamped(
+                        unit_record(1, state="paused", sync_latency=SYNC, network_wait_s=0.02),
+                        0.5,
+                    ),
+                },
                 {"1": stamped(link_record("1", outage="stall"), 0.5)},
             ),
             "other": JobStatus(
@@ -256,6 +266,12 @@ def test_prometheus_collector_reports_every_job_and_unit():
     assert samples[("diloco_unit_version_lag", unit1)] == 2
     assert samples[("diloco_unit_heartbeat_age_seconds", unit1)] == 0.5
     assert samples[("diloco_unit_bytes_sent_total", unit1)] == 9000
+    assert samples[("diloco_unit_network_wait_seconds", unit1)] == 0.02
+    for quantile, value in (("0.5", 1.5), ("0.95", 2.5), ("0.99", 3.0)):
+        labels = (("job", "j"), ("kind", "sync"), ("quantile", quantile), ("unit", "1"))
+        assert samples[("diloco_unit_latency_seconds", labels)] == value
+    upload = (("job", "j"), ("kind", "upload"), ("quantile", "0.5"), ("unit", "1"))
+    assert upload not in samples  # no upload latency measured yet
     paused = (("job", "j"), ("state", "paused"), ("unit", "1"))
     running = (("job", "j"), ("state", "running"), ("unit", "1"))
     assert samples[("diloco_unit_state", paused)] == 1

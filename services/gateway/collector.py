@@ -22,6 +22,7 @@ from services.gateway.views import version_lag
 from shared.job_status import JobStatus
 from shared.records import (
     UNIT_STATES,
+    LatencySummary,
     LinkStatus,
     OuterStatus,
     UnitStatus,
@@ -68,6 +69,17 @@ UNIT_GAUGES: tuple[tuple[str, str, Callable[[UnitStatus], float | None]], ...] =
         "global version the params are based on",
         lambda s: s.base_version,
     ),
+    (
+        "diloco_unit_network_wait_seconds",
+        "seconds the training loop spent in calls to the NATS link",
+        lambda s: s.network_wait_s,
+    ),
+)
+#: A unit's latencies by kind (label ``kind``), as quantiles of its recent durations.
+UNIT_LATENCIES: tuple[tuple[str, Callable[[UnitStatus], LatencySummary | None]], ...] = (
+    ("upload", lambda s: s.upload_latency),
+    ("sync", lambda s: s.sync_latency),
+    ("params", lambda s: s.params_latency),
 )
 #: Unit process counters reported as Prometheus counters: (counter, metric name, help).
 UNIT_COUNTERS = (
@@ -193,6 +205,12 @@ class StatusCollector(Collector):
             (counter, CounterMetricFamily(name, text, labels=labels))
             for counter, name, text in UNIT_COUNTERS
         ]
+        latency = GaugeMetricFamily(
+            "diloco_unit_latency_seconds",
+            "recent latencies on the unit's clock: upload (loop → JetStream), sync (sync point "
+            "→ params that include it), params (head → loop)",
+            labels=["job", "unit", "kind", "quantile"],
+        )
         for job, status in sorted(self.snapshot.items()):
             outer = status.outer_record()
             for unit, entry in sorted(status.units.items()):
@@ -211,9 +229,18 @@ class StatusCollector(Collector):
                     state.add_metric([*key, name], 1.0 if name == current else 0.0)
                 for counter, family in counters:
                     family.add_metric(key, float(record.counter(counter)))
+                for kind, summary_of in UNIT_LATENCIES:
+                    summary = summary_of(record)
+                    if summary is not None:
+                        for quantile, value in (
+                            ("0.5", summary.p50_s),
+                            ("0.95", summary.p95_s),
+                            ("0.99", summary.p99_s),
+                        ):
+                            latency.add_metric([*key, kind, quantile], value)
         for _, family in gauges:
             yield family
-        yield from (lag, age, state)
+        yield from (lag, age, state, latency)
         for _, family in counters:
             yield family
 

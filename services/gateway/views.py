@@ -174,6 +174,9 @@ class UnitView(BaseModel):
     params_latency: LatencySummary | None = Field(
         None, description="recent globals: head notification → taken by the training loop"
     )
+    sync_latency: LatencySummary | None = Field(
+        None, description="recent uploads: sync point → first params head that includes them"
+    )
     network_wait_s: float | None = Field(
         None, description="seconds the training loop spent in calls to the NATS link"
     )
@@ -286,6 +289,7 @@ def unit_view(
         lifetime=status.lifetime,
         upload_latency=status.upload_latency,
         params_latency=status.params_latency,
+        sync_latency=status.sync_latency,
         network_wait_s=round(status.network_wait_s, 6),
         **shown,
     )

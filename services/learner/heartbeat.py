@@ -95,6 +95,7 @@ class Heartbeat:
                 "last_error": self.counters.last_error,
                 "upload_latency": self.sender.upload_latency.summary(),
                 "params_latency": self.params.params_latency.summary(),
+                "sync_latency": self.params.sync_latency.latencies.summary(),
             }
         )
 

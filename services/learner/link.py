@@ -86,6 +86,7 @@ class LearnerLink:
             self.counters,
             self.encoder,
             on_published=self.params.want_after_upload,
+            sync_latency=self.params.sync_latency,
         )
         self.control = UnitControl(settings, self.unit_state)
         self.heartbeat = Heartbeat(

@@ -35,7 +35,7 @@ import numpy as np
 from services.learner.counters import Counters
 from services.learner.settings import LearnerSettings
 from shared import codec, records, subjects, transport, wire
-from shared.latency import Latencies
+from shared.latency import Latencies, SyncLatency
 from shared.records import ParamsHead
 from shared.retry import NATS_ERRORS, retry
 from shared.transport import TransportError
@@ -78,6 +78,9 @@ class ParamsFetcher:
         self._head_versions = [-1] * settings.fragments  # the newest head seen
         self._head_seen_at = [0.0] * settings.fragments  # when that head was first seen
         self.params_latency = Latencies()
+        # Each upload's sync point → the first head that includes it (the sender marks the
+        # sync points; the heads end them).
+        self.sync_latency = SyncLatency()
         self._head_seen: asyncio.Event | None = None
         self._subscription: Any = None
 
@@ -112,6 +115,8 @@ class ParamsFetcher:
             head = records.decode(ParamsHead, msg.data, msg.subject)
             if fragment is not None and fragment < self.settings.fragments and head is not None:
                 self._note_head(fragment, head.version)
+                applied = head.applied.get(self.settings.unit, -1)
+                self.sync_latency.applied(applied, time.monotonic())
             head_seen.set()
 
         self._subscription = await retry(

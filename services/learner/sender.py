@@ -27,7 +27,7 @@ from services.learner.encoder import UploadEncoder, UploadKey, upload_key
 from services.learner.settings import LearnerSettings
 from services.learner.unit_state import UnitState
 from shared import codec, subjects, transport, wire
-from shared.latency import Latencies
+from shared.latency import Latencies, SyncLatency
 from shared.retry import retry
 from shared.transport import TransportError
 
@@ -47,6 +47,7 @@ class Sender:
         counters: Counters,
         encoder: UploadEncoder,
         on_published: Callable[[int], None] = lambda _fragment: None,
+        sync_latency: SyncLatency | None = None,
     ) -> None:
         """Args:
         settings: the unit's settings (job, unit, ``max_unsent``).
@@ -56,6 +57,8 @@ class Sender:
         encoder: encodes the uploads.
         on_published: told the fragment of every upload JetStream accepted (on the link's
             event loop).
+        sync_latency: told each upload's sync point (its submission), and the uploads that
+            will never be applied.
         """
         self.settings = settings
         self.unit_state = unit_state
@@ -63,6 +66,7 @@ class Sender:
         self.encoder = encoder
         self.on_published = on_published
         self.upload_latency = Latencies()
+        self.sync_latency = sync_latency or SyncLatency()
         self._queued_at: dict[UploadKey, float] = {}
         self.last_published_round: int | None = None
         self._lock = threading.Lock()
@@ -89,9 +93,11 @@ class Sender:
                     dropped = self._queue[index]
                     del self._queue[index]
             self._queue.append(upload)
-            self._queued_at[upload_key(upload)] = time.monotonic()
+            self._queued_at[upload_key(upload)] = now = time.monotonic()
+            self.sync_latency.due(upload.round, now)
             if dropped is not None:
                 self._queued_at.pop(upload_key(dropped), None)
+                self.sync_latency.forget(dropped.round)
         self.counters.add("queued")
         if dropped is not None:
             self.counters.add("dropped_unsent")
@@ -145,6 +151,7 @@ class Sender:
                 # A pseudo-gradient with NaN/Inf must never be sent: record and skip it.
                 self.counters.error(f"round {upload.round} not sent: {err}")
                 log.error("round %d not sent: %s", upload.round, err)
+                self.sync_latency.forget(upload.round)
                 self._finish(upload, "rejected_local")
                 continue
             with self._lock:

@@ -133,8 +133,8 @@ def summary_lines(summary: RunSummary) -> list[str]:
 
 
 def latency_line(status: UnitStatus) -> str:
-    """A unit's upload and params latencies, and the time its training loop spent in calls to
-    the NATS link."""
+    """A unit's upload, sync and params latencies, and the time its training loop spent in
+    calls to the NATS link."""
 
     def shown(name: str, latency: LatencySummary | None) -> str:
         if latency is None:
@@ -142,7 +142,8 @@ def latency_line(status: UnitStatus) -> str:
         return f"{name} p50 {latency.p50_s:.2f} s, p95 {latency.p95_s:.2f} s"
 
     return (
-        f"{shown('upload', status.upload_latency)}; {shown('params', status.params_latency)};"
+        f"{shown('upload', status.upload_latency)}; {shown('sync', status.sync_latency)}; "
+        f"{shown('params', status.params_latency)};"
         f" training loop in network calls {status.network_wait_s:.3f} s"
     )
 

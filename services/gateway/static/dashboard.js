@@ -59,7 +59,8 @@ async function setDesired(unit, action) {
 // ---- units table --------------------------------------------------------------------------
 
 const COLUMNS = ["state", "desired", "step", "tokens-per-s", "train-loss", "version-lag",
-  "heartbeat", "bytes-sent", "link", "link-bytes", "bytes-per-token"];
+  "heartbeat", "bytes-sent", "link", "link-bytes", "bytes-per-token", "latency",
+  "network-wait"];
 
 function unitRow(unit) {
   let row = $(`#units tbody tr[data-unit="${unit}"]`);
@@ -109,6 +110,12 @@ function renderUnits(units) {
     const saving = link && link.times_less_than_data_parallel;
     $(".bytes-per-token", row).textContent = !link ? "–"
       : fmt(link.bytes_per_token, 1) + (saving ? ` (${fmt(saving)}× less than DP)` : "");
+    // Medians on the unit's clock: upload (loop → JetStream), sync (sync point → params that
+    // include it), params (head → loop).
+    const p50 = (l) => (l ? `${l.p50_s.toFixed(2)}` : "–");
+    $(".latency", row).textContent =
+      `${p50(u.upload_latency)} / ${p50(u.sync_latency)} / ${p50(u.params_latency)}`;
+    $(".network-wait", row).textContent = fmt(u.network_wait_s, 3);
     $("button.pause", row).disabled = u.desired === "paused";
     $("button.resume", row).disabled = u.desired === "running";
   }
