@@ -5,6 +5,7 @@
     diloco outer     run the outer optimizer of a job
     diloco gateway   run the REST gateway
     diloco link      a shaped link (rate, delay, outages) in front of nats-server
+    diloco loadtest  synthetic units against a real outer: ingest, latency, saturation point
     diloco jobs | job | unit | units   control jobs through a gateway (services/gateway/client.py)
 
 Every option is also an environment variable ``DILOCO_<NAME>`` and a key of the job
@@ -42,11 +43,19 @@ def _settings(cls, args: argparse.Namespace):
     from services.gateway.settings import GatewaySettings
     from services.learner.settings import LearnerSettings
     from services.link.settings import LinkSettings
+    from services.loadtest.settings import LoadtestSettings
     from services.local.settings import UpSettings
     from services.outer.settings import OuterSettings
 
     known = set()
-    for settings_cls in (UpSettings, LearnerSettings, OuterSettings, GatewaySettings, LinkSettings):
+    for settings_cls in (
+        UpSettings,
+        LearnerSettings,
+        OuterSettings,
+        GatewaySettings,
+        LinkSettings,
+        LoadtestSettings,
+    ):
         known |= set(settings_cls.model_fields)
     config = load_config_file(args.config or os.environ.get("DILOCO_CONFIG"))
     return settings_from_args(cls, args, config, known)
@@ -125,11 +134,28 @@ def _cmd_link(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_loadtest(args: argparse.Namespace) -> int:
+    from services.loadtest.run import run_loadtest
+    from services.loadtest.settings import LoadtestSettings
+    from services.loadtest.stage import StageError
+    from services.local.broker import BrokerError
+
+    settings = _settings(LoadtestSettings, args)
+    setup_logging(args.log_level, "loadtest")
+    try:
+        report = run_loadtest(settings)
+    except (StageError, BrokerError) as err:
+        print(f"diloco loadtest: {err}", file=sys.stderr)
+        return 1
+    return 0 if all(stage.books.balanced for stage in report.stages) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``diloco`` argument parser with one subcommand per service."""
     from services.gateway.settings import GatewaySettings
     from services.learner.settings import LearnerSettings
     from services.link.settings import LinkSettings
+    from services.loadtest.settings import LoadtestSettings
     from services.local.settings import UpSettings
     from services.outer.settings import OuterSettings
 
@@ -149,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("outer", OuterSettings, _cmd_outer, "run the outer optimizer of a job"),
         ("gateway", GatewaySettings, _cmd_gateway, "run the REST gateway"),
         ("link", LinkSettings, _cmd_link, "a shaped link in front of nats-server"),
+        (
+            "loadtest",
+            LoadtestSettings,
+            _cmd_loadtest,
+            "synthetic units against a real outer: ingest, sync latency, saturation point",
+        ),
     ]
     for name, settings_cls, handler, help_text in table:
         sub = commands.add_parser(

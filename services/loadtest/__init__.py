@@ -1,0 +1,1 @@
+"""``diloco loadtest``: synthetic learner units (no JAX) against the real outer and broker."""

@@ -1,0 +1,76 @@
+"""``diloco loadtest``: the stages one after the other, the report printed and written."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from services.loadtest.payloads import PayloadPool
+from services.loadtest.report import saturation_units, table, verdict
+from services.loadtest.settings import LoadtestSettings
+from services.loadtest.stage import Stage
+from shared import records
+from shared.atomic import atomic_write_bytes
+from shared.codec_config import CodecConfig
+from shared.model_config import get_config
+from shared.records import LoadtestReport
+
+POOL_SIZE = 4  # different synthetic pseudo-gradients, sent in turn
+REPORT_FILE = "loadtest.json"
+
+
+def report_path(settings: LoadtestSettings) -> Path:
+    """Where the report is written."""
+    return Path(settings.data_dir) / REPORT_FILE
+
+
+def run_loadtest(settings: LoadtestSettings, out: TextIO = sys.stdout) -> LoadtestReport:
+    """Run every stage, print each as it ends and the table at the end; write the report
+    (``<data-dir>/loadtest.json``, rewritten after each stage)."""
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    model = get_config(settings.model)
+    say(f"encoding {POOL_SIZE} synthetic {settings.codec} pseudo-gradients of {model.name}")
+    pool = PayloadPool(model, CodecConfig(settings.codec), POOL_SIZE, settings.seed)
+    report = LoadtestReport(
+        model=settings.model,
+        param_count=model.param_count,
+        codec=settings.codec,
+        params_codec=settings.params_codec,
+        params_fetch=settings.params_fetch,
+        link=settings.link_spec(),
+        upload_every_s=settings.upload_every_s,
+        upload_payload_bytes=pool.payload_bytes,
+    )
+    say(
+        f"{model.param_count:,} parameters; one upload {pool.payload_bytes / 1e6:.2f} MB "
+        f"({pool.fp32_bytes / pool.payload_bytes:.2f}x less than fp32); a unit uploads every "
+        f"{settings.upload_every_s:g} s over {report.link.text()}"
+    )
+    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+    for count in settings.unit_counts():
+        say(
+            f"stage: {count} units (warm-up {settings.warmup():g} s, window {settings.stage_s:g} s)"
+        )
+        stage = asyncio.run(Stage(settings, count, pool, say).run())
+        report.stages.append(stage)
+        report.saturation_units = saturation_units(report.stages)
+        atomic_write_bytes(report_path(settings), records.encode(report))
+        sync = stage.sync_latency
+        say(
+            f"  {count} units: applied {stage.ingest_uploads_per_s:.2f} of "
+            f"{stage.offered_uploads_per_s:.2f} offered uploads/s "
+            f"({stage.ingest_mb_per_s:.1f} MB/s), sync p50 "
+            f"{sync.p50_s if sync else float('nan'):.2f} s, backlog {stage.backlog_start} → "
+            f"{stage.backlog_end}, books {'balanced' if stage.books.balanced else 'NOT balanced'}"
+            + (f"; saturated: {stage.reason}" if stage.saturated else "")
+        )
+    for line in table(report):
+        say(line)
+    say(verdict(report))
+    say(f"report: {report_path(settings)}")
+    return report
