@@ -50,6 +50,7 @@ def imported_heavy_modules(*modules: str) -> list[str]:
         "services.local.run",
         "services.link.settings",
         "services.link.service",
+        "services.loadtest.settings",
         "services.cli",
         "services.gateway.client",
         "shared.settings",
@@ -62,3 +63,9 @@ def test_module_imports_no_training_code(module: str) -> None:
 
 def test_the_check_sees_a_heavy_import() -> None:
     assert "jax" in imported_heavy_modules("shared.model")
+
+
+def test_the_load_test_runs_without_jax():
+    """Synthetic units encode with the codec (Numba), but train nothing."""
+    heavy = imported_heavy_modules("services.loadtest.run")
+    assert not [name for name in heavy if name.split(".")[0] in ("jax", "optax")], heavy
