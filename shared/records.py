@@ -253,6 +253,11 @@ class UnitStatus(Record):
     network_wait_s: NonNegativeFloat = Field(
         0.0, description="seconds the training loop spent in calls to the NATS link"
     )
+    sync_wait_s: NonNegativeFloat = Field(
+        0.0,
+        description="seconds the training loop waited at sync points for the merged global "
+        "(--mode sync; 0 in the decoupled mode)",
+    )
     unsent: Count = Field(0, description="uploads queued, not yet accepted by JetStream")
     counters: dict[str, Count] = Field({}, description="this process's counters")
     lifetime: dict[str, Count] = Field({}, description="upload counters across restarts")

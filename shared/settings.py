@@ -13,7 +13,7 @@ import os
 import re
 import tomllib
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -22,6 +22,8 @@ from shared.model_config import ModelSize
 from shared.records import JOB_NAME_PATTERN
 
 ENV_PREFIX = "DILOCO_"
+#: How the units of a job sync (``--mode``).
+SyncMode = Literal["decoupled", "sync"]
 
 
 class SettingsError(ValueError):
@@ -74,6 +76,19 @@ class CommonJobSettings(BaseSettings):
     )
     fragments: int = Field(
         1, ge=1, le=64, description="parameter fragments synced on staggered schedules (P)"
+    )
+    mode: SyncMode = Field(
+        "decoupled",
+        description="decoupled: units never wait; sync: synchronous DiLoCo, a unit waits at "
+        "its sync point until the global params include its upload, and the outer merges a "
+        "round once every active unit is in, or --sync-timeout-s after its first upload",
+    )
+    sync_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="with --mode sync: seconds the outer waits for a round's missing units "
+        "before it merges without them",
     )
 
     @field_validator("job")

@@ -318,8 +318,8 @@ class TornRead(TransportError):
 
 async def read_latest_params(
     js: JetStreamContext, job: str, fragment: int, max_bytes: int, attempts: int = 5
-) -> tuple[int, bytes] | None:
-    """Fetch a fragment's newest global params blob: ``(version, blob)``, or None if none yet.
+) -> tuple[ParamsHead, bytes] | None:
+    """Fetch a fragment's newest global params blob: ``(head, blob)``, or None if none yet.
 
     The chunks are read by the sequences the head names, so the blob is exactly that version
     however many are published meanwhile, unless the stream dropped it (more than
@@ -330,7 +330,7 @@ async def read_latest_params(
         WireError: if the stored data is malformed.
     """
 
-    async def read_once() -> tuple[int, bytes] | None:
+    async def read_once() -> tuple[ParamsHead, bytes] | None:
         head = await read_params_head(js, job, fragment)
         if head is None:
             return None
@@ -354,7 +354,7 @@ async def read_latest_params(
             blob = reassembler.add(info, msg.data)
         if blob is None:
             raise TornRead(f"params of job {job} fragment {fragment} incomplete")
-        return head.version, blob
+        return head, blob
 
     return await retry(
         read_once,

@@ -135,7 +135,7 @@ def test_summary_lines_show_what_crossed_each_link():
                 "network_wait_s": 0.0012,
             }
         ),
-        1: UNITS[1],
+        1: UNITS[1].model_copy(update={"sync_wait_s": 12.34}),
     }
     links = {
         "0": LinkStatus(
@@ -156,13 +156,15 @@ def test_summary_lines_show_what_crossed_each_link():
     )
     lines = summary_lines(summary)
     per_token, data_parallel = 100_000 / 5000, 8 * 84288 / 1024
-    assert lines[-5:] == [
+    assert lines[-6:] == [
         "  upload p50 0.25 s, p95 1.50 s; sync p50 1.25 s, p95 3.00 s; params -;"
         " training loop in network calls 0.001 s",
         "  link 1mbit/100ms: 0.04 MB up, 0.06 MB down,"
         f" {per_token:.1f} B/token ({data_parallel / per_token:.0f}x less than data-parallel),"
         " busy 5.0% up, 10.0% down, 1 outage(s)",
         "unit 1: running at step 99, 0 uploads, train loss None",
+        "  upload -; sync -; params -; training loop in network calls 0.000 s,"
+        " waiting at sync points 12.3 s",
         "  link unlimited/0ms: 0.00 MB up, 0.00 MB down",
         "outer link 1mbit/100ms: 2.50 MB up, 0.00 MB down, busy 0.0% up, 0.0% down",
     ]

@@ -146,6 +146,39 @@ def test_a_silent_unit_stops_being_waited_for():
     assert deadlines == [pytest.approx(25.0), pytest.approx(35.0), pytest.approx(45.0), 50.0]
 
 
+def test_sync_mode_waits_for_every_unit_in_the_first_round_then_drops_a_silent_one():
+    settings = OuterSettings(mode="sync", sync_timeout_s=8.0, num_units=3)
+    algorithm = settings.algorithm(num_units=3)
+    assert (algorithm.policy, algorithm.min_quorum, algorithm.wait_for_all_first) == (
+        "quorum",
+        1,
+        True,
+    )
+    policy = MergePolicy(
+        algorithm.policy,
+        algorithm.min_quorum,
+        algorithm.grace_factor,
+        algorithm.grace_min_s,
+        algorithm.grace_max_s,
+        expected_units=algorithm.num_units,
+    )
+    policy.add(arrival(0, {}, at=1.0))
+    assert policy.deadline() == pytest.approx(9.0)  # units 1 and 2 never uploaded: wait 8 s
+    policy.add(arrival(1, {}, at=2.0))
+    policy.add(arrival(2, {}, at=3.0))
+    assert policy.ready(3.0)  # the whole job is in: merge at once
+    assert sorted(a.unit for a in policy.take()) == [0, 1, 2]
+    for unit in (0, 1, 2):  # round 2: every unit is in
+        policy.add(arrival(unit, {}, at=10.0 + unit))
+    assert policy.ready(12.0) and len(policy.take()) == 3
+    policy.add(arrival(0, {}, at=20.0))  # unit 2 died: the round waits the timeout, no longer
+    policy.add(arrival(1, {}, at=20.5))
+    assert policy.deadline() == pytest.approx(28.0) and not policy.ready(27.9)
+    assert sorted(a.unit for a in policy.take()) == [0, 1]
+    # The decoupled default merges every arrival alone, at once.
+    assert OuterSettings(num_units=3).algorithm(num_units=3).policy == "each"
+
+
 def test_grace_window_is_bounded():
     policy = MergePolicy("quorum", min_quorum=1, grace_factor=2.0, grace_min_s=1.0, grace_max_s=3.0)
     for t in (0.0, 10.0):

@@ -127,7 +127,8 @@ def test_a_slow_read_gets_exactly_the_version_it_started_on(nats_server) -> None
                 await publish(js, version, size=60_000)
             result = await asyncio.wait_for(read, 60)
             assert result is not None
-            return result
+            head, blob = result
+            return head.version, blob
         finally:
             await slow.close()
             await proxy.close()

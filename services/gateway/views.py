@@ -180,6 +180,9 @@ class UnitView(BaseModel):
     network_wait_s: float | None = Field(
         None, description="seconds the training loop spent in calls to the NATS link"
     )
+    sync_wait_s: float | None = Field(
+        None, description="seconds the training loop waited at sync points (--mode sync)"
+    )
     link: LinkView | None = Field(None, description="its shaped link (None: it has none)")
 
     model_config = {
@@ -291,6 +294,7 @@ def unit_view(
         params_latency=status.params_latency,
         sync_latency=status.sync_latency,
         network_wait_s=round(status.network_wait_s, 6),
+        sync_wait_s=round(status.sync_wait_s, 3),
         **shown,
     )
 

@@ -47,12 +47,18 @@ PARAMS_POLL_S = 2.0  # fallback poll in case a head notification was missed whil
 
 @dataclass
 class GlobalFragment:
-    """A decoded global fragment, and when its head was first seen (monotonic seconds)."""
+    """A decoded global fragment, and when its head was first seen (monotonic seconds).
+
+    Attributes:
+        applied_round: the newest round of this unit the outer had applied when it published
+            this version (-1: none), from its head.
+    """
 
     fragment: int
     version: int
     pieces: dict[str, np.ndarray]
     seen_at: float
+    applied_round: int = -1
 
 
 class ParamsFetcher:
@@ -167,13 +173,20 @@ class ParamsFetcher:
         fetched = await transport.read_latest_params(js, job, fragment, self.max_params_bytes)
         if fetched is None:
             return
-        version, blob = fetched
+        fetched_head, blob = fetched
+        version = fetched_head.version
         envelope = wire.unpack_envelope(blob, max_size=self.max_params_bytes)
         if envelope.kind != "params" or envelope.fragment != fragment or envelope.job != job:
             raise wire.WireError(f"expected params of {job} fragment {fragment}")
         pieces = codec.decode_tensors(envelope.payload, envelope.codec)
         seen_at = self._head_seen_at[fragment] if version == self._head_versions[fragment] else 0
-        global_fragment = GlobalFragment(fragment, version, pieces, seen_at or time.monotonic())
+        global_fragment = GlobalFragment(
+            fragment,
+            version,
+            pieces,
+            seen_at or time.monotonic(),
+            fetched_head.applied.get(self.settings.unit, -1),
+        )
         with self._lock:
             self._newest[fragment] = global_fragment
             self._known_versions[fragment] = version

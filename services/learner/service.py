@@ -42,6 +42,10 @@ from shared.runtime import configure_jax
 log = logging.getLogger(__name__)
 
 PAUSE_POLL_S = 0.1
+SYNC_POLL_S = 0.01  # --mode sync: how often a waiting unit looks for the merged global
+# --mode sync: a unit whose published upload is in no global after this many sync timeouts
+# stops waiting for it (the outer merges a round at most one timeout after its first upload).
+SYNC_GIVE_UP_FACTOR = 3
 STARTUP_DESIRED_WAIT_S = 5.0
 
 
@@ -114,6 +118,46 @@ def hand_off(
         link.submit(upload)
 
 
+def wait_for_merge(
+    uploads: list[Upload],
+    core: LearnerCore,
+    link: LearnerLink,
+    settings: LearnerSettings,
+    stop: threading.Event,
+) -> float:
+    """Synchronous DiLoCo (``--mode sync``): block until, for every fragment just uploaded, a
+    global version that includes the upload has arrived, and adopt it. Returns the seconds
+    waited.
+
+    The wait ends early on a stop or pause, or once the upload has been accepted by JetStream
+    and ``SYNC_GIVE_UP_FACTOR`` sync timeouts have passed without a version that includes it
+    (the outer rejected it): then the unit goes on from the newest version it has.
+    """
+    waiting = {upload.fragment: upload.round for upload in uploads}
+    started = time.monotonic()
+    published_at: float | None = None
+    while waiting and not stop.is_set() and link.desired_state == "running":
+        for fragment in link.take_new_params():
+            core.offer_global(fragment.fragment, fragment.version, fragment.pieces)
+            if fragment.applied_round >= waiting.get(fragment.fragment, fragment.applied_round + 1):
+                del waiting[fragment.fragment]
+        core.adopt_globals()
+        now = time.monotonic()
+        if published_at is None and link.unsent() == 0:
+            published_at = now
+        if published_at is not None and now - published_at > (
+            SYNC_GIVE_UP_FACTOR * settings.sync_timeout_s
+        ):
+            log.warning(
+                "no global includes round(s) %s: going on without", sorted(waiting.values())
+            )
+            link.counters.add("sync_waits_abandoned")
+            break
+        if waiting:
+            stop.wait(SYNC_POLL_S)
+    return time.monotonic() - started
+
+
 def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) -> dict:
     """Train one unit until ``max_steps`` (or ``stop`` is set); returns a summary dict.
 
@@ -164,6 +208,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
     rate_window: list[tuple[float, int]] = [(time.monotonic(), tokens_total)]
     # Seconds spent training (running) in this process, and when the running stretch began.
     training_s = 0.0
+    sync_wait_s = 0.0  # --mode sync: time spent waiting at sync points
     running_since: float | None = None
     last_status = 0.0
     state_name = "running"
@@ -208,6 +253,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             model=settings.model,
             num_units=settings.num_units,
             tokens_per_step=core.tokens_per_step,
+            sync_wait_s=round(sync_wait_s, 3),
         )
 
     while core.step < settings.max_steps and not stop.is_set():
@@ -254,7 +300,10 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             # The outer's record arrived after the start-up wait (NATS was slow): skip ahead.
             log.warning("skipping to round %d (outer's record)", link.outer_next_round)
             core.round = link.outer_next_round
-        hand_off(core.due_uploads(next_h), core, link, unit_state, writer, tokens_total)
+        uploads = core.due_uploads(next_h)
+        hand_off(uploads, core, link, unit_state, writer, tokens_total)
+        if uploads and settings.mode == "sync":
+            sync_wait_s += wait_for_merge(uploads, core, link, settings, stop)
         report()
 
     if running_since is not None:

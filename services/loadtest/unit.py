@@ -217,7 +217,7 @@ class SyntheticUnit:
                 await asyncio.sleep(0.5)
                 continue
             if fetched is not None:
-                version, blob = fetched
+                head, blob = fetched
                 self.tally.params_bytes += len(blob)
-                self._fetched = max(self._fetched, version)
+                self._fetched = max(self._fetched, head.version)
                 self._base_version = self._fetched

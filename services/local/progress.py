@@ -121,7 +121,8 @@ def summary_lines(summary: RunSummary) -> list[str]:
             f"unit {unit}: {status.state} at step {status.step},"
             f" {status.counter('published')} uploads, train loss {status.train_loss}"
         )
-        if status.upload_latency is not None or status.params_latency is not None:
+        latencies = (status.upload_latency, status.sync_latency, status.params_latency)
+        if any(latency is not None for latency in latencies) or status.sync_wait_s:
             lines.append("  " + latency_line(status))
         link = summary.links.get(str(unit))
         if link is not None:
@@ -133,18 +134,19 @@ def summary_lines(summary: RunSummary) -> list[str]:
 
 
 def latency_line(status: UnitStatus) -> str:
-    """A unit's upload, sync and params latencies, and the time its training loop spent in
-    calls to the NATS link."""
+    """A unit's upload, sync and params latencies, the time its training loop spent in calls
+    to the NATS link, and (``--mode sync``) waiting at sync points."""
 
     def shown(name: str, latency: LatencySummary | None) -> str:
         if latency is None:
             return f"{name} -"
         return f"{name} p50 {latency.p50_s:.2f} s, p95 {latency.p95_s:.2f} s"
 
+    waited = f", waiting at sync points {status.sync_wait_s:.1f} s" if status.sync_wait_s else ""
     return (
         f"{shown('upload', status.upload_latency)}; {shown('sync', status.sync_latency)}; "
         f"{shown('params', status.params_latency)};"
-        f" training loop in network calls {status.network_wait_s:.3f} s"
+        f" training loop in network calls {status.network_wait_s:.3f} s{waited}"
     )
 
 

@@ -56,6 +56,7 @@ class OuterAlgorithm:
     num_units: int = 1
     participation_scale: bool = True
     fragments: int = 1
+    wait_for_all_first: bool = False
 
     def __post_init__(self) -> None:
         # Fail at start-up, not at the first merge: build everything once to validate.
@@ -130,7 +131,14 @@ class OuterCore:
 
     def _new_policy(self) -> MergePolicy:
         a = self.algorithm
-        return MergePolicy(a.policy, a.min_quorum, a.grace_factor, a.grace_min_s, a.grace_max_s)
+        return MergePolicy(
+            a.policy,
+            a.min_quorum,
+            a.grace_factor,
+            a.grace_min_s,
+            a.grace_max_s,
+            expected_units=a.num_units if a.wait_for_all_first else 0,
+        )
 
     # ---- state -------------------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ class MergePolicy:
     grace_factor: float = 0.5
     grace_min_s: float = 0.0
     grace_max_s: float = 30.0
+    expected_units: int = 0
     buffer: list[Arrival] = field(default_factory=list)
     intervals: dict[int, float] = field(default_factory=dict)
     last_arrival: dict[int, float] = field(default_factory=dict)
@@ -108,9 +109,11 @@ class MergePolicy:
         return self.quorum_at + self._window_cap()
 
     def active_units(self, now: float) -> set[int]:
-        """Units that uploaded recently (within ACTIVE_INTERVALS median upload intervals)."""
+        """Units that uploaded recently (within ACTIVE_INTERVALS median upload intervals).
+        Before any unit's interval is known, every unit that uploaded, and units
+        ``0 .. expected_units - 1`` (synchronous DiLoCo's first round waits for every unit)."""
         if not self.intervals:
-            return set(self.last_arrival)
+            return set(self.last_arrival) | set(range(self.expected_units))
         horizon = ACTIVE_INTERVALS * statistics.median(self.intervals.values())
         return {u for u, t in self.last_arrival.items() if t >= now - horizon}
 

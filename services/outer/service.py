@@ -155,7 +155,8 @@ class OuterService:
             )
             if fetched is None:
                 continue
-            version, blob = fetched
+            head, blob = fetched
+            version = head.version
             envelope = wire.unpack_envelope(blob, max_size=self.max_params_bytes)
             if envelope.model != self.settings.model:
                 raise SystemExit(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from pydantic import Field, model_validator
@@ -139,6 +140,24 @@ class OuterSettings(JobSettings, OuterAlgorithmSettings):
     decode_threads: int = Field(
         -1, ge=-1, le=256, description="threads decoding uploads of 8 MiB or more (-1: one per CPU)"
     )
+
+    def algorithm(self, num_units: int = 1, fragments: int = 1) -> OuterAlgorithm:
+        """The algorithm of these settings; with ``--mode sync`` a round is merged once every
+        active unit is in (every unit of the job in the first round), or ``--sync-timeout-s``
+        after its first upload without the rest (the quorum policy with a fixed grace
+        window)."""
+        algorithm = super().algorithm(num_units, fragments)
+        if self.mode != "sync":
+            return algorithm
+        return dataclasses.replace(
+            algorithm,
+            policy="quorum",
+            min_quorum=1,
+            grace_factor=0.0,
+            grace_min_s=self.sync_timeout_s,
+            grace_max_s=self.sync_timeout_s,
+            wait_for_all_first=True,
+        )
 
     @model_validator(mode="after")
     def _check_quorum(self) -> OuterSettings:
