@@ -234,6 +234,11 @@ class UnitStatus(Record):
     training_s: NonNegativeFloat = Field(
         0.0, description="seconds this process has spent training (not paused or idle)"
     )
+    compute_tokens_per_s: NonNegativeFloat = Field(
+        0.0,
+        description="this process's healthy speed: tokens it trained over the seconds it spent "
+        "training, waits at sync points excluded (goodput's yardstick)",
+    )
     slowdown: float = Field(1.0, ge=1.0)
     model: ModelSize | None = Field(None, description="the model the unit trains")
     num_units: Count = Field(0, description="units of the job, as the unit was started")
@@ -657,6 +662,27 @@ class Books(Record):
     rejected: Count = 0
 
 
+class Goodput(Record):
+    """Share of the units' possible work that was applied to the global model
+    (``shared.goodput``)."""
+
+    job: NonNegativeFloat | None = Field(None, description="all units together")
+    units: dict[Count, NonNegativeFloat] = Field({}, description="per unit")
+
+
+ChaosKind = Literal["kill", "pause", "cut"]
+CHAOS_KINDS: tuple[str, ...] = get_args(ChaosKind)
+
+
+class ChaosEvent(Record):
+    """One injected failure of ``diloco up --chaos-mtbf-s`` (``services/local/chaos.py``)."""
+
+    at_s: NonNegativeFloat = Field(description="when it starts, seconds after the learners")
+    target: str = Field(max_length=100, description="learner-<u>, outer or nats-server")
+    kind: ChaosKind
+    repair_s: NonNegativeFloat = Field(description="how long it lasts")
+
+
 class RunSummary(Record):
     """``<data-dir>/summary.json``: how a ``diloco up`` run ended."""
 
@@ -668,6 +694,10 @@ class RunSummary(Record):
     tokens_per_s: NonNegativeFloat | None = None
     restarts: dict[str, Count] = {}
     ledger: Books
+    chaos: list[ChaosEvent] = Field([], description="failures injected, in time order")
+    goodput: Goodput | None = Field(
+        None, description="from the units' start (together) to each one's end"
+    )
 
 
 # ---- load test ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from shared.link_spec import parse_link
 from shared.records import (
     EvalRecord,
     EvaluationRecord,
+    Goodput,
     LatencySummary,
     LinkStatus,
     OuterStatus,
@@ -152,9 +153,15 @@ def test_summary_lines_show_what_crossed_each_link():
         "outer": LinkStatus(name="outer", spec=spec, bytes_up=2_500_000, uptime_s=10),
     }
     summary = RunSummary(
-        reason="finished", elapsed_s=1, units=units, links=links, ledger=balance(None, units)
+        reason="finished",
+        elapsed_s=1,
+        units=units,
+        links=links,
+        ledger=balance(None, units),
+        goodput=Goodput(job=0.875, units={0: 0.95, 1: 0.8}),
     )
     lines = summary_lines(summary)
+    assert "goodput             0.88  (unit 0 0.95, unit 1 0.80)" in lines
     per_token, data_parallel = 100_000 / 5000, 8 * 84288 / 1024
     assert lines[-6:] == [
         "  upload p50 0.25 s, p95 1.50 s; sync p50 1.25 s, p95 3.00 s; params -;"

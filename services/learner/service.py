@@ -202,6 +202,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
     )
 
     tokens_total = restored.tokens_total if restored is not None else 0
+    tokens_at_start = tokens_total  # this process trained tokens_total - tokens_at_start
     loss_ema = float("nan")
     # The steps' losses, on the device until a status report reads them (in step order).
     unread_losses: list[jax.Array] = []
@@ -235,6 +236,9 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         tokens_per_s = rate()
         rate_window.append((now, tokens_total))
         del rate_window[:-10]
+        trained_s = training_s + (now - running_since if running_since is not None else 0.0)
+        computing_s = trained_s - sync_wait_s
+        healthy = (tokens_total - tokens_at_start) / computing_s if computing_s > 0 else 0.0
         versions = core.base_versions()
         link.set_status(
             state=state_name,
@@ -246,9 +250,8 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             train_loss=round(loss_ema, 4) if math.isfinite(loss_ema) else None,
             tokens=tokens_total,
             tokens_per_s=round(tokens_per_s, 1),
-            training_s=round(
-                training_s + (now - running_since if running_since is not None else 0.0), 3
-            ),
+            training_s=round(trained_s, 3),
+            compute_tokens_per_s=round(healthy, 1),
             slowdown=settings.slowdown,
             model=settings.model,
             num_units=settings.num_units,

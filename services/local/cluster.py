@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import TextIO
 
 from services.local import broker, commands, files, reconcile
+from services.local.chaos import ChaosClock, link_outages
 from services.local.children import Child, Launch, popen
 from services.local.registry import Registry
 from services.local.settings import UpSettings
 from services.local.supervisor import RestartPolicy, State, Supervisor
 from shared.link_spec import LinkSpec
-from shared.records import PidsFile
+from shared.records import ChaosEvent, PidsFile
 
 STOP_GRACE_S = 30.0
 NATS = "nats-server"
@@ -57,6 +58,9 @@ class Cluster:
     gateway_url: str = ""
     token: str = ""
     supervisor: Supervisor = field(init=False)
+    chaos: list[ChaosEvent] = field(default_factory=list)  # failures to inject, by time
+    chaos_clock: ChaosClock = field(default_factory=lambda: ChaosClock([]))
+    chaos_started: float = 0.0  # monotonic time the chaos schedule counts from
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(RestartPolicy(max_restarts=self.settings.max_restarts))
@@ -134,14 +138,18 @@ class Cluster:
 
     def start_learners(self) -> None:
         """Start the learner processes (after ``start_services``), each behind its shaped link
-        when the run has links."""
+        when the run has links; the chaos clock (``chaos.py``) starts now."""
         s = self.settings
         env = commands.learner_env(s)
         links = s.unit_links()
+        self.chaos = s.chaos_schedule()
+        self.chaos_clock = ChaosClock(self.chaos)
+        self.chaos_started = time.monotonic()
         for unit in range(s.learners):
             url = self.nats_url
             if links is not None:
-                url = self.start_link(str(unit), links[unit], s.link_outages)
+                outages = ",".join(o for o in (s.link_outages, link_outages(self.chaos, unit)) if o)
+                url = self.start_link(str(unit), links[unit], outages)
             args = commands.learner_args(s, url, unit)
             # A learner that exits 0 has trained all its steps.
             self.learners.append(self.spawn(f"learner-{unit}", args, env, may_finish=True))
@@ -293,6 +301,17 @@ class Cluster:
         if changed:
             self.write_pids()
         return ended
+
+    def kill_for_chaos(self, event: ChaosEvent) -> None:
+        """SIGKILL the event's target; it is not restarted before its repair time is over."""
+        self.supervisor.hold(event.target, time.monotonic() + event.repair_s)
+        if event.target == NATS:
+            assert self.server is not None
+            self.server.kill()
+            return
+        child = self._child(event.target)
+        if child.alive():
+            child.process.kill()
 
     def _restart(self, name: str) -> None:
         number = self.supervisor.restarts()[name] + 1

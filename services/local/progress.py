@@ -3,6 +3,7 @@ throughput, and the summary at the end, all from the status records."""
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -116,6 +117,14 @@ def summary_lines(summary: RunSummary) -> list[str]:
             "restarts            "
             + ", ".join(f"{name} {n}" for name, n in summary.restarts.items())
         )
+    goodput = summary.goodput
+    if goodput is not None and goodput.job is not None:
+        units = ", ".join(f"unit {u} {g:.2f}" for u, g in sorted(goodput.units.items()))
+        lines.append(f"goodput             {goodput.job:.2f}  ({units})")
+    if summary.chaos:
+        kinds = collections.Counter(event.kind for event in summary.chaos)
+        shown = ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items()))
+        lines.append(f"chaos               {len(summary.chaos)} failures injected ({shown})")
     for unit, status in sorted(summary.units.items()):
         lines.append(
             f"unit {unit}: {status.state} at step {status.step},"

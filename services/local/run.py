@@ -18,25 +18,39 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 import nats.errors
 
 from services.local import files, release
+from services.local.chaos import unit_of_target
 from services.local.children import Launch, popen
 from services.local.cluster import Cluster
 from services.local.progress import Throughput, progress_line, summary_lines
 from services.local.registry import read_registry
 from services.local.settings import UpSettings
 from shared import kv, ledger, retry, subjects, transport
+from shared.goodput import goodput as compute_goodput
 from shared.job_status import read_job_status
-from shared.records import LinkStatus, OuterStatus, RunSummary, UnitStatus
+from shared.records import (
+    ENDED_STATES,
+    DesiredRecord,
+    DesiredState,
+    Goodput,
+    LinkStatus,
+    OuterStatus,
+    RunSummary,
+    UnitStatus,
+)
 from shared.settings import NatsSettings
 
 STATUS_READ_TIMEOUT_S = 3.0  # bounds a status read while NATS is down, so healing goes on
 RECONCILE_EVERY_S = 1.0  # how often the registry's jobs are read and their processes matched
 TICK_S = 0.5  # the loop's period
 CLOSE_TIMEOUT_S = 5.0
+# A unit's reported healthy speed counts once its process has trained this long (or while no
+# other was seen): a fresh process's first reports count steps dispatched, not yet done.
+SPEED_WINDOW_S = 10.0
 NATS_ERRORS = (*retry.NATS_ERRORS, kv.KvError, transport.TransportError)
 SUCCESS = ("finished", "interrupted")  # the reasons a run ends with exit code 0
 
@@ -62,6 +76,28 @@ class _Watch:
     nats_reachable: bool = True
     last_reconcile: float = 0.0
     throughput: Throughput = field(default_factory=Throughput)
+    released_at: float | None = None  # when the units started training together
+    ended_at: dict[int, float] = field(default_factory=dict)  # when each unit was seen done
+    speeds: dict[int, float] = field(default_factory=dict)  # each unit's healthy speed
+
+    def observe(self, now: float) -> None:
+        """Note, from the records just read, which units ended and how fast each computes."""
+        for unit, status in self.units.items():
+            if status.state in ENDED_STATES:
+                self.ended_at.setdefault(unit, now)
+            if status.compute_tokens_per_s > 0 and (
+                status.training_s >= SPEED_WINDOW_S or unit not in self.speeds
+            ):
+                self.speeds[unit] = status.compute_tokens_per_s
+
+    def goodput(self, now: float) -> Goodput | None:
+        """Each unit's goodput from the release to its end (or ``now``)."""
+        if self.released_at is None or self.outer is None:
+            return None
+        applied = {unit: ledger.tokens for unit, ledger in self.outer.units.items()}
+        released = self.released_at
+        wall = {u: self.ended_at.get(u, now) - released for u in self.speeds}
+        return compute_goodput(applied, self.speeds, wall)
 
 
 async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
@@ -90,6 +126,8 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
     started = time.monotonic()
     last_print = 0.0
     watch = _Watch(released=not s.start_together)
+    if watch.released:
+        watch.released_at = time.monotonic()
     reason = "interrupted"
 
     async def read() -> None:
@@ -116,6 +154,7 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
                 STATUS_READ_TIMEOUT_S,
             )
             watch.released = True
+            watch.released_at = time.monotonic()
             cluster.print(f"[{elapsed:6.1f}s] all units ready: starting them together")
 
     try:
@@ -138,9 +177,11 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
                     watch.nats_reachable = False
             if fresh:
                 watch.throughput.observe(watch.units)
+                watch.observe(time.monotonic())
             if time.monotonic() - last_print >= s.progress_every_s:
                 cluster.print(progress_line(elapsed, watch.outer, watch.units))
                 last_print = time.monotonic()
+            await inject_failures(cluster, desired_kv, watch.released)
             # A lost learner never stops the others; crashed children come back after a backoff.
             ended = cluster.heal(stop.is_set)
             if ended is not None:
@@ -166,7 +207,44 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
         tokens_per_s=watch.throughput.tokens_per_s(),
         restarts=cluster.supervisor.restarts(),
         ledger=ledger.balance(watch.outer, watch.units),
+        chaos=[e for e in cluster.chaos if e.at_s <= time.monotonic() - cluster.chaos_started],
+        goodput=watch.goodput(time.monotonic()),
     )
+
+
+async def inject_failures(cluster: Cluster, desired_kv: Any, released: bool) -> None:
+    """Start the failures whose time has come and end the pauses whose repair is over, each
+    shown with its time (``chaos.py``). Before the units are released (``--start-together``)
+    a pause ends without a resume: the release starts every unit."""
+    if not cluster.chaos:
+        return
+    now = time.monotonic() - cluster.chaos_started
+    for event in cluster.chaos_clock.starting(now):
+        cluster.print(
+            f"[chaos {event.at_s:7.1f}s] {event.kind} {event.target} for {event.repair_s:.1f} s"
+        )
+        unit = unit_of_target(event.target)
+        if event.kind == "kill":
+            cluster.kill_for_chaos(event)
+        elif event.kind == "pause" and unit is not None:
+            await _set_desired(cluster, desired_kv, unit, "paused")
+        # A cut is the unit's link's own outage, scheduled when the link started.
+    for event in cluster.chaos_clock.pauses_ending(now):
+        unit = unit_of_target(event.target)
+        assert unit is not None
+        if released:
+            await _set_desired(cluster, desired_kv, unit, "running")
+            cluster.print(f"[chaos {now:7.1f}s] resume {event.target}")
+
+
+async def _set_desired(cluster: Cluster, desired_kv: Any, unit: int, state: DesiredState) -> None:
+    key = subjects.desired_key(cluster.settings.job, unit)
+    try:
+        await asyncio.wait_for(
+            kv.put(desired_kv, key, DesiredRecord(state=state)), STATUS_READ_TIMEOUT_S
+        )
+    except NATS_ERRORS as err:
+        cluster.print(f"chaos: unit {unit} not set {state} ({type(err).__name__})")
 
 
 def run_up(settings: UpSettings, out: TextIO = sys.stdout, launch: Launch = popen) -> int:

@@ -11,9 +11,11 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.learner.settings import InnerSettings
+from services.local.chaos import SERVICE_TARGETS, plan_chaos
 from services.local.supervisor import DEFAULT_MAX_RESTARTS
 from services.outer.settings import OuterAlgorithmSettings
 from shared.link_spec import LinkSpec, parse_link, parse_links, parse_outages
+from shared.records import CHAOS_KINDS, ChaosEvent, ChaosKind
 from shared.settings import ENV_PREFIX, CommonJobSettings
 
 
@@ -77,6 +79,54 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
         description="outages of every learner's link, START+DURATION[:stall|cut] from the "
         "link's start, comma-separated, e.g. 30s+5s (needs --link or --links)",
     )
+    chaos_mtbf_s: float = Field(
+        0.0,
+        ge=0,
+        description="inject failures: mean seconds between two failures of each unit (and "
+        "each of --chaos-services); 0: none (services/local/chaos.py)",
+    )
+    chaos_mttr_s: float = Field(10.0, gt=0, description="mean seconds a failure lasts")
+    chaos_kinds: str = Field(
+        "kill,pause",
+        description="what a unit's failure may be, comma-separated: kill (SIGKILL, restarted "
+        "after the repair), pause, cut (its link; needs --link or --links)",
+    )
+    chaos_services: str = Field(
+        "", description="services killed by the chaos too, comma-separated: outer, nats-server"
+    )
+    chaos_seed: int | None = Field(None, ge=0, description="seed of the failures (default: --seed)")
+
+    def chaos_schedule(self) -> list[ChaosEvent]:
+        """The failures to inject (none without --chaos-mtbf-s)."""
+        if not self.chaos_mtbf_s:
+            return []
+        return plan_chaos(
+            self.learners,
+            self._chaos_services(),
+            self._chaos_kinds(),
+            self.chaos_mtbf_s,
+            self.chaos_mttr_s,
+            self.max_duration_s,
+            self.seed if self.chaos_seed is None else self.chaos_seed,
+        )
+
+    def _chaos_kinds(self) -> list[ChaosKind]:
+        kinds = [k.strip() for k in self.chaos_kinds.split(",") if k.strip()]
+        unknown = [k for k in kinds if k not in CHAOS_KINDS]
+        if not kinds or unknown:
+            raise ValueError(
+                f"chaos-kinds: expected some of {', '.join(CHAOS_KINDS)}, got {self.chaos_kinds!r}"
+            )
+        return kinds  # type: ignore[return-value]
+
+    def _chaos_services(self) -> list[str]:
+        services = [s.strip() for s in self.chaos_services.split(",") if s.strip()]
+        unknown = [s for s in services if s not in SERVICE_TARGETS]
+        if unknown:
+            raise ValueError(
+                f"chaos-services: expected some of {', '.join(SERVICE_TARGETS)}, got {unknown}"
+            )
+        return services
 
     def unit_links(self) -> list[LinkSpec] | None:
         """The shaped link of each unit (None: the learners reach NATS directly)."""
@@ -122,4 +172,7 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
             raise ValueError("link-outages needs learners' links: add --link or --links")
         if self.min_quorum > self.learners:
             raise ValueError(f"min-quorum {self.min_quorum} > learners {self.learners}")
+        self._chaos_services()
+        if "cut" in self._chaos_kinds() and self.chaos_mtbf_s and not (self.link or self.links):
+            raise ValueError("chaos-kinds cut needs learners' links: add --link or --links")
         return self

@@ -81,6 +81,7 @@ class _Record:
     backoff_s: float | None = None
     restart_at: float = 0.0
     retired: bool = False
+    hold_until: float = 0.0  # an injected failure: not restarted before this
 
 
 class Supervisor:
@@ -116,16 +117,25 @@ class Supervisor:
             record.state = State.GAVE_UP
             return Decision(name, code, State.GAVE_UP, max_restarts=limit)
         record.backoff_s = self.policy.next_backoff_s(record.backoff_s, now - record.started_at)
-        record.restart_at = now + record.backoff_s
+        delay_s = max(record.backoff_s, record.hold_until - now)
+        record.restart_at = now + delay_s
         record.state = State.WAITING
         return Decision(
             name,
             code,
             State.WAITING,
-            delay_s=record.backoff_s,
+            delay_s=delay_s,
             restart=record.restarts + 1,
             max_restarts=limit,
         )
+
+    def hold(self, name: str, until: float) -> None:
+        """The child is being failed on purpose (``diloco up`` chaos): when it exits, it is not
+        restarted before ``until`` (nor, if it is already waiting for a restart, before then)."""
+        record = self._records[name]
+        record.hold_until = until
+        if record.state is State.WAITING:
+            record.restart_at = max(record.restart_at, until)
 
     def retire(self, name: str) -> None:
         """The child is being stopped on purpose: its exit (any code) is final, and a restart
