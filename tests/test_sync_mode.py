@@ -1,7 +1,7 @@
-"""`--mode sync` (synchronous DiLoCo) against the decoupled default, with real processes: three
-units train, one is killed with SIGKILL. Under sync the others wait at their sync points, the
-outer drops the dead unit from the round after the timeout, and training goes on; under the
-default nothing waits for it."""
+"""`--mode sync` (synchronous DiLoCo) with real processes: three units train, one is killed with
+SIGKILL; the others wait at their sync points, the outer drops the dead unit from the round after
+the timeout, and training goes on. (Under the decoupled default nothing waits for a killed unit:
+``tests/test_faults.py::test_killed_unit_does_not_stop_the_others_and_rejoins_within_30s``.)"""
 
 from __future__ import annotations
 
@@ -15,18 +15,17 @@ from tests.helpers import read_status, wait_for
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
 TIMEOUT_S = 6.0  # --sync-timeout-s
-WATCH_S = 20.0  # how long versions are watched after the kill
+WATCH_S = 14.0  # how long versions are watched after the kill
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("mode", ["sync", "decoupled"])
-def test_a_killed_unit_holds_a_sync_round_up_to_the_timeout_and_nothing_in_decoupled_mode(
-    nats_server, services, mode
+def test_a_killed_unit_holds_a_sync_round_up_to_the_timeout_then_training_goes_on(
+    nats_server, services
 ):
-    job = f"mode-{mode}"
+    job = "mode-sync"
     flags = [
         *("--nats-url", nats_server.url, "--job", job, "--model", "tiny", "--seed", "1"),
-        *("--mode", mode, "--sync-timeout-s", str(TIMEOUT_S)),
+        *("--mode", "sync", "--sync-timeout-s", str(TIMEOUT_S)),
     ]
     services.start("outer", "outer", *flags, "--num-units", "3", "--eval-every-s", "60")
     wait_for(
@@ -71,12 +70,7 @@ def test_a_killed_unit_holds_a_sync_round_up_to_the_timeout_and_nothing_in_decou
     # Training went on without unit 2: the survivors' uploads kept being applied.
     assert len(changes) >= 4, changes
     assert all(outer.units[unit].applied >= 4 for unit in (0, 1)), outer.units
-    if mode == "sync":
-        # A round waited for the dead unit, up to the timeout; the survivors waited with it.
-        assert longest >= 0.7 * TIMEOUT_S, (longest, changes)
-        assert all(units[unit].sync_wait_s > 0 for unit in (0, 1))
-    else:
-        # Nothing waited: versions kept coming far faster than the sync timeout.
-        assert longest < 0.5 * TIMEOUT_S, (longest, changes)
-        assert all(units[unit].sync_wait_s == 0 for unit in (0, 1))
+    # A round waited for the dead unit, up to the timeout; the survivors waited with it.
+    assert longest >= 0.7 * TIMEOUT_S, (longest, changes)
+    assert all(units[unit].sync_wait_s > 0 for unit in (0, 1))
     assert outer.rejected.keys() <= {"incomplete_upload"}, outer.rejected  # the killed upload
