@@ -139,7 +139,8 @@ def wait_for_merge(
     while waiting and not stop.is_set() and link.desired_state == "running":
         for fragment in link.take_new_params():
             core.offer_global(fragment.fragment, fragment.version, fragment.pieces)
-            if fragment.applied_round >= waiting.get(fragment.fragment, fragment.applied_round + 1):
+            target = waiting.get(fragment.fragment)
+            if target is not None and fragment.applied_round >= target:
                 del waiting[fragment.fragment]
         core.adopt_globals()
         now = time.monotonic()
