@@ -15,7 +15,7 @@ from tests.helpers import read_status, wait_for
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
 TIMEOUT_S = 6.0  # --sync-timeout-s
-WATCH_S = 14.0  # how long versions are watched after the kill
+WATCH_S = 12.0  # how long versions are watched after the kill
 
 
 @pytest.mark.timeout(300)
