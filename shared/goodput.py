@@ -9,13 +9,19 @@ where the healthy speed is the unit's own measured training speed while it compu
 cut off, waiting for a merge, or computing work that is never applied (dropped, rejected, lost
 with a killed process) is what lowers it. The job's goodput weighs the units by what they could
 have done: Σ applied / Σ (speed × wall).
+
+A unit's window starts when it first trained and spans its restarts: every status record
+carries ``lifetime_s`` (seconds since then, on the unit's own clock, so no clock is compared with
+another's). A reader adds the record's age on the NATS server's clock unless the unit ended on
+purpose, so the time since a killed unit's last report counts as lost.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shared.records import Goodput
+from shared.job_status import JobStatus
+from shared.records import ENDED_STATES, Goodput, Stamped, UnitStatus
 
 
 def goodput(
@@ -39,3 +45,32 @@ def goodput(
     total = sum(possible.values())
     job = sum(applied_tokens.get(unit, 0) for unit in possible) / total if total else None
     return Goodput(job=job, units=units)
+
+
+def window_s(entry: Stamped[UnitStatus]) -> float | None:
+    """A unit's goodput window up to the read of ``entry`` (None: it has not trained yet)."""
+    status = entry.record
+    if status.lifetime_s is None:
+        return None
+    return status.lifetime_s + (0.0 if status.state in ENDED_STATES else entry.age_s)
+
+
+def job_goodput(status: JobStatus, speeds: Mapping[int, float] | None = None) -> Goodput | None:
+    """Each unit's and the job's goodput from one read of its status records.
+
+    Args:
+        status: the job's status records (the outer's ledger gives the applied tokens).
+        speeds: each unit's healthy speed, when the caller measured it better than the records
+            (``diloco up`` keeps a speed measured over a settled window); else the records'
+            ``compute_tokens_per_s``.
+
+    Returns:
+        None before the outer reported.
+    """
+    outer = status.outer_record()
+    if outer is None:
+        return None
+    applied = {unit: books.tokens for unit, books in outer.units.items()}
+    windows = {u: w for u, entry in status.units.items() if (w := window_s(entry)) is not None}
+    reported = {u: entry.record.compute_tokens_per_s for u, entry in status.units.items()}
+    return goodput(applied, {**reported, **(speeds or {})}, windows)

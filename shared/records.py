@@ -258,6 +258,11 @@ class UnitStatus(Record):
     network_wait_s: NonNegativeFloat = Field(
         0.0, description="seconds the training loop spent in calls to the NATS link"
     )
+    lifetime_s: NonNegativeFloat | None = Field(
+        None,
+        description="seconds since the unit first trained, on its own clock and across its "
+        "restarts (time dead, paused or waiting included): goodput's window",
+    )
     sync_wait_s: NonNegativeFloat = Field(
         0.0,
         description="seconds the training loop waited at sync points for the merged global "
@@ -594,6 +599,9 @@ class UnitStateFile(Record):
     desired: DesiredState = "running"
     published: RoundRanges = Field([], description="rounds JetStream accepted (lifetime)")
     lifetime: dict[str, Count] = {}
+    first_trained_at: NonNegativeFloat | None = Field(
+        None, description="when the unit first trained (unix seconds, its own clock)"
+    )
 
 
 class FragmentSyncRecord(Record):
@@ -696,7 +704,7 @@ class RunSummary(Record):
     ledger: Books
     chaos: list[ChaosEvent] = Field([], description="failures injected, in time order")
     goodput: Goodput | None = Field(
-        None, description="from the units' start (together) to each one's end"
+        None, description="from each unit's first training to its end (or the last read)"
     )
 
 

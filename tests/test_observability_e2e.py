@@ -139,6 +139,8 @@ def test_metrics_health_and_liveness_of_units_with_skewed_clocks(nats_server, se
             assert 0 <= unit["heartbeat_age_s"] < HEARTBEAT_TIMEOUT_S
         view = get_json(client, f"/jobs/{job}")
         assert [(u["unit"], u["state"]) for u in view["units"]] == [(0, "running"), (1, "running")]
+        # Goodput: each unit's window is measured on its own (skewed) clock, so it stays sane.
+        assert 0 < view["goodput"] <= 1.2 and all(0 <= u["goodput"] <= 1.2 for u in view["units"])
 
         for unit in CLOCK_OFFSETS_S:
             health = get_json(client, f"/jobs/{job}/units/{unit}")
@@ -168,6 +170,8 @@ def test_metrics_health_and_liveness_of_units_with_skewed_clocks(nats_server, se
             running = (("job", job), ("state", "running"), ("unit", str(unit)))
             assert samples[("diloco_unit_state", running)] == 1
             assert samples[("diloco_unit_bytes_sent_total", key)] > 0
+            assert 0 <= samples[("diloco_unit_goodput", key)] <= 1.2
+        assert 0 < samples[("diloco_job_goodput", labels)] <= 1.2
 
         # A unit killed without a word is reported lost once its heartbeat is too old.
         learner1 = next(p for name, p, _ in services.children if name == "learner-1")
@@ -183,6 +187,13 @@ def test_metrics_health_and_liveness_of_units_with_skewed_clocks(nats_server, se
         assert [(u["unit"], u["state"]) for u in view["units"]] == [(0, "running"), (1, "lost")]
         lost = (("job", job), ("state", "lost"), ("unit", "1"))
         assert scrape(client)[("diloco_unit_state", lost)] == 1
+        # The dead unit's time counts as lost: its goodput falls while it stays dead.
+        dead = next(u for u in view["units"] if u["unit"] == 1)["goodput"]
+        wait_for(
+            lambda: get_json(client, f"/jobs/{job}")["units"][1]["goodput"] < 0.9 * dead,
+            30,
+            "the killed unit's goodput to fall",
+        )
     except Exception:
         print(services.logs())
         print("metrics:", client.get(f"/jobs/{job}/metrics").text[:3000])
@@ -246,6 +257,15 @@ def test_dashboard_pauses_a_unit_in_headless_chromium(nats_server, services, tmp
 
         wait_for(latencies_shown, 30, "the dashboard to show unit 1's upload and sync latency")
         assert float(driver.find_element(By.CSS_SELECTOR, f"{row} .network-wait").text) >= 0
+        wait_for(
+            lambda: (
+                driver.find_element(By.CSS_SELECTOR, f"{row} .goodput").text != "–"
+                and driver.find_element(By.ID, "goodput").text != "–"
+            ),
+            30,
+            "the dashboard to show unit 1's and the job's goodput",
+        )
+        assert 0 < float(driver.find_element(By.CSS_SELECTOR, f"{row} .goodput").text) <= 1.2
 
         driver.find_element(By.ID, "token").send_keys(GATEWAY_TOKEN)
         driver.find_element(By.CSS_SELECTOR, f"{row} button.pause").click()

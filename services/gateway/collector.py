@@ -19,6 +19,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from services.gateway.views import version_lag
+from shared.goodput import job_goodput
 from shared.job_status import JobStatus
 from shared.records import (
     UNIT_STATES,
@@ -205,6 +206,18 @@ class StatusCollector(Collector):
             (counter, CounterMetricFamily(name, text, labels=labels))
             for counter, name, text in UNIT_COUNTERS
         ]
+        goodput = GaugeMetricFamily(
+            "diloco_unit_goodput",
+            "tokens of the unit the outer applied / what it could have trained at its healthy "
+            "speed since it first trained",
+            labels=labels,
+        )
+        job_goodput_family = GaugeMetricFamily(
+            "diloco_job_goodput",
+            "tokens the outer applied / what the units could have trained at their healthy "
+            "speeds since each first trained",
+            labels=["job"],
+        )
         latency = GaugeMetricFamily(
             "diloco_unit_latency_seconds",
             "recent latencies on the unit's clock: upload (loop → JetStream), sync (sync point "
@@ -213,6 +226,11 @@ class StatusCollector(Collector):
         )
         for job, status in sorted(self.snapshot.items()):
             outer = status.outer_record()
+            shares = job_goodput(status)
+            if shares is not None and shares.job is not None:
+                job_goodput_family.add_metric([job], shares.job)
+            for unit, share in sorted(shares.units.items() if shares is not None else ()):
+                goodput.add_metric([job, str(unit)], share)
             for unit, entry in sorted(status.units.items()):
                 record: UnitStatus = entry.record
                 key = [job, str(unit)]
@@ -240,7 +258,7 @@ class StatusCollector(Collector):
                             latency.add_metric([*key, kind, quantile], value)
         for _, family in gauges:
             yield family
-        yield from (lag, age, state, latency)
+        yield from (lag, age, state, latency, goodput, job_goodput_family)
         for _, family in counters:
             yield family
 

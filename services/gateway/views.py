@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from shared.bandwidth import link_usage
+from shared.goodput import job_goodput
 from shared.job_status import JobStatus
 from shared.records import (
     DesiredState,
@@ -183,6 +184,11 @@ class UnitView(BaseModel):
     sync_wait_s: float | None = Field(
         None, description="seconds the training loop waited at sync points (--mode sync)"
     )
+    goodput: float | None = Field(
+        None,
+        description="tokens of this unit the outer applied ÷ what it could have trained at its "
+        "healthy speed since it first trained (shared/goodput.py)",
+    )
     link: LinkView | None = Field(None, description="its shaped link (None: it has none)")
 
     model_config = {
@@ -239,6 +245,7 @@ def unit_view(
     outer: OuterStatus | None,
     timeout_s: float,
     link: Stamped[LinkStatus] | None = None,
+    goodput: float | None = None,
 ) -> UnitView:
     """One unit as the gateway shows it.
 
@@ -250,6 +257,7 @@ def unit_view(
         outer: the outer's status record, for its ledger of the unit and its version.
         timeout_s: heartbeat age past which a unit that has not ended is lost.
         link: its shaped link's status record with its age (None: it has none).
+        goodput: its goodput (None: not known yet).
     """
     state = unit_liveness(entry, timeout_s)
     ledger = outer.unit_ledger(unit) if outer is not None else None
@@ -295,6 +303,7 @@ def unit_view(
         sync_latency=status.sync_latency,
         network_wait_s=round(status.network_wait_s, 6),
         sync_wait_s=round(status.sync_wait_s, 3),
+        goodput=None if goodput is None else round(goodput, 4),
         **shown,
     )
 
@@ -307,6 +316,7 @@ def unit_views(
 ) -> list[UnitView]:
     """:func:`unit_view` of each of ``indexes``, in order."""
     outer = status.outer_record()
+    goodput = job_goodput(status)
     return [
         unit_view(
             status.job,
@@ -316,6 +326,7 @@ def unit_views(
             outer,
             timeout_s,
             status.links.get(str(unit)),
+            goodput.units.get(unit) if goodput is not None else None,
         )
         for unit in sorted(indexes)
     ]
@@ -337,6 +348,12 @@ def eval_losses(outer: OuterStatus | None) -> tuple[float | None, float | None]:
     initial = evaluation.init.nats_per_byte if evaluation.init is not None else None
     last = evaluation.last.nats_per_byte if evaluation.last is not None else None
     return initial, last
+
+
+def job_goodput_value(status: JobStatus) -> float | None:
+    """The job's goodput, rounded for showing (None: not known yet)."""
+    goodput = job_goodput(status)
+    return None if goodput is None or goodput.job is None else round(goodput.job, 4)
 
 
 # ---- jobs ------------------------------------------------------------------------------------
@@ -376,6 +393,11 @@ class JobView(BaseModel):
     eval_init_nats_per_byte: float | None = Field(description="held-out loss at version 0")
     applied: int
     rejected: dict[str, int]
+    goodput: float | None = Field(
+        None,
+        description="tokens the outer applied ÷ what the units could have trained at their "
+        "healthy speeds since each first trained (shared/goodput.py)",
+    )
     units: list[UnitView]
     managed: bool = Field(False, description="created through POST /jobs (has a registry record)")
     state: JobState | None = Field(None, description="registry state (None when unmanaged)")
@@ -412,6 +434,7 @@ def job_view(
         eval_init_nats_per_byte=initial,
         applied=books(outer).applied,
         rejected=books(outer).rejected,
+        goodput=job_goodput_value(status),
         units=unit_views(status, indexes, desired, timeout_s),
         managed=record is not None,
         state=record.state if record is not None else None,
@@ -447,6 +470,7 @@ class JobMetrics(BaseModel):
     payload_bytes: int = Field(description="compressed upload bytes the outer accepted")
     bytes_sent: int = Field(description="bytes the units' processes published, summed")
     staleness: dict[int, int] = Field(description="applied uploads by staleness")
+    goodput: float | None = Field(None, description="the job's goodput (as in JobView)")
     eval_init_nats_per_byte: float | None
     eval_nats_per_byte: float | None
     eval_history: list[EvalPoint]
@@ -534,6 +558,7 @@ def job_metrics(
         payload_bytes=ledger.payload_bytes,
         bytes_sent=sum(unit.bytes_sent for unit in units),
         staleness=ledger.staleness,
+        goodput=job_goodput_value(status),
         eval_init_nats_per_byte=initial,
         eval_nats_per_byte=last,
         eval_history=outer.evaluation.history if outer is not None else [],

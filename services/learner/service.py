@@ -241,6 +241,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         computing_s = trained_s - sync_wait_s
         healthy = (tokens_total - tokens_at_start) / computing_s if computing_s > 0 else 0.0
         versions = core.base_versions()
+        first = unit_state.first_trained_at
         link.set_status(
             state=state_name,
             step=core.step,
@@ -258,6 +259,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             num_units=settings.num_units,
             tokens_per_step=core.tokens_per_step,
             sync_wait_s=round(sync_wait_s, 3),
+            lifetime_s=None if first is None else round(max(0.0, time.time() - first), 3),
         )
 
     while core.step < settings.max_steps and not stop.is_set():
@@ -282,6 +284,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             rate_window[:] = [(time.monotonic(), tokens_total)]
         if running_since is None:
             running_since = time.monotonic()
+            unit_state.mark_trained(time.time())
 
         for fragment in link.take_new_params():
             core.offer_global(fragment.fragment, fragment.version, fragment.pieces)

@@ -9,7 +9,8 @@ The file lives in ``<checkpoint_dir>/<job>/unit-<u>/state.json`` and holds one
      "next_round": 42,                  # first round number never handed out yet
      "desired": "running",              # last known desired state (idle|running|paused|stopped)
      "published": [[0, 37], [39, 41]],  # rounds JetStream accepted (RoundSet ranges, lifetime)
-     "lifetime": {"published": 41, "dropped_unsent": 1, "rejected_local": 0}}
+     "lifetime": {"published": 41, "dropped_unsent": 1, "rejected_local": 0},
+     "first_trained_at": 1764490000.0}  # when the unit first trained (its clock; goodput)
 
 It is rewritten atomically (``shared/atomic.py``) by the training thread when
 uploads are taken, *before* they are handed to the link (so a round is persisted before it can
@@ -63,6 +64,7 @@ class UnitState:
         self.desired: DesiredState = "running"
         self.published = RoundSet()
         self.lifetime: dict[str, int] = dict.fromkeys(LIFETIME_COUNTERS, 0)
+        self.first_trained_at: float | None = None
         self.loaded = False
         self.write_errors = 0
         self._lock = threading.Lock()
@@ -119,6 +121,15 @@ class UnitState:
             self.desired = state
             self._write()
 
+    def mark_trained(self, now: float) -> None:
+        """Remember when the unit first trained (``now``, unix seconds); later calls keep the
+        first time, so goodput's window spans the unit's restarts."""
+        with self._lock:
+            if self.first_trained_at is not None:
+                return
+            self.first_trained_at = now
+            self._write()
+
     # ---- reading -----------------------------------------------------------------------------
 
     def as_record(self) -> UnitStateFile:
@@ -134,6 +145,7 @@ class UnitState:
             desired=self.desired,
             published=self.published.ranges(),
             lifetime=dict(self.lifetime),
+            first_trained_at=self.first_trained_at,
         )
 
     # ---- the file ----------------------------------------------------------------------------
@@ -169,6 +181,7 @@ class UnitState:
         self.desired = record.desired
         for name in LIFETIME_COUNTERS:
             self.lifetime[name] = record.lifetime.get(name, 0)
+        self.first_trained_at = record.first_trained_at
         self.loaded = True
         log.info(
             "unit state %s: next round %d, desired %s, %d rounds published",

@@ -30,10 +30,9 @@ from services.local.progress import Throughput, progress_line, summary_lines
 from services.local.registry import read_registry
 from services.local.settings import UpSettings
 from shared import kv, ledger, retry, subjects, transport
-from shared.goodput import goodput as compute_goodput
-from shared.job_status import read_job_status
+from shared.goodput import job_goodput
+from shared.job_status import JobStatus, read_job_status
 from shared.records import (
-    ENDED_STATES,
     DesiredRecord,
     DesiredState,
     Goodput,
@@ -76,28 +75,20 @@ class _Watch:
     nats_reachable: bool = True
     last_reconcile: float = 0.0
     throughput: Throughput = field(default_factory=Throughput)
-    released_at: float | None = None  # when the units started training together
-    ended_at: dict[int, float] = field(default_factory=dict)  # when each unit was seen done
+    status: JobStatus | None = None  # the last read of the job's status records
     speeds: dict[int, float] = field(default_factory=dict)  # each unit's healthy speed
 
-    def observe(self, now: float) -> None:
-        """Note, from the records just read, which units ended and how fast each computes."""
+    def observe(self) -> None:
+        """Note, from the records just read, how fast each unit computes."""
         for unit, status in self.units.items():
-            if status.state in ENDED_STATES:
-                self.ended_at.setdefault(unit, now)
             if status.compute_tokens_per_s > 0 and (
                 status.training_s >= SPEED_WINDOW_S or unit not in self.speeds
             ):
                 self.speeds[unit] = status.compute_tokens_per_s
 
-    def goodput(self, now: float) -> Goodput | None:
-        """Each unit's goodput from the release to its end (or ``now``)."""
-        if self.released_at is None or self.outer is None:
-            return None
-        applied = {unit: ledger.tokens for unit, ledger in self.outer.units.items()}
-        released = self.released_at
-        wall = {u: self.ended_at.get(u, now) - released for u in self.speeds}
-        return compute_goodput(applied, self.speeds, wall)
+    def goodput(self) -> Goodput | None:
+        """Each unit's goodput from its first training to its end (or the last read)."""
+        return job_goodput(self.status, self.speeds) if self.status is not None else None
 
 
 async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
@@ -126,8 +117,6 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
     started = time.monotonic()
     last_print = 0.0
     watch = _Watch(released=not s.start_together)
-    if watch.released:
-        watch.released_at = time.monotonic()
     reason = "interrupted"
 
     async def read() -> None:
@@ -135,6 +124,7 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
         if not nc.is_connected:
             raise nats.errors.ConnectionReconnectingError
         status = await asyncio.wait_for(read_job_status(nc, js, s.job), STATUS_READ_TIMEOUT_S)
+        watch.status = status
         watch.outer, watch.units = status.outer_record(), status.unit_records()
         watch.links = {name: entry.record for name, entry in status.links.items()}
 
@@ -154,7 +144,6 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
                 STATUS_READ_TIMEOUT_S,
             )
             watch.released = True
-            watch.released_at = time.monotonic()
             cluster.print(f"[{elapsed:6.1f}s] all units ready: starting them together")
 
     try:
@@ -177,7 +166,7 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
                     watch.nats_reachable = False
             if fresh:
                 watch.throughput.observe(watch.units)
-                watch.observe(time.monotonic())
+                watch.observe()
             if time.monotonic() - last_print >= s.progress_every_s:
                 cluster.print(progress_line(elapsed, watch.outer, watch.units))
                 last_print = time.monotonic()
@@ -208,7 +197,7 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
         restarts=cluster.supervisor.restarts(),
         ledger=ledger.balance(watch.outer, watch.units),
         chaos=[e for e in cluster.chaos if e.at_s <= time.monotonic() - cluster.chaos_started],
-        goodput=watch.goodput(time.monotonic()),
+        goodput=watch.goodput(),
     )
 
 

@@ -60,7 +60,7 @@ async function setDesired(unit, action) {
 
 const COLUMNS = ["state", "desired", "step", "tokens-per-s", "train-loss", "version-lag",
   "heartbeat", "bytes-sent", "link", "link-bytes", "bytes-per-token", "latency",
-  "network-wait"];
+  "network-wait", "goodput"];
 
 function unitRow(unit) {
   let row = $(`#units tbody tr[data-unit="${unit}"]`);
@@ -116,6 +116,7 @@ function renderUnits(units) {
     $(".latency", row).textContent =
       `${p50(u.upload_latency)} / ${p50(u.sync_latency)} / ${p50(u.params_latency)}`;
     $(".network-wait", row).textContent = fmt(u.network_wait_s, 3);
+    $(".goodput", row).textContent = fmt(u.goodput, 2);
     $("button.pause", row).disabled = u.desired === "paused";
     $("button.resume", row).disabled = u.desired === "running";
   }
@@ -231,6 +232,7 @@ async function poll() {
   $("#version").textContent = fmt(metrics.version);
   $("#merges").textContent = fmt(metrics.merges);
   $("#tokens-applied").textContent = fmt(metrics.tokens_applied);
+  $("#goodput").textContent = fmt(metrics.goodput, 2);
   $("#eval-loss").textContent = fmt(metrics.eval_nats_per_byte ?? metrics.eval_init_nats_per_byte, 4);
   renderUnits(metrics.units);
   drawLoss(metrics);
