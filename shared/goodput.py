@@ -25,16 +25,21 @@ from shared.records import ENDED_STATES, Goodput, Stamped, UnitStatus
 
 
 def goodput(
-    applied_tokens: Mapping[int, int], speeds: Mapping[int, float], wall_s: Mapping[int, float]
+    applied_tokens: Mapping[int, int],
+    speeds: Mapping[int, float],
+    wall_s: Mapping[int, float],
+    up_s: Mapping[int, float] | None = None,
 ) -> Goodput:
-    """Each unit's and the job's goodput.
+    """Each unit's and the job's goodput, and the share of the windows the units were up.
 
     Args:
         applied_tokens: per unit, tokens of its uploads the outer applied.
         speeds: per unit, its healthy speed in tokens per second.
         wall_s: per unit, the seconds of its window (from the start of training to its end).
+        up_s: per unit, the seconds of its window it spent training (alive, not paused).
 
-    Units without a speed or a window yet are left out.
+    Units without a speed or a window yet are left out. The job's up share weighs the units by
+    their speeds, as its goodput does, so that the two compare.
     """
     possible = {
         unit: speeds[unit] * wall_s[unit]
@@ -44,7 +49,11 @@ def goodput(
     units = {unit: applied_tokens.get(unit, 0) / possible[unit] for unit in sorted(possible)}
     total = sum(possible.values())
     job = sum(applied_tokens.get(unit, 0) for unit in possible) / total if total else None
-    return Goodput(job=job, units=units)
+    up = {u: min(1.0, up_s[u] / wall_s[u]) for u in sorted(possible) if up_s and u in up_s}
+    job_up = None
+    if up and len(up) == len(possible):
+        job_up = sum(up[u] * possible[u] for u in possible) / total
+    return Goodput(job=job, units=units, job_up=job_up, up=up)
 
 
 def window_s(entry: Stamped[UnitStatus]) -> float | None:
@@ -73,4 +82,5 @@ def job_goodput(status: JobStatus, speeds: Mapping[int, float] | None = None) ->
     applied = {unit: books.tokens for unit, books in outer.units.items()}
     windows = {u: w for u, entry in status.units.items() if (w := window_s(entry)) is not None}
     reported = {u: entry.record.compute_tokens_per_s for u, entry in status.units.items()}
-    return goodput(applied, {**reported, **(speeds or {})}, windows)
+    up = {u: entry.record.lifetime_training_s for u, entry in status.units.items()}
+    return goodput(applied, {**reported, **(speeds or {})}, windows, up)

@@ -263,6 +263,11 @@ class UnitStatus(Record):
         description="seconds since the unit first trained, on its own clock and across its "
         "restarts (time dead, paused or waiting included): goodput's window",
     )
+    lifetime_training_s: NonNegativeFloat = Field(
+        0.0,
+        description="seconds the unit's processes spent training (not dead, paused or idle), "
+        "across restarts: its up time within goodput's window",
+    )
     sync_wait_s: NonNegativeFloat = Field(
         0.0,
         description="seconds the training loop waited at sync points for the merged global "
@@ -321,6 +326,9 @@ class EvalRecord(Record):
     tokens: Count
     nats_per_byte: float | None
     bits_per_byte: float | None
+    at: NonNegativeFloat | None = Field(
+        None, description="when the evaluated params were taken (unix seconds, outer's clock)"
+    )
 
 
 class EvalPoint(Record):
@@ -330,6 +338,9 @@ class EvalPoint(Record):
     tokens: Count = Field(description="tokens applied by the outer when it was evaluated")
     nats_per_byte: float | None = Field(
         description="held-out loss in nats per byte (null when not finite: the model diverged)"
+    )
+    at: NonNegativeFloat | None = Field(
+        None, description="when the evaluated params were taken (unix seconds, outer's clock)"
     )
 
 
@@ -602,6 +613,9 @@ class UnitStateFile(Record):
     first_trained_at: NonNegativeFloat | None = Field(
         None, description="when the unit first trained (unix seconds, its own clock)"
     )
+    trained_s: NonNegativeFloat = Field(
+        0.0, description="seconds the unit's processes have spent training, across restarts"
+    )
 
 
 class FragmentSyncRecord(Record):
@@ -676,6 +690,10 @@ class Goodput(Record):
 
     job: NonNegativeFloat | None = Field(None, description="all units together")
     units: dict[Count, NonNegativeFloat] = Field({}, description="per unit")
+    job_up: NonNegativeFloat | None = Field(
+        None, description="share of the units' windows they spent training (up), all units"
+    )
+    up: dict[Count, NonNegativeFloat] = Field({}, description="the same per unit")
 
 
 ChaosKind = Literal["kill", "pause", "cut"]
@@ -705,6 +723,12 @@ class RunSummary(Record):
     chaos: list[ChaosEvent] = Field([], description="failures injected, in time order")
     goodput: Goodput | None = Field(
         None, description="from each unit's first training to its end (or the last read)"
+    )
+    started_at: NonNegativeFloat | None = Field(
+        None, description="when the units were started (together), unix seconds"
+    )
+    chaos_offset_s: float | None = Field(
+        None, description="seconds the failure schedule (``chaos``) had run when they started"
     )
 
 

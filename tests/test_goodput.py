@@ -16,9 +16,12 @@ def test_goodput_per_unit_and_for_the_job():
         applied_tokens={0: 100_000, 1: 25_000, 2: 7},
         speeds={0: 1000.0, 1: 500.0},
         wall_s={0: 100.0, 1: 100.0, 2: 100.0},
+        up_s={0: 100.0, 1: 50.0, 2: 100.0},
     )
     assert result.units == {0: pytest.approx(1.0), 1: pytest.approx(0.5)}
     assert result.job == pytest.approx(125_000 / 150_000)  # weighted by what each could do
+    assert result.up == {0: pytest.approx(1.0), 1: pytest.approx(0.5)}
+    assert result.job_up == pytest.approx(125_000 / 150_000)
 
 
 def test_goodput_without_a_window_is_unknown():
@@ -43,16 +46,18 @@ def test_job_goodput_from_one_read_of_the_status_records():
         holder="h",
         units={0: UnitLedger(tokens=90_000), 1: UnitLedger(tokens=10_000)},
     )
+    fast = {"state": "running", "compute_tokens_per_s": 1000.0}
     units = {
         # Unit 0 ran 100 s at 1000 tokens/s; unit 1 was killed 90 s ago after 10 s.
-        0: stamped(0.0, unit=0, state="running", lifetime_s=100.0, compute_tokens_per_s=1000.0),
-        1: stamped(90.0, unit=1, state="running", lifetime_s=10.0, compute_tokens_per_s=1000.0),
+        0: stamped(0.0, unit=0, lifetime_s=100.0, lifetime_training_s=95.0, **fast),
+        1: stamped(90.0, unit=1, lifetime_s=10.0, lifetime_training_s=10.0, **fast),
     }
     status = JobStatus(job="j", outer=Stamped(outer, 0.0, 0.0, 1), units=units)
     result = job_goodput(status)
     assert result is not None
     assert result.units == {0: pytest.approx(0.9), 1: pytest.approx(0.1)}
     assert result.job == pytest.approx(0.5)
+    assert result.up == {0: pytest.approx(0.95), 1: pytest.approx(0.1)}
     # A speed measured by the caller over a settled window replaces the record's.
     assert job_goodput(status, {1: 500.0}).units[1] == pytest.approx(0.2)
     assert job_goodput(JobStatus(job="j", units=units)) is None  # no outer yet

@@ -14,9 +14,11 @@ everything a restarted unit needs to continue as if it had not stopped:
   (only with ``--error-feedback``).
 
 The training thread takes a :class:`Snapshot` right after it took uploads (so anchor and
-uploads agree), which only keeps references: JAX arrays are immutable, and the link hands out a
-private copy of its residual. :class:`CheckpointWriter` converts and writes snapshots on its own
-thread; while one write is in progress only the newest pending snapshot is kept (latest wins).
+uploads agree) and, within a sync period, every ``--checkpoint-every-s`` (the fragments'
+partial steps, tokens and loss sums are part of it). A snapshot only keeps references: JAX
+arrays are immutable, and the link hands out a private copy of its residual.
+:class:`CheckpointWriter` converts and writes snapshots on its own thread; while one write is
+in progress only the newest pending snapshot is kept (latest wins).
 
 The residual stored is the link's as of its last finished encoding: uploads still queued at
 snapshot time are not in it (it may be an upload or so behind), and after a crash the restored
@@ -88,7 +90,7 @@ def take_snapshot(
     which right after taking uploads there are none of).
 
     Args:
-        core: the unit's core, right after it took uploads.
+        core: the unit's core, right after it took uploads or between two steps.
         tokens_total: tokens the unit has trained on so far.
         residual: the link's error-feedback residual copy (:meth:`LearnerLink.residual_copy`).
     """

@@ -204,6 +204,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
 
     tokens_total = restored.tokens_total if restored is not None else 0
     tokens_at_start = tokens_total  # this process trained tokens_total - tokens_at_start
+    trained_before = unit_state.trained_s  # seconds earlier processes of the unit trained
     loss_ema = float("nan")
     # The steps' losses, on the device until a status report reads them (in step order).
     unread_losses: list[jax.Array] = []
@@ -213,6 +214,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
     sync_wait_s = 0.0  # --mode sync: time spent waiting at sync points
     running_since: float | None = None
     last_status = 0.0
+    last_snapshot = time.monotonic()  # when the newest checkpoint was taken
     state_name = "running"
 
     def rate() -> float:
@@ -242,6 +244,8 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         healthy = (tokens_total - tokens_at_start) / computing_s if computing_s > 0 else 0.0
         versions = core.base_versions()
         first = unit_state.first_trained_at
+        if trained_s > 0:
+            unit_state.set_trained(trained_before + trained_s)
         link.set_status(
             state=state_name,
             step=core.step,
@@ -260,6 +264,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             tokens_per_step=core.tokens_per_step,
             sync_wait_s=round(sync_wait_s, 3),
             lifetime_s=None if first is None else round(max(0.0, time.time() - first), 3),
+            lifetime_training_s=round(trained_before + trained_s, 3),
         )
 
     while core.step < settings.max_steps and not stop.is_set():
@@ -309,6 +314,12 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             core.round = link.outer_next_round
         uploads = core.due_uploads(next_h)
         hand_off(uploads, core, link, unit_state, writer, tokens_total)
+        now = time.monotonic()
+        if uploads:
+            last_snapshot = now
+        elif writer is not None and 0 < settings.checkpoint_every_s <= now - last_snapshot:
+            writer.submit(take_snapshot(core, tokens_total, link.residual_copy()))
+            last_snapshot = now
         if uploads and settings.mode == "sync":
             sync_wait_s += wait_for_merge(uploads, core, link, settings, stop)
         report()

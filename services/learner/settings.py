@@ -55,6 +55,12 @@ class InnerSettings(BaseSettings):
     codec_threads: int = Field(
         0, ge=-1, le=256, description="threads encoding uploads of 8 MiB or more (-1: one per CPU)"
     )
+    checkpoint_every_s: float = Field(
+        10.0,
+        ge=0,
+        description="seconds between checkpoints taken within a sync period (0: only at sync "
+        "points); a killed unit trains again at most the steps since its newest checkpoint",
+    )
 
     @model_validator(mode="after")
     def _check_codec(self) -> InnerSettings:

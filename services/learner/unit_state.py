@@ -10,7 +10,8 @@ The file lives in ``<checkpoint_dir>/<job>/unit-<u>/state.json`` and holds one
      "desired": "running",              # last known desired state (idle|running|paused|stopped)
      "published": [[0, 37], [39, 41]],  # rounds JetStream accepted (RoundSet ranges, lifetime)
      "lifetime": {"published": 41, "dropped_unsent": 1, "rejected_local": 0},
-     "first_trained_at": 1764490000.0}  # when the unit first trained (its clock; goodput)
+     "first_trained_at": 1764490000.0,  # when the unit first trained (its clock; goodput)
+     "trained_s": 120.5}                # seconds its processes spent training (goodput)
 
 It is rewritten atomically (``shared/atomic.py``) by the training thread when
 uploads are taken, *before* they are handed to the link (so a round is persisted before it can
@@ -65,6 +66,7 @@ class UnitState:
         self.published = RoundSet()
         self.lifetime: dict[str, int] = dict.fromkeys(LIFETIME_COUNTERS, 0)
         self.first_trained_at: float | None = None
+        self.trained_s = 0.0
         self.loaded = False
         self.write_errors = 0
         self._lock = threading.Lock()
@@ -130,6 +132,13 @@ class UnitState:
             self.first_trained_at = now
             self._write()
 
+    def set_trained(self, seconds: float) -> None:
+        """Record the seconds the unit's processes have spent training, across restarts (the
+        status report writes it through about every second)."""
+        with self._lock:
+            self.trained_s = seconds
+            self._write()
+
     # ---- reading -----------------------------------------------------------------------------
 
     def as_record(self) -> UnitStateFile:
@@ -146,6 +155,7 @@ class UnitState:
             published=self.published.ranges(),
             lifetime=dict(self.lifetime),
             first_trained_at=self.first_trained_at,
+            trained_s=round(self.trained_s, 3),
         )
 
     # ---- the file ----------------------------------------------------------------------------
@@ -182,6 +192,7 @@ class UnitState:
         for name in LIFETIME_COUNTERS:
             self.lifetime[name] = record.lifetime.get(name, 0)
         self.first_trained_at = record.first_trained_at
+        self.trained_s = record.trained_s
         self.loaded = True
         log.info(
             "unit state %s: next round %d, desired %s, %d rounds published",

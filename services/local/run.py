@@ -76,6 +76,8 @@ class _Watch:
     last_reconcile: float = 0.0
     throughput: Throughput = field(default_factory=Throughput)
     status: JobStatus | None = None  # the last read of the job's status records
+    started_at: float | None = None  # when the units were started (together), unix seconds
+    chaos_offset_s: float | None = None  # how far the failure schedule had run by then
     speeds: dict[int, float] = field(default_factory=dict)  # each unit's healthy speed
 
     def observe(self) -> None:
@@ -117,6 +119,9 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
     started = time.monotonic()
     last_print = 0.0
     watch = _Watch(released=not s.start_together)
+    if watch.released:
+        watch.started_at = time.time()
+        watch.chaos_offset_s = time.monotonic() - cluster.chaos_started
     reason = "interrupted"
 
     async def read() -> None:
@@ -144,6 +149,8 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
                 STATUS_READ_TIMEOUT_S,
             )
             watch.released = True
+            watch.started_at = time.time()
+            watch.chaos_offset_s = time.monotonic() - cluster.chaos_started
             cluster.print(f"[{elapsed:6.1f}s] all units ready: starting them together")
 
     try:
@@ -198,6 +205,8 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
         ledger=ledger.balance(watch.outer, watch.units),
         chaos=[e for e in cluster.chaos if e.at_s <= time.monotonic() - cluster.chaos_started],
         goodput=watch.goodput(),
+        started_at=watch.started_at,
+        chaos_offset_s=watch.chaos_offset_s if cluster.chaos else None,
     )
 
 

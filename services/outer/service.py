@@ -465,17 +465,16 @@ class OuterService:
             applied={unit: books.last_round for unit, books in self.ledger.units.items()},
         )
 
-    def _eval_snapshot(self) -> tuple[Any, int]:
+    def _eval_snapshot(self) -> tuple[Any, int, float]:
         """A copy of the global params and their version, for :meth:`_evaluate`. Take it on
         the event loop between merges (merges run on a worker thread)."""
-        return pytree.unflatten_named(self.template, self.core.full_params()), (
-            self.core.total_version
-        )
+        params = pytree.unflatten_named(self.template, self.core.full_params())
+        return params, self.core.total_version, time.time()
 
-    async def _evaluate(self, params: Any, version: int) -> None:
-        """Evaluate ``params`` (global version ``version``) on held-out data and enter the
-        result (a loss that is not finite, from a diverged model, is entered as None and
-        logged)."""
+    async def _evaluate(self, params: Any, version: int, taken_at: float) -> None:
+        """Evaluate ``params`` (global version ``version``, copied at ``taken_at``) on held-out
+        data and enter the result (a loss that is not finite, from a diverged model, is entered
+        as None and logged)."""
         result = await asyncio.get_running_loop().run_in_executor(None, self.evaluate, params)
         log.info(
             "eval v%d: %.4f nats/byte (%.4f bits/byte)",
@@ -491,6 +490,7 @@ class OuterService:
                 tokens=self.ledger.tokens_applied,
                 nats_per_byte=_finite(result.nats_per_byte),
                 bits_per_byte=_finite(result.bits_per_byte),
+                at=round(taken_at, 3),
             )
         )
 

@@ -57,7 +57,10 @@ class Progress:
     def evaluated(self, record: EvalRecord) -> None:
         """Enter an evaluation of the global params (the first one is also ``init``)."""
         point = EvalPoint(
-            version=record.version, tokens=record.tokens, nats_per_byte=record.nats_per_byte
+            version=record.version,
+            tokens=record.tokens,
+            nats_per_byte=record.nats_per_byte,
+            at=record.at,
         )
         self.evaluation = EvaluationRecord(
             init=self.evaluation.init or record,
