@@ -149,7 +149,7 @@ def test_a_silent_unit_stops_being_waited_for():
 def test_sync_mode_waits_for_every_unit_in_the_first_round_then_drops_a_silent_one():
     settings = OuterSettings(mode="sync", sync_timeout_s=8.0, num_units=3)
     algorithm = settings.algorithm(num_units=3)
-    assert (algorithm.policy, algorithm.min_quorum, algorithm.wait_for_all_first) == (
+    assert (algorithm.policy, algorithm.min_quorum, algorithm.sync_rounds) == (
         "quorum",
         1,
         True,
@@ -161,6 +161,7 @@ def test_sync_mode_waits_for_every_unit_in_the_first_round_then_drops_a_silent_o
         algorithm.grace_min_s,
         algorithm.grace_max_s,
         expected_units=algorithm.num_units,
+        sync_rounds=algorithm.sync_rounds,
     )
     policy.add(arrival(0, {}, at=1.0))
     assert policy.deadline() == pytest.approx(9.0)  # units 1 and 2 never uploaded: wait 8 s
@@ -177,6 +178,21 @@ def test_sync_mode_waits_for_every_unit_in_the_first_round_then_drops_a_silent_o
     assert sorted(a.unit for a in policy.take()) == [0, 1]
     # The decoupled default merges every arrival alone, at once.
     assert OuterSettings(num_units=3).algorithm(num_units=3).policy == "each"
+
+
+def test_a_stale_upload_rides_along_a_sync_round_without_starting_or_completing_it():
+    policy = MergePolicy("quorum", 1, 0.0, 8.0, 8.0, expected_units=2, sync_rounds=True)
+    policy.add(arrival(1, {}, at=1.0), fresh=False)  # unit 1 was dropped from the last round
+    assert policy.quorum_at is None  # a stale upload starts no round ...
+    assert policy.deadline() == pytest.approx(9.0)  # ... and alone waits one timeout for one
+    policy.add(arrival(0, {}, at=2.0))
+    assert policy.deadline() == pytest.approx(10.0)  # unit 1's fresh upload is awaited
+    policy.add(arrival(1, {}, at=3.0))
+    assert policy.ready(3.0) and sorted(a.unit for a in policy.take()) == [0, 1, 1]
+    # Without sync rounds every arrival counts.
+    loose = MergePolicy("quorum", 1, 0.0, 8.0, 8.0, expected_units=2)
+    loose.add(arrival(1, {}, at=1.0), fresh=False)
+    assert loose.deadline() == pytest.approx(9.0)
 
 
 def test_grace_window_is_bounded():

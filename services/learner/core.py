@@ -227,11 +227,16 @@ class LearnerCore:
         self._set(params=None, anchor=anchor)
         return uploads
 
+    def newest_version(self, fragment: int) -> int:
+        """The newest version of ``fragment`` this unit has: held (offered, not yet adopted) or
+        adopted."""
+        sync = self.syncs[fragment]
+        return sync.pending[0] if sync.pending else sync.base_version
+
     def offer_global(self, fragment: int, version: int, pieces: dict[str, np.ndarray]) -> bool:
         """Hold a newer global fragment until it may be adopted; False if it is not newer."""
         sync = self.syncs[fragment]
-        newest = sync.pending[0] if sync.pending else sync.base_version
-        if version <= newest:
+        if version <= self.newest_version(fragment):
             return False
         if sorted(pieces) != self.plan.keys(fragment):
             raise ValueError(f"global fragment {fragment} pieces differ from this unit's plan")

@@ -125,23 +125,24 @@ def wait_for_merge(
     settings: LearnerSettings,
     stop: threading.Event,
 ) -> float:
-    """Synchronous DiLoCo (``--mode sync``): block until, for every fragment just uploaded, a
-    global version that includes the upload has arrived, and adopt it. Returns the seconds
-    waited.
+    """Synchronous DiLoCo (``--mode sync``): block until, for every fragment just uploaded, the
+    round's global has arrived (a version newer than the upload's base: merged with the upload,
+    or without it when the unit was dropped from the round after the timeout), and adopt it.
+    Returns the seconds waited. A dropped unit's upload is merged into the next round.
 
     The wait ends early on a stop or pause, or once the upload has been accepted by JetStream
-    and ``SYNC_GIVE_UP_FACTOR`` sync timeouts have passed without a version that includes it
-    (the outer rejected it): then the unit goes on from the newest version it has.
+    and ``SYNC_GIVE_UP_FACTOR`` sync timeouts have passed without a newer version (the outer
+    rejected it): then the unit goes on from the newest version it has.
     """
-    waiting = {upload.fragment: upload.round for upload in uploads}
+    waiting = {upload.fragment: upload.base_version for upload in uploads}
     started = time.monotonic()
     published_at: float | None = None
     while waiting and not stop.is_set() and link.desired_state == "running":
         for fragment in link.take_new_params():
             core.offer_global(fragment.fragment, fragment.version, fragment.pieces)
-            target = waiting.get(fragment.fragment)
-            if target is not None and fragment.applied_round >= target:
-                del waiting[fragment.fragment]
+        for fragment, base in list(waiting.items()):
+            if core.newest_version(fragment) > base:
+                del waiting[fragment]
         core.adopt_globals()
         now = time.monotonic()
         if published_at is None and link.unsent() == 0:
@@ -150,7 +151,7 @@ def wait_for_merge(
             SYNC_GIVE_UP_FACTOR * settings.sync_timeout_s
         ):
             log.warning(
-                "no global includes round(s) %s: going on without", sorted(waiting.values())
+                "no global newer than version(s) %s: going on without", sorted(waiting.values())
             )
             link.counters.add("sync_waits_abandoned")
             break
@@ -293,7 +294,10 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
 
         for fragment in link.take_new_params():
             core.offer_global(fragment.fragment, fragment.version, fragment.pieces)
-        core.adopt_globals()
+        if settings.mode != "sync":
+            # Synchronous DiLoCo adopts a global only at a sync point (wait_for_merge), so that
+            # a unit dropped from a round goes on from the round's global in step with the rest.
+            core.adopt_globals()
 
         started = time.monotonic()
         loss = core.train_step(sampler.batch(core.step))

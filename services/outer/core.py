@@ -56,7 +56,7 @@ class OuterAlgorithm:
     num_units: int = 1
     participation_scale: bool = True
     fragments: int = 1
-    wait_for_all_first: bool = False
+    sync_rounds: bool = False  # synchronous DiLoCo's rounds (MergePolicy.sync_rounds)
 
     def __post_init__(self) -> None:
         # Fail at start-up, not at the first merge: build everything once to validate.
@@ -137,7 +137,8 @@ class OuterCore:
             a.grace_factor,
             a.grace_min_s,
             a.grace_max_s,
-            expected_units=a.num_units if a.wait_for_all_first else 0,
+            expected_units=a.num_units if a.sync_rounds else 0,
+            sync_rounds=a.sync_rounds,
         )
 
     # ---- state -------------------------------------------------------------------------------
@@ -246,7 +247,7 @@ class OuterCore:
             raise Rejected(
                 "too_stale", f"staleness {staleness} > max {self.algorithm.staleness.max_staleness}"
             )
-        state.policy.add(arrival)
+        state.policy.add(arrival, fresh=staleness == 0)
 
     def due(self, now: float) -> list[int]:
         """Fragments whose buffers should be merged now."""

@@ -66,7 +66,9 @@ class MergePolicy:
     grace_min_s: float = 0.0
     grace_max_s: float = 30.0
     expected_units: int = 0
+    sync_rounds: bool = False
     buffer: list[Arrival] = field(default_factory=list)
+    fresh_units: set[int] = field(default_factory=set)
     intervals: dict[int, float] = field(default_factory=dict)
     last_arrival: dict[int, float] = field(default_factory=dict)
     quorum_at: float | None = None
@@ -79,8 +81,15 @@ class MergePolicy:
         if self.grace_factor < 0 or not 0 <= self.grace_min_s <= self.grace_max_s:
             raise ValueError("need grace_factor >= 0 and 0 <= grace_min_s <= grace_max_s")
 
-    def add(self, arrival: Arrival) -> None:
-        """Buffer an arrival and learn its unit's upload interval."""
+    def add(self, arrival: Arrival, fresh: bool = True) -> None:
+        """Buffer an arrival and learn its unit's upload interval.
+
+        With ``sync_rounds`` (synchronous DiLoCo) only a *fresh* arrival (based on the current
+        version) takes part in the round: it starts the round's clock and counts as its unit
+        being in. A stale one (its unit was dropped from an earlier round) is merged with the
+        round but neither starts nor completes it, so a late unit cannot split the units into
+        rounds of their own that each wait for the timeout.
+        """
         unit, now = arrival.unit, arrival.arrived_at
         if unit in self.last_arrival:
             gap = max(0.0, now - self.last_arrival[unit])
@@ -88,7 +97,9 @@ class MergePolicy:
             self.intervals[unit] = gap if previous is None else _EMA * gap + (1 - _EMA) * previous
         self.last_arrival[unit] = now
         self.buffer.append(arrival)
-        if self.quorum_at is None and len({a.unit for a in self.buffer}) >= self.min_quorum:
+        if fresh or not self.sync_rounds:
+            self.fresh_units.add(unit)
+        if self.quorum_at is None and len(self.fresh_units) >= self.min_quorum:
             self.quorum_at = now
 
     def _window_cap(self) -> float:
@@ -102,11 +113,20 @@ class MergePolicy:
         if self.kind == "each":
             return 0.0 if self.buffer else None
         if self.quorum_at is None:
-            return None
-        present = {a.unit for a in self.buffer}
-        if self.active_units(self.quorum_at) <= present:
+            if not (self.sync_rounds and self.buffer):
+                return None
+            # Stale uploads alone (sync rounds) wait for a round until no unit is active any
+            # more, as at the end of a job (at least one timeout).
+            return self.buffer[0].arrived_at + max(self._window_cap(), self._silence_s())
+        if self.active_units(self.quorum_at) <= self.fresh_units:
             return self.quorum_at
         return self.quorum_at + self._window_cap()
+
+    def _silence_s(self) -> float:
+        """How long a unit stays active after its last upload (0 before intervals are known)."""
+        if not self.intervals:
+            return 0.0
+        return ACTIVE_INTERVALS * statistics.median(self.intervals.values())
 
     def active_units(self, now: float) -> set[int]:
         """Units that uploaded recently (within ACTIVE_INTERVALS median upload intervals).
@@ -114,8 +134,7 @@ class MergePolicy:
         ``0 .. expected_units - 1`` (synchronous DiLoCo's first round waits for every unit)."""
         if not self.intervals:
             return set(self.last_arrival) | set(range(self.expected_units))
-        horizon = ACTIVE_INTERVALS * statistics.median(self.intervals.values())
-        return {u for u, t in self.last_arrival.items() if t >= now - horizon}
+        return {u for u, t in self.last_arrival.items() if t >= now - self._silence_s()}
 
     def ready(self, now: float) -> bool:
         """Whether the buffer should be merged now."""
@@ -128,4 +147,5 @@ class MergePolicy:
         if self.kind == "each":
             return [self.buffer.pop(0)] if self.buffer else []
         taken, self.buffer, self.quorum_at = self.buffer, [], None
+        self.fresh_units = set()
         return taken

@@ -145,7 +145,7 @@ class OuterSettings(JobSettings, OuterAlgorithmSettings):
         """The algorithm of these settings; with ``--mode sync`` a round is merged once every
         active unit is in (every unit of the job in the first round), or ``--sync-timeout-s``
         after its first upload without the rest (the quorum policy with a fixed grace
-        window)."""
+        window, rounds of uploads based on the current version)."""
         algorithm = super().algorithm(num_units, fragments)
         if self.mode != "sync":
             return algorithm
@@ -156,7 +156,7 @@ class OuterSettings(JobSettings, OuterAlgorithmSettings):
             grace_factor=0.0,
             grace_min_s=self.sync_timeout_s,
             grace_max_s=self.sync_timeout_s,
-            wait_for_all_first=True,
+            sync_rounds=True,
         )
 
     @model_validator(mode="after")
