@@ -184,7 +184,7 @@ def test_a_stale_upload_rides_along_a_sync_round_without_starting_or_completing_
     policy = MergePolicy("quorum", 1, 0.0, 8.0, 8.0, expected_units=2, sync_rounds=True)
     policy.add(arrival(1, {}, at=1.0), fresh=False)  # unit 1 was dropped from the last round
     assert policy.quorum_at is None  # a stale upload starts no round ...
-    assert policy.deadline() == pytest.approx(9.0)  # ... and alone waits one timeout for one
+    assert policy.deadline() == pytest.approx(25.0)  # ... and alone waits 3 timeouts for one
     policy.add(arrival(0, {}, at=2.0))
     assert policy.deadline() == pytest.approx(10.0)  # unit 1's fresh upload is awaited
     policy.add(arrival(1, {}, at=3.0))

@@ -116,8 +116,10 @@ class MergePolicy:
             if not (self.sync_rounds and self.buffer):
                 return None
             # Stale uploads alone (sync rounds) wait for a round until no unit is active any
-            # more, as at the end of a job (at least one timeout).
-            return self.buffer[0].arrived_at + max(self._window_cap(), self._silence_s())
+            # more, as at the end of a job: merged alone, they would make the work of every
+            # unit still computing stale.
+            interval = statistics.median(self.intervals.values()) if self.intervals else 0.0
+            return self.buffer[0].arrived_at + ACTIVE_INTERVALS * max(self._window_cap(), interval)
         if self.active_units(self.quorum_at) <= self.fresh_units:
             return self.quorum_at
         return self.quorum_at + self._window_cap()
