@@ -158,10 +158,10 @@ def test_summary_lines_show_what_crossed_each_link():
         units=units,
         links=links,
         ledger=balance(None, units),
-        goodput=Goodput(job=0.875, units={0: 0.95, 1: 0.8}),
+        goodput=Goodput(job=0.875, units={0: 0.95, 1: 0.8}, job_up=0.9, up={0: 1.0, 1: 0.8}),
     )
     lines = summary_lines(summary)
-    assert "goodput             0.88  (unit 0 0.95, unit 1 0.80)" in lines
+    assert "goodput             0.88  (up 0.90; unit 0 0.95, unit 1 0.80)" in lines
     per_token, data_parallel = 100_000 / 5000, 8 * 84288 / 1024
     assert lines[-6:] == [
         "  upload p50 0.25 s, p95 1.50 s; sync p50 1.25 s, p95 3.00 s; params -;"

@@ -120,7 +120,8 @@ def summary_lines(summary: RunSummary) -> list[str]:
     goodput = summary.goodput
     if goodput is not None and goodput.job is not None:
         units = ", ".join(f"unit {u} {g:.2f}" for u, g in sorted(goodput.units.items()))
-        lines.append(f"goodput             {goodput.job:.2f}  ({units})")
+        up = f"up {goodput.job_up:.2f}; " if goodput.job_up is not None else ""
+        lines.append(f"goodput             {goodput.job:.2f}  ({up}{units})")
     if summary.chaos:
         kinds = collections.Counter(event.kind for event in summary.chaos)
         shown = ", ".join(f"{kind} {count}" for kind, count in sorted(kinds.items()))
