@@ -51,6 +51,7 @@ def imported_heavy_modules(*modules: str) -> list[str]:
         "services.link.settings",
         "services.link.service",
         "services.loadtest.settings",
+        "services.clustersim.scenarios",
         "services.cli",
         "services.gateway.client",
         "shared.settings",
