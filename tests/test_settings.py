@@ -149,6 +149,7 @@ def test_invalid_outer_algorithm_options_are_named(argv, fragment):
         (["--overlap-tau", "-1"], "--overlap-tau"),
         (["--slowdown", "0.5"], "--slowdown"),
         (["--fragments", "0"], "--fragments"),
+        (["--mode", "sync", "--overlap-tau", "2"], "overlap-tau must be 0"),
     ],
 )
 def test_invalid_learner_sync_options_are_named(argv, fragment):

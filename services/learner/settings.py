@@ -123,4 +123,18 @@ class LearnerSettings(JobSettings, InnerSettings):
     def _check_unit(self) -> LearnerSettings:
         if self.unit >= self.num_units:
             raise ValueError(f"unit {self.unit} must be < num-units {self.num_units}")
+        check_sync_overlap(self.mode, self.overlap_tau)
         return self
+
+
+def check_sync_overlap(mode: str, overlap_tau: int) -> None:
+    """Synchronous DiLoCo takes each round's global at its sync point: no overlap.
+
+    Raises:
+        ValueError: ``--mode sync`` with ``--overlap-tau`` above 0.
+    """
+    if mode == "sync" and overlap_tau > 0:
+        raise ValueError(
+            f"--mode sync waits for each round's global at its sync point: overlap-tau must be "
+            f"0, got {overlap_tau}"
+        )

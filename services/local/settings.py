@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.learner.settings import InnerSettings
+from services.learner.settings import InnerSettings, check_sync_overlap
 from services.local.chaos import SERVICE_TARGETS, plan_chaos
 from services.local.supervisor import DEFAULT_MAX_RESTARTS
 from services.outer.settings import OuterAlgorithmSettings
@@ -175,4 +175,5 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
         self._chaos_services()
         if "cut" in self._chaos_kinds() and self.chaos_mtbf_s and not (self.link or self.links):
             raise ValueError("chaos-kinds cut needs learners' links: add --link or --links")
+        check_sync_overlap(self.mode, self.overlap_tau)
         return self
