@@ -109,20 +109,26 @@ def fit_restart_s(runs: Sequence[GoodputRun]) -> float:
     return max(0.0, extra / kills) if kills else 0.0
 
 
-def fit_merge_s(run: GoodputRun, calibration: Calibration) -> float:
-    """The outer's seconds per round of a run without failures: the seconds per version the run
-    measured, less what the simulator already accounts for (found by bisection on the
-    simulated seconds per version)."""
-    target = run.seconds_per_version or 0.0
+def mean_window_s(run: GoodputRun) -> float:
+    """The units' mean goodput window in a real run (from their start to their end)."""
+    return sum(run.windows.values()) / len(run.windows) if run.windows else 0.0
 
-    def per_version(merge_s: float) -> float:
+
+def fit_merge_s(run: GoodputRun, calibration: Calibration) -> float:
+    """The outer's seconds per round in a run without failures: the value that makes the
+    simulated units end when the real ones did (mean window, found by bisection)."""
+    target = mean_window_s(run)
+
+    def window(merge_s: float) -> float:
         fitted = dataclasses.replace(
             calibration, merge_s={**calibration.merge_s, run.method: merge_s}
         )
-        outcome = simulate(small_cluster(run, fitted))
-        return outcome.end_s / max(1, outcome.versions)
+        windows = simulate(small_cluster(run, fitted)).windows_s
+        return sum(windows) / len(windows)
 
-    return bisect(per_version, target, 0.0, max(1.0, 2 * target))
+    if window(0.0) >= target:
+        return 0.0
+    return bisect(window, target, 0.0, target)
 
 
 def bisect(f: Callable[[float], float], target: float, lo: float, hi: float) -> float:
