@@ -237,6 +237,9 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             return
         last_status = now
         read_losses()
+        # Reading the losses waits for every step dispatched so far: only now do the tokens
+        # counted and the time elapsed describe the same work.
+        now = time.monotonic()
         tokens_per_s = rate()
         rate_window.append((now, tokens_total))
         del rate_window[:-10]
