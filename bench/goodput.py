@@ -154,11 +154,7 @@ def figures(row: Row, summary: RunSummary, args: argparse.Namespace) -> GoodputR
         unit_up={str(u): round(g, 4) for u, g in good.up.items()},
         speeds={str(u): s.compute_tokens_per_s for u, s in summary.units.items()},
         unit_applied={str(u): books.tokens for u, books in outer.units.items()},
-        windows={
-            str(u): round(outer.units[u].tokens / (g * summary.units[u].compute_tokens_per_s), 2)
-            for u, g in good.units.items()
-            if g > 0 and u in outer.units and summary.units[u].compute_tokens_per_s > 0
-        },
+        windows={str(u): round(w, 2) for u, w in good.windows_s.items()},
         restarts=dict(summary.restarts),
         tokens_per_step=some_unit.tokens_per_step,
         h_steps=1 if row.method == "dp-like" else args.h_steps,

@@ -53,7 +53,8 @@ def goodput(
     job_up = None
     if up and len(up) == len(possible):
         job_up = sum(up[u] * possible[u] for u in possible) / total
-    return Goodput(job=job, units=units, job_up=job_up, up=up)
+    windows = {u: wall_s[u] for u in sorted(possible)}
+    return Goodput(job=job, units=units, job_up=job_up, up=up, windows_s=windows)
 
 
 def window_s(entry: Stamped[UnitStatus]) -> float | None:
@@ -64,14 +65,10 @@ def window_s(entry: Stamped[UnitStatus]) -> float | None:
     return status.lifetime_s + (0.0 if status.state in ENDED_STATES else entry.age_s)
 
 
-def job_goodput(status: JobStatus, speeds: Mapping[int, float] | None = None) -> Goodput | None:
-    """Each unit's and the job's goodput from one read of its status records.
-
-    Args:
-        status: the job's status records (the outer's ledger gives the applied tokens).
-        speeds: each unit's healthy speed, when the caller measured it better than the records
-            (``diloco up`` keeps a speed measured over a settled window); else the records'
-            ``compute_tokens_per_s``.
+def job_goodput(status: JobStatus) -> Goodput | None:
+    """Each unit's and the job's goodput from one read of its status records: the outer's
+    ledger gives the applied tokens, each unit's record its healthy speed over its life
+    (``compute_tokens_per_s``), its window and its time up.
 
     Returns:
         None before the outer reported.
@@ -83,4 +80,4 @@ def job_goodput(status: JobStatus, speeds: Mapping[int, float] | None = None) ->
     windows = {u: w for u, entry in status.units.items() if (w := window_s(entry)) is not None}
     reported = {u: entry.record.compute_tokens_per_s for u, entry in status.units.items()}
     up = {u: entry.record.lifetime_training_s for u, entry in status.units.items()}
-    return goodput(applied, {**reported, **(speeds or {})}, windows, up)
+    return goodput(applied, reported, windows, up)

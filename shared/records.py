@@ -236,8 +236,9 @@ class UnitStatus(Record):
     )
     compute_tokens_per_s: NonNegativeFloat = Field(
         0.0,
-        description="this process's healthy speed: tokens it trained over the seconds it spent "
-        "training, waits at sync points excluded (goodput's yardstick)",
+        description="the unit's healthy speed over its life: tokens it computed (steps trained "
+        "again after a crash included) over the seconds it spent computing (waits at sync "
+        "points excluded), across restarts (goodput's yardstick)",
     )
     slowdown: float = Field(1.0, ge=1.0)
     model: ModelSize | None = Field(None, description="the model the unit trains")
@@ -616,6 +617,12 @@ class UnitStateFile(Record):
     trained_s: NonNegativeFloat = Field(
         0.0, description="seconds the unit's processes have spent training, across restarts"
     )
+    computing_s: NonNegativeFloat = Field(
+        0.0, description="of those, seconds computing (waits at sync points excluded)"
+    )
+    computed_tokens: Count = Field(
+        0, description="tokens computed meanwhile (steps trained again after a crash included)"
+    )
 
 
 class FragmentSyncRecord(Record):
@@ -694,6 +701,7 @@ class Goodput(Record):
         None, description="share of the units' windows they spent training (up), all units"
     )
     up: dict[Count, NonNegativeFloat] = Field({}, description="the same per unit")
+    windows_s: dict[Count, NonNegativeFloat] = Field({}, description="each unit's window")
 
 
 ChaosKind = Literal["kill", "pause", "cut"]

@@ -58,6 +58,4 @@ def test_job_goodput_from_one_read_of_the_status_records():
     assert result.units == {0: pytest.approx(0.9), 1: pytest.approx(0.1)}
     assert result.job == pytest.approx(0.5)
     assert result.up == {0: pytest.approx(0.95), 1: pytest.approx(0.1)}
-    # A speed measured by the caller over a settled window replaces the record's.
-    assert job_goodput(status, {1: 500.0}).units[1] == pytest.approx(0.2)
     assert job_goodput(JobStatus(job="j", units=units)) is None  # no outer yet

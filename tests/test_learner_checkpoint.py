@@ -57,7 +57,7 @@ def test_state_file_round_trips_and_a_crash_mid_write_leaves_it_intact(tmp_path)
     state.set_desired("paused")
     state.mark_trained(1000.0)
     state.mark_trained(2000.0)  # a restarted process keeps the first time
-    state.set_trained(12.5)
+    state.set_lifetime(12.5, 10.0, 4096)
     # A crash in the middle of the next write leaves a torn temporary file behind.
     temp_file(path).write_bytes(b'{"job": "t", "unit": 0, "next_round": 99, "publ')
 
@@ -67,6 +67,7 @@ def test_state_file_round_trips_and_a_crash_mid_write_leaves_it_intact(tmp_path)
     assert again.published.ranges() == [[0, 2], [4, 4]]
     assert again.lifetime == {"published": 4, "dropped_unsent": 1, "rejected_local": 0}
     assert (again.first_trained_at, again.trained_s) == (1000.0, 12.5)
+    assert (again.computing_s, again.computed_tokens) == (10.0, 4096)
     again.reserve(7)  # the next write goes through despite the leftover
     assert records.decode(UnitStateFile, path.read_bytes()).next_round == 7
     assert not temp_file(path).exists()

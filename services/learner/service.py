@@ -205,7 +205,8 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
 
     tokens_total = restored.tokens_total if restored is not None else 0
     tokens_at_start = tokens_total  # this process trained tokens_total - tokens_at_start
-    trained_before = unit_state.trained_s  # seconds earlier processes of the unit trained
+    # What earlier processes of the unit did: seconds training, of which computing, and tokens.
+    before = (unit_state.trained_s, unit_state.computing_s, unit_state.computed_tokens)
     loss_ema = float("nan")
     # The steps' losses, on the device until a status report reads them (in step order).
     unread_losses: list[jax.Array] = []
@@ -244,12 +245,16 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         rate_window.append((now, tokens_total))
         del rate_window[:-10]
         trained_s = training_s + (now - running_since if running_since is not None else 0.0)
-        computing_s = trained_s - sync_wait_s
-        healthy = (tokens_total - tokens_at_start) / computing_s if computing_s > 0 else 0.0
+        # The unit's healthy speed over its whole life, not this process's: on shared cores a
+        # unit computes faster while others are down, and a fresh process has little to go by.
+        life_trained = before[0] + trained_s
+        life_computing = before[1] + max(0.0, trained_s - sync_wait_s)
+        life_tokens = before[2] + tokens_total - tokens_at_start
+        healthy = life_tokens / life_computing if life_computing > 0 else 0.0
         versions = core.base_versions()
         first = unit_state.first_trained_at
         if trained_s > 0:
-            unit_state.set_trained(trained_before + trained_s)
+            unit_state.set_lifetime(life_trained, life_computing, life_tokens)
         link.set_status(
             state=state_name,
             step=core.step,
@@ -268,7 +273,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             tokens_per_step=core.tokens_per_step,
             sync_wait_s=round(sync_wait_s, 3),
             lifetime_s=None if first is None else round(max(0.0, time.time() - first), 3),
-            lifetime_training_s=round(trained_before + trained_s, 3),
+            lifetime_training_s=round(life_trained, 3),
         )
 
     while core.step < settings.max_steps and not stop.is_set():

@@ -11,7 +11,9 @@ The file lives in ``<checkpoint_dir>/<job>/unit-<u>/state.json`` and holds one
      "published": [[0, 37], [39, 41]],  # rounds JetStream accepted (RoundSet ranges, lifetime)
      "lifetime": {"published": 41, "dropped_unsent": 1, "rejected_local": 0},
      "first_trained_at": 1764490000.0,  # when the unit first trained (its clock; goodput)
-     "trained_s": 120.5}                # seconds its processes spent training (goodput)
+     "trained_s": 120.5,                # seconds its processes spent training (goodput) ...
+     "computing_s": 118.0,              # ... of which computing (not waiting at a sync point)
+     "computed_tokens": 245760}         # ... and the tokens computed meanwhile
 
 It is rewritten atomically (``shared/atomic.py``) by the training thread when
 uploads are taken, *before* they are handed to the link (so a round is persisted before it can
@@ -67,6 +69,8 @@ class UnitState:
         self.lifetime: dict[str, int] = dict.fromkeys(LIFETIME_COUNTERS, 0)
         self.first_trained_at: float | None = None
         self.trained_s = 0.0
+        self.computing_s = 0.0
+        self.computed_tokens = 0
         self.loaded = False
         self.write_errors = 0
         self._lock = threading.Lock()
@@ -132,11 +136,13 @@ class UnitState:
             self.first_trained_at = now
             self._write()
 
-    def set_trained(self, seconds: float) -> None:
-        """Record the seconds the unit's processes have spent training, across restarts (the
-        status report writes it through about every second)."""
+    def set_lifetime(self, trained_s: float, computing_s: float, computed_tokens: int) -> None:
+        """Record, across restarts, the seconds the unit's processes have spent training, of
+        which computing, and the tokens they computed (the status report writes them through
+        about every second)."""
         with self._lock:
-            self.trained_s = seconds
+            self.trained_s, self.computing_s = trained_s, computing_s
+            self.computed_tokens = computed_tokens
             self._write()
 
     # ---- reading -----------------------------------------------------------------------------
@@ -156,6 +162,8 @@ class UnitState:
             lifetime=dict(self.lifetime),
             first_trained_at=self.first_trained_at,
             trained_s=round(self.trained_s, 3),
+            computing_s=round(self.computing_s, 3),
+            computed_tokens=self.computed_tokens,
         )
 
     # ---- the file ----------------------------------------------------------------------------
@@ -193,6 +201,8 @@ class UnitState:
             self.lifetime[name] = record.lifetime.get(name, 0)
         self.first_trained_at = record.first_trained_at
         self.trained_s = record.trained_s
+        self.computing_s = record.computing_s
+        self.computed_tokens = record.computed_tokens
         self.loaded = True
         log.info(
             "unit state %s: next round %d, desired %s, %d rounds published",

@@ -47,9 +47,6 @@ STATUS_READ_TIMEOUT_S = 3.0  # bounds a status read while NATS is down, so heali
 RECONCILE_EVERY_S = 1.0  # how often the registry's jobs are read and their processes matched
 TICK_S = 0.5  # the loop's period
 CLOSE_TIMEOUT_S = 5.0
-# A unit's reported healthy speed counts once its process has trained this long (or while no
-# other was seen): a fresh process's first reports count steps dispatched, not yet done.
-SPEED_WINDOW_S = 10.0
 NATS_ERRORS = (*retry.NATS_ERRORS, kv.KvError, transport.TransportError)
 SUCCESS = ("finished", "interrupted")  # the reasons a run ends with exit code 0
 
@@ -78,19 +75,10 @@ class _Watch:
     status: JobStatus | None = None  # the last read of the job's status records
     started_at: float | None = None  # when the units were started (together), unix seconds
     chaos_offset_s: float | None = None  # how far the failure schedule had run by then
-    speeds: dict[int, float] = field(default_factory=dict)  # each unit's healthy speed
-
-    def observe(self) -> None:
-        """Note, from the records just read, how fast each unit computes."""
-        for unit, status in self.units.items():
-            if status.compute_tokens_per_s > 0 and (
-                status.training_s >= SPEED_WINDOW_S or unit not in self.speeds
-            ):
-                self.speeds[unit] = status.compute_tokens_per_s
 
     def goodput(self) -> Goodput | None:
         """Each unit's goodput from its first training to its end (or the last read)."""
-        return job_goodput(self.status, self.speeds) if self.status is not None else None
+        return job_goodput(self.status) if self.status is not None else None
 
 
 async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
@@ -173,7 +161,6 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
                     watch.nats_reachable = False
             if fresh:
                 watch.throughput.observe(watch.units)
-                watch.observe()
             if time.monotonic() - last_print >= s.progress_every_s:
                 cluster.print(progress_line(elapsed, watch.outer, watch.units))
                 last_print = time.monotonic()
