@@ -201,7 +201,7 @@ def analyse(results: dict[str, GoodputRun], args: argparse.Namespace) -> dict:
     # The target: the quality the default reaches without failures (its final eval + 1%).
     default = next(f for f in no_failure if f.method == "decoupled" and f.final_eval is not None)
     target = args.target or round(1.01 * default.final_eval, 3)
-    rates = sorted({f.mtbf_s for f in unshaped}, key=lambda r: float("inf") if r is None else -r)
+    rates = sorted({f.mtbf_s for f in unshaped}, key=lambda r: float("-inf") if r is None else -r)
     per_rate = {}
     for rate in rates:
         group = {f.method: f for f in unshaped if f.mtbf_s == rate}
