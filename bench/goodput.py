@@ -73,17 +73,20 @@ class Row:
     method: str
     mtbf_s: float | None
     link: str | None = None
+    seed: int = 1
 
     @property
     def key(self) -> str:
         rate = "none" if self.mtbf_s is None else f"mtbf {self.mtbf_s:g}s"
-        return f"{self.method} / {rate} / {self.link or 'unshaped'}"
+        seed = "" if self.seed == 1 else f" / seed {self.seed}"
+        return f"{self.method} / {rate} / {self.link or 'unshaped'}{seed}"
 
 
 def rows(args: argparse.Namespace) -> list[Row]:
     rates = [None if r == "none" else float(r) for r in args.rates.split(",")]
-    table = [Row(method, rate) for rate in rates for method in METHODS]
-    table += [Row(method, None, args.throttled) for method in METHODS]
+    methods = [m for m in METHODS if m in args.methods.split(",")]
+    table = [Row(method, rate, seed=args.seed) for rate in rates for method in methods]
+    table += [Row(method, None, args.throttled, args.seed) for method in methods]
     return table
 
 
@@ -199,8 +202,10 @@ def analyse(results: dict[str, GoodputRun], args: argparse.Namespace) -> dict:
     unshaped = [f for f in results.values() if f.link is None]
     no_failure = [f for f in unshaped if f.mtbf_s is None]
     # The target: the quality the default reaches without failures (its final eval + 1%).
-    default = next(f for f in no_failure if f.method == "decoupled" and f.final_eval is not None)
-    target = args.target or round(1.01 * default.final_eval, 3)
+    target = args.target
+    if target is None:
+        default = next(f for f in no_failure if f.method == "decoupled" and f.final_eval)
+        target = round(1.01 * default.final_eval, 3)
     rates = sorted({f.mtbf_s for f in unshaped}, key=lambda r: float("-inf") if r is None else -r)
     per_rate = {}
     for rate in rates:
@@ -266,7 +271,7 @@ def table(results: dict[str, GoodputRun], args, analysis: dict, elapsed_s: float
     ]
     for rate, facts in analysis["per_rate"].items():
         for method in METHODS:
-            fig = results.get(Row(method, rate).key)
+            fig = results.get(Row(method, rate, seed=args.seed).key)
             if fig is None:
                 continue
             ratio = fig.goodput / fig.up if fig.goodput and fig.up else None
@@ -349,7 +354,8 @@ def main() -> None:
     parser.add_argument("--mttr-s", type=float, default=10.0)
     parser.add_argument("--kinds", default="kill,pause,cut")
     parser.add_argument("--sync-timeout-s", type=float, default=10.0)
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="seeds the data and the failures")
+    parser.add_argument("--methods", default=",".join(METHODS), help="which methods to run")
     parser.add_argument("--throttled", default="2mbit/25ms", help="every unit's link (or '')")
     parser.add_argument("--dp-throttled-s", type=float, default=240.0)
     parser.add_argument("--target", type=float, default=None, help="target eval (nats/byte)")

@@ -46,6 +46,10 @@ SYNC_POLL_S = 0.01  # --mode sync: how often a waiting unit looks for the merged
 # --mode sync: a unit whose published upload is in no global after this many sync timeouts
 # stops waiting for it (the outer merges a round at most one timeout after its first upload).
 SYNC_GIVE_UP_FACTOR = 3
+# How often the status report writes the unit's lifetime counters (time up and computing,
+# tokens computed) to its state file: each write is fsynced; a killed unit loses at most this
+# much of its counted up time.
+LIFETIME_WRITE_S = 2.0
 STARTUP_DESIRED_WAIT_S = 5.0
 
 
@@ -217,6 +221,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
     running_since: float | None = None
     last_status = 0.0
     last_snapshot = time.monotonic()  # when the newest checkpoint was taken
+    last_lifetime_write = 0.0  # when the lifetime counters were last written to the state file
     state_name = "running"
 
     def rate() -> float:
@@ -232,7 +237,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         unread_losses.clear()
 
     def report(force: bool = False) -> None:
-        nonlocal last_status
+        nonlocal last_status, last_lifetime_write
         now = time.monotonic()
         if not force and now - last_status < settings.status_interval_s / 2:
             return
@@ -253,8 +258,9 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         healthy = life_tokens / life_computing if life_computing > 0 else 0.0
         versions = core.base_versions()
         first = unit_state.first_trained_at
-        if trained_s > 0:
+        if trained_s > 0 and (force or now - last_lifetime_write >= LIFETIME_WRITE_S):
             unit_state.set_lifetime(life_trained, life_computing, life_tokens)
+            last_lifetime_write = now
         link.set_status(
             state=state_name,
             step=core.step,
