@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -173,7 +174,7 @@ class ChipScale:
     seed: int = 0
 
 
-def _poisson(rate: float, horizon: float, rng) -> list[float]:
+def _poisson(rate: float, horizon: float, rng: random.Random) -> list[float]:
     times, t = [], rng.expovariate(rate)
     while t < horizon:
         times.append(t)
@@ -184,8 +185,6 @@ def _poisson(rate: float, horizon: float, rng) -> list[float]:
 def chip_scale(method: str, chips: int, c: ChipScale) -> Outcome:
     """Goodput of ``method`` (``data-parallel``, ``elastic data-parallel``,
     ``sync DiLoCo M=<m>`` or ``decoupled M=<m>``) on ``chips`` chips."""
-    import random
-
     rng = random.Random(f"{c.seed}/{method}/{chips}")
     if method in ("data-parallel", "elastic data-parallel"):
         learners, mode = 1, "sync"
