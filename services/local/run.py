@@ -76,6 +76,11 @@ class _Watch:
     started_at: float | None = None  # when the units were started (together), unix seconds
     chaos_offset_s: float | None = None  # how far the failure schedule had run by then
 
+    def start(self, cluster: Cluster) -> None:
+        """Note that the units start now, and how far the failure schedule has run."""
+        self.started_at = time.time()
+        self.chaos_offset_s = time.monotonic() - cluster.chaos_started
+
     def goodput(self) -> Goodput | None:
         """Each unit's goodput from its first training to its end (or the last read)."""
         return job_goodput(self.status) if self.status is not None else None
@@ -108,8 +113,7 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
     last_print = 0.0
     watch = _Watch(released=not s.start_together)
     if watch.released:
-        watch.started_at = time.time()
-        watch.chaos_offset_s = time.monotonic() - cluster.chaos_started
+        watch.start(cluster)
     reason = "interrupted"
 
     async def read() -> None:
@@ -137,8 +141,7 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
                 STATUS_READ_TIMEOUT_S,
             )
             watch.released = True
-            watch.started_at = time.time()
-            watch.chaos_offset_s = time.monotonic() - cluster.chaos_started
+            watch.start(cluster)
             cluster.print(f"[{elapsed:6.1f}s] all units ready: starting them together")
 
     try:
