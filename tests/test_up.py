@@ -1,5 +1,6 @@
 """`diloco up`: runs a whole cluster, heals it, finishes by itself, and never leaves a process
-behind."""
+behind. (SIGTERM stopping a running cluster: ``tests/test_up_jobs.py`` ends that way, and
+``tests/test_local_run_up.py`` sends SIGINT and SIGTERM to stand-in services.)"""
 
 from __future__ import annotations
 
@@ -12,35 +13,6 @@ from services.local import files
 from tests.helpers import answers_http, cluster_processes, live_pids, start_up, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
-
-
-@pytest.mark.timeout(300)
-def test_up_stops_cleanly_on_sigterm_and_leaves_no_process(tmp_path, jax_cache):
-    # SIGINT takes the same path (tests/test_local_run_up.py sends both to run_up).
-    process, data_dir, out_path = start_up(
-        tmp_path, jax_cache, "--max-steps", "100000", "--slowdowns", "3,3"
-    )
-    try:
-        # Wait until training is really under way (a unit reports a step), then interrupt.
-        wait_for(
-            lambda: any(
-                " u0 runn" in line and "tok/s" in line and " u1 " in line
-                for line in out_path.read_text().splitlines()
-            ),
-            180,
-            "progress lines from both units",
-        )
-        children = [
-            p for p in cluster_processes(data_dir, out_path) if not p.startswith(f"{process.pid}:")
-        ]
-        assert len(children) == 5, children  # nats-server, outer, gateway, 2 learners
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=90)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert "all services stopped" in out_path.read_text()
-    assert cluster_processes(data_dir, out_path) == []
 
 
 @pytest.mark.timeout(540)

@@ -5,7 +5,6 @@ and stops its outer — next to its own job, and leaving no process behind."""
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import httpx
@@ -26,7 +25,6 @@ def job_names(data_dir: Path) -> set[str]:
 
 @pytest.mark.timeout(300)
 def test_up_runs_scales_and_stops_a_job_created_through_the_gateway(tmp_path, jax_cache):
-    started = time.monotonic()
     # Its own job: one paced learner that trains for longer than this test lasts. The registry
     # job's learners are paced too (DILOCO_SLOWDOWN, inherited): they only need to keep running.
     process, data_dir, out_path = start_up(
@@ -92,4 +90,3 @@ def test_up_runs_scales_and_stops_a_job_created_through_the_gateway(tmp_path, ja
             process.kill()
     assert "all services stopped" in out_path.read_text()
     assert cluster_processes(data_dir, out_path) == []
-    assert time.monotonic() - started < 240
