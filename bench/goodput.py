@@ -14,10 +14,11 @@ budget), data and seed:
 Failure rates (``diloco up --chaos-mtbf-s``, the same seeded schedule for every method of a
 rate): each unit fails after an exponential time with the given mean, for an exponential time
 with mean ``--mttr-s``, as a ``kill -9``, a pause or a link cut (every unit reaches NATS through
-its own ``diloco link``; "unshaped": without a rate cap). Then the three methods again
-with every unit behind a throttled link, without failures; the data-parallel-like run there is
-cut off after ``--dp-throttled-s`` and its time to the target is extrapolated from its measured
-seconds per step.
+its own ``diloco link``; "unshaped": without a rate cap). The highest rate runs again, decoupled
+and sync, with each of ``--extra-seeds`` (other data orders and failure schedules). Then the
+methods again with every unit behind each throttled link of ``--throttled``, without failures;
+the data-parallel-like run there is cut off after ``--dp-throttled-s`` and its time to the target
+is extrapolated from its measured seconds per step.
 
 Every figure comes from the run's ``summary.json``:
 
@@ -82,11 +83,25 @@ class Row:
         return f"{self.method} / {rate} / {self.link or 'unshaped'}{seed}"
 
 
+def throttled_links(args: argparse.Namespace) -> list[str]:
+    return [link for link in args.throttled.split(",") if link]
+
+
 def rows(args: argparse.Namespace) -> list[Row]:
     rates = [None if r == "none" else float(r) for r in args.rates.split(",")]
     methods = [m for m in METHODS if m in args.methods.split(",")]
     table = [Row(method, rate, seed=args.seed) for rate in rates for method in methods]
-    table += [Row(method, None, args.throttled, args.seed) for method in methods]
+    # The highest rate again with other seeds (other failure schedules), decoupled against sync.
+    highest = min((r for r in rates if r is not None), default=None)
+    table += [
+        Row(method, highest, seed=seed)
+        for seed in args.extra_seeds
+        for method in ("decoupled", "sync")
+        if highest is not None and method in methods
+    ]
+    table += [
+        Row(method, None, link, args.seed) for link in throttled_links(args) for method in methods
+    ]
     return table
 
 
@@ -94,12 +109,12 @@ def flags(row: Row, args: argparse.Namespace) -> list[str]:
     out = [
         *("--model", args.model, "--learners", str(args.learners)),
         *("--max-steps", str(args.steps), "--h-steps", str(args.h_steps)),
-        *("--sync-timeout-s", str(args.sync_timeout_s), "--seed", str(args.seed)),
+        *("--sync-timeout-s", str(args.sync_timeout_s), "--seed", str(row.seed)),
         *METHODS[row.method],
     ]
     if row.mtbf_s is not None:
         out += ["--chaos-mtbf-s", str(row.mtbf_s), "--chaos-mttr-s", str(args.mttr_s)]
-        out += ["--chaos-kinds", args.kinds, "--chaos-seed", str(args.seed)]
+        out += ["--chaos-kinds", args.kinds, "--chaos-seed", str(row.seed)]
     # Unshaped rows run their units behind links without a cap too, so that a failure can cut
     # a unit's link and every rate runs the same processes.
     out += ["--links", ",".join([row.link or "unlimited"] * args.learners)]
@@ -196,30 +211,36 @@ def rate_label(mtbf_s: float | None, period_s: float | None) -> str:
     return f"1 per {mtbf_s:g} s{per}"
 
 
-def analyse(results: dict[str, GoodputRun], args: argparse.Namespace) -> dict:
-    """Per failure rate: eval at equal wall-clock and time to the target; the throttled
-    comparison; the Done-when ratios."""
-    unshaped = [f for f in results.values() if f.link is None]
-    no_failure = [f for f in unshaped if f.mtbf_s is None]
+def analyse(results: dict[Row, GoodputRun], args: argparse.Namespace) -> dict:
+    """Per failure rate (the main seed): eval at equal wall-clock and time to the target; the
+    highest rate per seed; per throttled link: time to the target (the parameter server's
+    extrapolated when it was cut off)."""
+    main = {row: f for row, f in results.items() if row.seed == args.seed}
+    unshaped = {row: f for row, f in main.items() if row.link is None}
+    no_failure = [f for row, f in unshaped.items() if row.mtbf_s is None]
     # The target: the quality the default reaches without failures (its final eval + 1%).
     target = args.target
     if target is None:
         default = next(f for f in no_failure if f.method == "decoupled" and f.final_eval)
         target = round(1.01 * default.final_eval, 3)
-    rates = sorted({f.mtbf_s for f in unshaped}, key=lambda r: float("-inf") if r is None else -r)
+    rates = sorted({r.mtbf_s for r in unshaped}, key=lambda r: float("-inf") if r is None else -r)
     per_rate = {}
     for rate in rates:
-        group = {f.method: f for f in unshaped if f.mtbf_s == rate}
+        group = {row.method: f for row, f in unshaped.items() if row.mtbf_s == rate}
         equal = min(f.end_s for f in group.values())
         per_rate[rate] = {
             "equal_s": equal,
             "evals": {m: eval_at(f, equal) for m, f in group.items()},
             "to_target": {m: time_to(f, target) for m, f in group.items()},
         }
-    throttled = {f.method: f for f in results.values() if f.link is not None}
+    highest = min((r for r in rates if r is not None), default=None)
+    by_seed: dict[int, dict[str, GoodputRun]] = {}
+    for row, f in results.items():
+        if row.link is None and row.mtbf_s == highest and highest is not None:
+            by_seed.setdefault(row.seed, {})[row.method] = f
     dp_unshaped = next((f for f in no_failure if f.method == "dp-like"), None)
-    extrapolated = None
-    if "dp-like" in throttled and dp_unshaped is not None:
+    steps_needed = None
+    if dp_unshaped is not None and dp_unshaped.seconds_per_version:
         steps_needed = next(
             (
                 at / dp_unshaped.seconds_per_version
@@ -228,22 +249,35 @@ def analyse(results: dict[str, GoodputRun], args: argparse.Namespace) -> dict:
             ),
             None,
         )
-        spv = throttled["dp-like"].seconds_per_version
-        if steps_needed is not None and spv is not None:
-            extrapolated = steps_needed * spv
+    throttled = {}
+    for link in throttled_links(args):
+        group = {row.method: f for row, f in main.items() if row.link == link}
+        dp = group.get("dp-like")
+        extrapolated = None
+        if dp is not None and steps_needed is not None and dp.seconds_per_version is not None:
+            extrapolated = steps_needed * dp.seconds_per_version
+        throttled[link] = {"runs": group, "dp_extrapolated_s": extrapolated}
     return {
         "target": target,
         "per_rate": per_rate,
+        "highest": highest,
+        "by_seed": by_seed,
         "throttled": throttled,
-        "dp_extrapolated_s": extrapolated,
     }
 
 
-def table(results: dict[str, GoodputRun], args, analysis: dict, elapsed_s: float, command: str):
-    decoupled = next(f for f in results.values() if f.method == "decoupled" and f.link is None)
+def table(results: dict[Row, GoodputRun], args, analysis: dict, elapsed_s: float, command: str):
+    decoupled = next(
+        f for row, f in results.items() if row.method == "decoupled" and row.link is None
+    )
     speed = sum(decoupled.speeds.values()) / len(decoupled.speeds)
     period = args.h_steps * decoupled.tokens_per_step / speed if speed else None
     target = analysis["target"]
+    target_source = (
+        "given with `--target`"
+        if args.target is not None
+        else "the decoupled final eval without failures + 1%"
+    )
     lines = [
         SECTION,
         "",
@@ -255,13 +289,13 @@ def table(results: dict[str, GoodputRun], args, analysis: dict, elapsed_s: float
         f"{args.sync_timeout_s:g}`); dp-like (a parameter server: `--mode sync --h-steps 1 "
         "--codec fp32 --params-codec fp32 --outer-optimizer sgd --outer-lr 1.0`). Failures: "
         f"each unit fails after an exponential time of the given mean for an exponential time "
-        f"of mean {args.mttr_s:g} s, as one of {args.kinds} (`--chaos-*`, seed {args.seed}, "
-        "the same schedule for every method of a rate). Goodput: applied tokens over what the "
-        "units could have trained in their windows at their healthy speeds; up: the share of "
-        "the windows the units spent training (not dead or paused). Eval at equal wall-clock: "
-        "the held-out loss of each method at the end of the rate's shortest run; time to "
-        f"target: from the units' start to the first eval ≤ {target:.3f} nats/byte (the "
-        "decoupled final eval without failures + 1%; '-': not reached). "
+        f"of mean {args.mttr_s:g} s, as one of {args.kinds} (`--chaos-*`, seeded, "
+        "the same schedule for every method of a rate and seed). Goodput: applied tokens over "
+        "what the units could have trained in their windows at their healthy speeds; up: the "
+        "share of the windows the units spent training (not dead or paused). Eval at equal "
+        "wall-clock: the held-out loss of each method at the end of the rate's shortest run; "
+        f"time to target: from the units' start to the first eval ≤ {target:.3f} nats/byte "
+        f"({target_source}; '-': not reached). "
         f"Runs: {elapsed_s / 60:.0f} min in all on "
         f"{os.cpu_count()} cores.",
         "",
@@ -271,7 +305,7 @@ def table(results: dict[str, GoodputRun], args, analysis: dict, elapsed_s: float
     ]
     for rate, facts in analysis["per_rate"].items():
         for method in METHODS:
-            fig = results.get(Row(method, rate, seed=args.seed).key)
+            fig = results.get(Row(method, rate, seed=args.seed))
             if fig is None:
                 continue
             ratio = fig.goodput / fig.up if fig.goodput and fig.up else None
@@ -282,22 +316,52 @@ def table(results: dict[str, GoodputRun], args, analysis: dict, elapsed_s: float
                 f"| {_f(facts['to_target'][method], '.0f')} | {_f(fig.final_eval, '.3f')} "
                 f"| {fig.end_s:.0f} |"
             )
-    throttled = analysis["throttled"]
-    if throttled:
+    by_seed = analysis["by_seed"]
+    if len(by_seed) > 1:
         lines += [
             "",
-            f"Over a throttled link ({args.throttled} per unit, each direction), without failures:",
+            f"The highest rate ({rate_label(analysis['highest'], period)}) with each seed "
+            "(data order and failure schedule):",
+            "",
+            "| seed | decoupled goodput (up) | sync goodput (up) | decoupled / sync "
+            "| eval at equal wall-clock, decoupled / sync (s) |",
+            "|---|---|---|---|---|",
+        ]
+        ratios = []
+        for seed, group in sorted(by_seed.items()):
+            d, y = group.get("decoupled"), group.get("sync")
+            if d is None or y is None:
+                continue
+            ratio = d.goodput / y.goodput if d.goodput and y.goodput else None
+            if ratio is not None:
+                ratios.append(ratio)
+            equal = min(d.end_s, y.end_s)
+            lines.append(
+                f"| {seed} | {_f(d.goodput, '.3f')} ({_f(d.up, '.3f')}) "
+                f"| {_f(y.goodput, '.3f')} ({_f(y.up, '.3f')}) | {_f(ratio, '.2f')}× "
+                f"| {_f(eval_at(d, equal), '.3f')} / {_f(eval_at(y, equal), '.3f')} "
+                f"({equal:.0f}) |"
+            )
+        if ratios:
+            lines.append(f"| mean | | | {sum(ratios) / len(ratios):.2f}× | |")
+    for link, facts in analysis["throttled"].items():
+        runs = facts["runs"]
+        if not runs:
+            continue
+        lines += [
+            "",
+            f"Over a throttled link ({link} per unit, each direction), without failures:",
             "",
             "| method | s per global version | time to target s | vs decoupled | final eval "
             "| run s |",
             "|---|---|---|---|---|---|",
         ]
-        fastest = time_to(throttled["decoupled"], target) if "decoupled" in throttled else None
-        for method, fig in throttled.items():
+        fastest = time_to(runs["decoupled"], target) if "decoupled" in runs else None
+        for method, fig in runs.items():
             to_target = time_to(fig, target)
             shown = _f(to_target, ",.0f")
             if method == "dp-like" and to_target is None:
-                to_target = analysis["dp_extrapolated_s"]
+                to_target = facts["dp_extrapolated_s"]
                 shown = f"{_f(to_target, ',.0f')} (extrapolated)"
             ratio = to_target / fastest if to_target is not None and fastest else None
             cut = " (cut off)" if fig.reason != "finished" else ""
@@ -309,14 +373,14 @@ def table(results: dict[str, GoodputRun], args, analysis: dict, elapsed_s: float
     return "\n".join(lines)
 
 
-def plot(results: dict[str, GoodputRun], path: Path) -> None:
+def plot(results: dict[Row, GoodputRun], seed: int, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    unshaped = [f for f in results.values() if f.link is None]
+    unshaped = [f for row, f in results.items() if row.link is None and row.seed == seed]
     for method in METHODS:
         points = sorted(
             ((0.0 if f.mtbf_s is None else 3600 / f.mtbf_s), f.goodput)
@@ -355,15 +419,23 @@ def main() -> None:
     parser.add_argument("--kinds", default="kill,pause,cut")
     parser.add_argument("--sync-timeout-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1, help="seeds the data and the failures")
+    parser.add_argument(
+        "--extra-seeds",
+        type=lambda text: [int(seed) for seed in text.split(",") if seed],
+        default=[],
+        help="more seeds for decoupled and sync at the highest rate (e.g. 2,3)",
+    )
     parser.add_argument("--methods", default=",".join(METHODS), help="which methods to run")
-    parser.add_argument("--throttled", default="2mbit/25ms", help="every unit's link (or '')")
+    parser.add_argument(
+        "--throttled", default="2mbit/25ms", help="every unit's link; several: comma-separated"
+    )
     parser.add_argument("--dp-throttled-s", type=float, default=240.0)
     parser.add_argument("--target", type=float, default=None, help="target eval (nats/byte)")
     parser.add_argument("--reuse", action="store_true", help="keep rows already in the results")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md + plot")
     args = parser.parse_args()
     command = shown_command(".venv/bin/python bench/goodput.py")
-    all_rows = [row for row in rows(args) if args.throttled or row.link is None]
+    all_rows = rows(args)
     cache = Path(tempfile.mkdtemp(prefix="goodput-jax-cache-"))
     results = load(RESULTS) if args.reuse else {}
     for row in all_rows:
@@ -380,12 +452,12 @@ def main() -> None:
         RESULTS.parent.mkdir(exist_ok=True)
         rows_json = {k: v.model_dump(mode="json") for k, v in results.items()}
         RESULTS.write_text(json.dumps(rows_json, indent=1))
-    results = {row.key: results[row.key] for row in all_rows}
-    analysis = analyse(results, args)
-    text = table(results, args, analysis, sum(f.elapsed_s for f in results.values()), command)
+    chosen = {row: results[row.key] for row in all_rows}
+    analysis = analyse(chosen, args)
+    text = table(chosen, args, analysis, sum(f.elapsed_s for f in chosen.values()), command)
     print("\n" + text)
     if args.write:
-        plot(results, PLOT)
+        plot(chosen, args.seed, PLOT)
         write_section(SECTION, text)
 
 
