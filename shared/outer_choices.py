@@ -13,6 +13,8 @@ MergePolicyName = Literal["each", "quorum"]
 StalenessRuleName = Literal["constant", "polynomial", "hinge", "exponential"]
 CombineName = Literal["weighted", "rda"]
 TokenWeightingName = Literal["uniform", "tokens", "tokens2_per_step"]
+#: What the norm guard does with an upload far above the usual norm (services/outer/norm_guard.py).
+NormGuardName = Literal["reject", "clip", "off"]
 #: Codecs the outer may send the global params in (a subset of ``shared.codec_config``'s).
 ParamsCodecName = Literal["fp32", "bf16", "int8"]
 
@@ -21,4 +23,5 @@ POLICIES: tuple[str, ...] = get_args(MergePolicyName)
 STALENESS_RULES: tuple[str, ...] = get_args(StalenessRuleName)
 COMBINES: tuple[str, ...] = get_args(CombineName)
 TOKEN_WEIGHTINGS: tuple[str, ...] = get_args(TokenWeightingName)
+NORM_GUARDS: tuple[str, ...] = get_args(NormGuardName)
 PARAMS_CODECS: tuple[str, ...] = get_args(ParamsCodecName)

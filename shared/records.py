@@ -310,6 +310,7 @@ class LedgerRecord(Record):
     merges: Count = 0
     deduplicated: Count = Field(0, description="redelivered chunks of uploads applied before")
     tokens_applied: Count = 0
+    clipped: Count = Field(0, description="applied uploads the norm guard scaled down")
     rejected: dict[str, Count] = Field({}, description="rejected uploads by reason")
     units: dict[Count, UnitLedger] = {}
     staleness: dict[Count, Count] = Field({}, description="applied uploads by staleness")

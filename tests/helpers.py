@@ -206,3 +206,62 @@ def answers_http(url: str) -> bool:
     except OSError:
         return False
     return True
+
+
+def upload_blob(
+    job: str, unit: int, round_: int, base: int, seed: int, scale: float = 1e-3
+) -> bytes:
+    """A wire envelope of a tiny-model pseudo-gradient: Gaussian noise of standard deviation
+    ``scale`` (seeded), int8-encoded, as unit ``unit``'s round ``round_`` on ``base``."""
+    import jax
+    import numpy as np
+
+    from shared import codec, model, pytree, wire
+
+    named = pytree.flatten_named(model.init_params(model.get_config("tiny"), jax.random.PRNGKey(1)))
+    rng = np.random.default_rng(seed)
+    delta = {k: (rng.standard_normal(v.shape) * scale).astype(np.float32) for k, v in named.items()}
+    payload, description = codec.encode_tensors(delta, "int8")
+    envelope = wire.Envelope(
+        kind="pseudo_grad",
+        job=job,
+        unit=unit,
+        round=round_,
+        fragment=0,
+        base_version=base,
+        inner_steps=10,
+        tokens=1280 + 64 * seed,
+        train_loss=3.0,
+        codec=description,
+        sent_at=1.7e9,
+        payload=payload,
+        model="tiny",
+    )
+    return wire.pack_envelope(envelope)
+
+
+def publish_uploads(url: str, job: str, count: int, scales: dict[int, float] | None = None) -> None:
+    """Store ``count`` uploads of three units (upload k: unit k % 3, round k // 3) in the job's
+    grads stream; upload k's noise has standard deviation ``scales.get(k, 1e-3)``."""
+    from shared import subjects, wire
+
+    async def publish() -> None:
+        nc = await transport.connect(NatsSettings(nats_url=url), "upload-publisher")
+        js = nc.jetstream()
+        await transport.ensure_streams(js)
+        for k in range(count):
+            unit, round_ = k % 3, k // 3
+            # The outer offers a whole fetched batch (up to 32 messages) before merging it, so
+            # a base version 40 behind the upload's position is always one it has reached.
+            scale = (scales or {}).get(k, 1e-3)
+            blob = upload_blob(job, unit, round_, base=max(0, k - 40), seed=k, scale=scale)
+            await transport.publish_blob(
+                js,
+                subjects.grads_subject(job, unit),
+                blob,
+                wire.upload_id(job, unit, round_, 0),
+                transport.chunk_size_for(nc),
+            )
+        await nc.close()
+
+    asyncio.run(publish())

@@ -26,7 +26,7 @@ from shared import codec, records, subjects, transport, wire
 from shared.ledger import balance
 from shared.records import Books, OuterStatus, ParamsHead, UnitStatus
 from shared.settings import NatsSettings
-from tests.helpers import job_status, read_status, wait_for
+from tests.helpers import job_status, publish_uploads, read_status, upload_blob, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -250,55 +250,6 @@ def test_outer_killed_at_random_moments_loses_and_duplicates_nothing(
 # --------------------------------------------------------------------------- replay
 
 
-def _upload_blob(job: str, unit: int, round_: int, base: int, seed: int) -> bytes:
-    import jax
-
-    from shared import model, pytree
-
-    named = pytree.flatten_named(model.init_params(model.get_config("tiny"), jax.random.PRNGKey(1)))
-    rng = np.random.default_rng(seed)
-    delta = {k: (rng.standard_normal(v.shape) * 1e-3).astype(np.float32) for k, v in named.items()}
-    payload, description = codec.encode_tensors(delta, "int8")
-    envelope = wire.Envelope(
-        kind="pseudo_grad",
-        job=job,
-        unit=unit,
-        round=round_,
-        fragment=0,
-        base_version=base,
-        inner_steps=10,
-        tokens=1280 + 64 * seed,
-        train_loss=3.0,
-        codec=description,
-        sent_at=1.7e9,
-        payload=payload,
-        model="tiny",
-    )
-    return wire.pack_envelope(envelope)
-
-
-def _publish_uploads(url: str, job: str, count: int) -> None:
-    async def publish() -> None:
-        nc = await transport.connect(NatsSettings(nats_url=url), "replay-publisher")
-        js = nc.jetstream()
-        await transport.ensure_streams(js)
-        for k in range(count):
-            unit, round_ = k % 3, k // 3
-            # The outer offers a whole fetched batch (up to 32 messages) before merging it, so
-            # a base version 40 behind the upload's position is always one it has reached.
-            blob = _upload_blob(job, unit, round_, base=max(0, k - 40), seed=k)
-            await transport.publish_blob(
-                js,
-                subjects.grads_subject(job, unit),
-                blob,
-                wire.upload_id(job, unit, round_, 0),
-                transport.chunk_size_for(nc),
-            )
-        await nc.close()
-
-    asyncio.run(publish())
-
-
 def _final_params(url: str, job: str) -> dict[str, np.ndarray]:
     async def read() -> dict[str, np.ndarray]:
         nc = await transport.connect(NatsSettings(nats_url=url), "replay-reader")
@@ -319,8 +270,11 @@ def test_replay_with_and_without_an_outer_crash_gives_bit_identical_params(
 ) -> None:
     """The same arrival sequence (uploads stored before the outer starts, so their order is
     the stream's) is applied by an outer that runs through, and by one killed midway and
-    restarted (twice): the final global params are bit for bit the same."""
+    restarted (twice): the final global params are bit for bit the same. Two of the uploads are
+    1000x the usual norm: both runs' norm guards reject the same two (the guard's history is in
+    the checkpoint)."""
     count = 90
+    hostile = {40: 1.0, 62: 1.0}  # upload position -> noise scale (the usual is 1e-3)
     # One upload per fetch: each is merged and committed on its own, so the applied count
     # climbs in small steps that the test can kill between (with a fetch of 32, a fast outer
     # applied all 90 within one 0.3 s heartbeat and the kills came too late).
@@ -328,7 +282,7 @@ def test_replay_with_and_without_an_outer_crash_gives_bit_identical_params(
     one_at_a_time = ("--fetch-batch", "1", "--params-codec", "fp32")
     results = {}
     for job, crash in (("replaya", False), ("replayb", True)):
-        _publish_uploads(nats_server.url, job, count)
+        publish_uploads(nats_server.url, job, count, hostile)
         outer = start_outer(services, nats_server.url, job, f"outer-{job}", 3, *one_at_a_time)
         if crash:
             for kill in range(2):
@@ -344,12 +298,14 @@ def test_replay_with_and_without_an_outer_crash_gives_bit_identical_params(
                     services, nats_server.url, job, f"outer-{job}-{kill}", 3, *one_at_a_time
                 )
         wait_for(
-            lambda j=job: outer_applied(nats_server.url, j) == count,
+            lambda j=job: outer_applied(nats_server.url, j) == count - len(hostile),
             180,
-            f"{job}: every upload applied",
+            f"{job}: every honest upload applied",
         )
         status = outer_status(nats_server.url, job)
-        assert status is not None and status.version == count and status.rejected == {}
+        assert status is not None and status.version == count - len(hostile)
+        assert status.rejected == {"norm_outlier": len(hostile)}
+        assert status.rejected_rounds == {k % 3: [(k // 3, k // 3)] for k in hostile}
         if crash:
             assert status.restored_from.kind == "checkpoint"
         results[job] = _final_params(nats_server.url, job)
@@ -591,7 +547,7 @@ def test_poison_upload_is_dead_lettered_once_and_the_outer_goes_on(nats_server, 
         60,
         "the poison upload to be rejected",
     )
-    asyncio.run(publish(_upload_blob(job, 1, 0, base=0, seed=1), 1, 0))
+    asyncio.run(publish(upload_blob(job, 1, 0, base=0, seed=1), 1, 0))
     wait_for(lambda: outer_applied(nats_server.url, job) == 1, 60, "a good upload")
 
     async def dead_letters() -> tuple[list, int]:
@@ -613,3 +569,50 @@ def test_poison_upload_is_dead_lettered_once_and_the_outer_goes_on(nats_server, 
     status = outer_status(nats_server.url, job)
     assert status is not None
     assert status.rejected_rounds == {0: [(0, 0)]} and status.applied_rounds == {1: [(0, 0)]}
+
+
+# --------------------------------------------------------------------------- a hostile unit
+
+
+@pytest.mark.timeout(300)
+def test_an_upload_1000x_the_usual_norm_is_rejected_and_the_held_out_loss_holds(
+    nats_server, services
+):
+    """A finite, well-formed upload from a valid unit whose norm is 1000x the usual (issue 16:
+    one upload with staleness 0 must not replace the model): the norm guard rejects it with its
+    reason, the held-out loss moves by less than 1%, and honest uploads after it are applied."""
+    job, honest = "hostile", 12
+    url = nats_server.url
+    publish_uploads(url, job, honest)  # units 0, 1, 2, rounds 0-3, noise of norm "usual"
+    start_outer(services, url, job, "outer", 3)
+
+    def evaluated(version: int) -> float | None:
+        status = outer_status(url, job)
+        last = status.evaluation.last if status is not None else None
+        return last.nats_per_byte if last is not None and last.version == version else None
+
+    before = wait_for(lambda: evaluated(honest), 120, "the honest uploads applied and evaluated")
+
+    async def publish(*uploads: tuple[int, float]) -> None:
+        nc = await transport.connect(NatsSettings(nats_url=url), "hostile-publisher")
+        js = nc.jetstream()
+        for unit, scale in uploads:
+            round_ = honest // 3
+            blob = upload_blob(job, unit, round_, base=honest, seed=100 + unit, scale=scale)
+            upload = wire.upload_id(job, unit, round_, 0)
+            await transport.publish_blob(js, subjects.grads_subject(job, unit), blob, upload, 4096)
+        await nc.close()
+
+    asyncio.run(publish((0, 1.0)))  # unit 0's next round, based on the current version
+    wait_for(
+        lambda: (status := outer_status(url, job)) is not None and status.rejected,
+        60,
+        "the hostile upload to be judged",
+    )
+    asyncio.run(publish((1, 1e-3), (2, 1e-3)))
+    after = wait_for(lambda: evaluated(honest + 2), 120, "the next honest uploads evaluated")
+    status = outer_status(url, job)
+    assert status is not None
+    assert status.rejected == {"norm_outlier": 1} and status.rejected_rounds == {0: [(4, 4)]}
+    assert status.applied == honest + 2 and status.clipped == 0
+    assert abs(after - before) < 0.01 * before, (before, after)

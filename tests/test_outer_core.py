@@ -10,7 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from services.outer.core import OuterAlgorithm, OuterCore, Rejected
+from services.outer.core import OuterAlgorithm, OuterCore
+from services.outer.errors import Rejected
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival, MergePolicy
 from services.outer.service import OuterService

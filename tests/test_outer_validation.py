@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.outer.core import OuterAlgorithm, OuterCore, Rejected
+from services.outer.core import OuterAlgorithm, OuterCore
+from services.outer.errors import Rejected
 from services.outer.intake import Intake
 from services.outer.ledger import OuterLedger
 from services.outer.publishing import DeadLetters

@@ -3,7 +3,8 @@
 **What is saved** (:class:`OuterSnapshot`): per fragment the global params, the outer
 optimizer's state (every leaf of its pytree: momentum, Delayed Nesterov's accumulator and
 counter) and the version; the ledger (counters, per-unit applied and rejected rounds, which is
-also the deduplication set); and the evaluation record. Uploads waiting in a merge buffer are
+also the deduplication set); the evaluation record; and the norms the norm guard judges by
+(``norm_guard.py``). Uploads waiting in a merge buffer are
 *not* copied: their chunk messages stay unacknowledged in the work-queue stream until the merge
 that uses them is checkpointed, so JetStream holds them, and a restarted outer gets them again.
 
@@ -56,6 +57,7 @@ class OuterSnapshot:
             ``jax.tree_util`` order (the tree structure comes from the optimizer itself).
         ledger: The outer's books (``services/outer/ledger.py``).
         evaluation: Its held-out evaluations.
+        norms: Per fragment, the norms of the merged uploads the norm guard judges by.
     """
 
     job: str
@@ -65,6 +67,7 @@ class OuterSnapshot:
     opt_leaves: list[list[np.ndarray]]
     ledger: LedgerRecord = field(default_factory=LedgerRecord)
     evaluation: EvaluationRecord = field(default_factory=EvaluationRecord)
+    norms: list[list[float]] = field(default_factory=list)
 
 
 def _pack_array(array: Any) -> dict[str, Any]:
@@ -93,6 +96,7 @@ def dumps(snapshot: OuterSnapshot) -> bytes:
         "opt_leaves": [[_pack_array(leaf) for leaf in leaves] for leaves in snapshot.opt_leaves],
         "ledger": snapshot.ledger.model_dump(mode="json"),
         "evaluation": snapshot.evaluation.model_dump(mode="json"),
+        "norms": [[float(n) for n in norms] for norms in snapshot.norms],
     }
     return msgpack.packb(body, use_bin_type=True)
 
@@ -120,6 +124,7 @@ def loads(blob: bytes) -> OuterSnapshot:
             opt_leaves=[[_unpack_array(leaf) for leaf in leaves] for leaves in body["opt_leaves"]],
             ledger=ledger,
             evaluation=evaluation,
+            norms=[[float(n) for n in norms] for norms in body["norms"]],
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint is missing or has a malformed field: {exc}") from exc

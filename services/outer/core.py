@@ -8,11 +8,13 @@ v_p that counts outer steps. An arrival for p computed against base version b ha
 s = v_p − b. At merge time each buffered arrival gets a staleness weight s(·) and a token
 weight w (``merge.token_weight``); they are combined (weighted or radial-directional average),
 optionally scaled by the share of units that took part, and applied with the outer optimizer:
-v_p += 1.
+v_p += 1. Before an arrival is buffered, the norm guard (``norm_guard.py``) rejects or clips one
+whose norm is far above what the fragment's merges have seen.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,19 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from services.outer import merge
+from services.outer.errors import Rejected
+from services.outer.norm_guard import NormGuard, update_norm
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival, MergePolicy
 from services.outer.staleness import StalenessRule
 from shared.fragments import FragmentPlan, plan_fragments
-
-
-class Rejected(Exception):
-    """An upload that is not applied; ``reason`` is the counter it is recorded under."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -57,6 +52,8 @@ class OuterAlgorithm:
     participation_scale: bool = True
     fragments: int = 1
     sync_rounds: bool = False  # synchronous DiLoCo's rounds (MergePolicy.sync_rounds)
+    norm_guard: str = "reject"  # reject, clip or off (norm_guard.py)
+    norm_guard_factor: float = 10.0
 
     def __post_init__(self) -> None:
         # Fail at start-up, not at the first merge: build everything once to validate.
@@ -73,6 +70,7 @@ class OuterAlgorithm:
             )
         if self.num_units < 1 or self.fragments < 1:
             raise ValueError("num_units and fragments must be >= 1")
+        NormGuard(self.fragments, self.norm_guard, self.norm_guard_factor)  # checks both
 
 
 @dataclass
@@ -115,6 +113,7 @@ class OuterCore:
             algorithm.optimizer, algorithm.lr, algorithm.momentum, algorithm.dn_period
         )
         self._step = make_outer_step(self.optimizer)
+        self.guard = NormGuard(self.plan.count, algorithm.norm_guard, algorithm.norm_guard_factor)
         init_opt_state = jax.jit(self.optimizer.init)  # one program, not one per leaf and op
         self.fragments: list[_Fragment] = []
         for index in range(self.plan.count):
@@ -232,7 +231,8 @@ class OuterCore:
         """Buffer a validated arrival for ``fragment``.
 
         Raises:
-            Rejected: ``future_base_version`` or ``too_stale``, or ``wrong_fragment``.
+            Rejected: ``future_base_version``, ``too_stale``, ``norm_outlier`` (the norm guard)
+                or ``wrong_fragment``.
         """
         if not 0 <= fragment < self.plan.count:
             raise Rejected("wrong_fragment", f"fragment {fragment} of {self.plan.count}")
@@ -247,6 +247,18 @@ class OuterCore:
             raise Rejected(
                 "too_stale", f"staleness {staleness} > max {self.algorithm.staleness.max_staleness}"
             )
+        norm = update_norm(arrival.pseudo_grad)
+        scale = self.guard.judge(fragment, norm)
+        if scale < 1.0:
+            clipped = {
+                k: np.asarray(v, np.float32) * np.float32(scale)
+                for k, v in arrival.pseudo_grad.items()
+            }
+            arrival = dataclasses.replace(
+                arrival, pseudo_grad=clipped, norm=norm * scale, clipped=True
+            )
+        else:
+            arrival = dataclasses.replace(arrival, norm=norm)
         state.policy.add(arrival, fresh=staleness == 0)
 
     def due(self, now: float) -> list[int]:
@@ -294,4 +306,5 @@ class OuterCore:
             merged = jax.tree_util.tree_map(lambda x: x * share, merged)
         state.params, state.opt_state = self._step(state.params, state.opt_state, merged)
         state.version += 1
+        self.guard.merged(fragment, [arr.norm for arr in arrivals if arr.norm is not None])
         return MergeResult(fragment, state.version, arrivals, staleness)

@@ -27,7 +27,8 @@ from typing import Any
 
 import nats.errors
 
-from services.outer.core import OuterCore, Rejected
+from services.outer.core import OuterCore
+from services.outer.errors import Rejected
 from services.outer.ledger import OuterLedger
 from services.outer.policy import Arrival
 from services.outer.publishing import DeadLetters

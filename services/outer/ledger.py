@@ -32,6 +32,7 @@ class OuterLedger:
         merges: Outer steps taken.
         deduplicated: Redelivered chunk messages of uploads applied before.
         tokens_applied: Tokens behind the applied uploads.
+        clipped: Applied uploads the norm guard scaled down (``norm_guard.py``).
         rejected: Rejected uploads (and stray chunks) by reason.
         units: Per unit, what was applied of it.
         staleness: Applied uploads by staleness.
@@ -44,6 +45,7 @@ class OuterLedger:
     merges: int = 0
     deduplicated: int = 0
     tokens_applied: int = 0
+    clipped: int = 0
     rejected: collections.Counter[str] = field(default_factory=collections.Counter)
     units: dict[int, UnitLedger] = field(default_factory=dict)
     staleness: collections.Counter[int] = field(default_factory=collections.Counter)
@@ -61,6 +63,7 @@ class OuterLedger:
             merges=self.merges,
             deduplicated=self.deduplicated,
             tokens_applied=self.tokens_applied,
+            clipped=self.clipped,
             rejected=dict(self.rejected),
             units={u: stats.model_copy() for u, stats in sorted(self.units.items())},
             staleness=dict(sorted(self.staleness.items())),
@@ -76,6 +79,7 @@ class OuterLedger:
         self.merges = record.merges
         self.deduplicated = record.deduplicated
         self.tokens_applied = record.tokens_applied
+        self.clipped = record.clipped
         self.rejected = collections.Counter(record.rejected)
         self.units = {u: stats.model_copy() for u, stats in record.units.items()}
         self.staleness = collections.Counter(record.staleness)
@@ -106,6 +110,7 @@ class OuterLedger:
             self.applied_rounds.setdefault(arrival.unit, RoundSet()).add(arrival.round)
             self.applied += 1
             self.tokens_applied += arrival.tokens
+            self.clipped += arrival.clipped
             self.staleness[stale] += 1
             stats = self.units.setdefault(arrival.unit, UnitLedger())
             stats.applied += 1

@@ -42,6 +42,8 @@ class Arrival:
         train_loss: The mean train loss its unit reported (a report, not an input to the math).
         messages: The transport's handles of its messages (to acknowledge once the merge that
             uses it is committed); opaque here.
+        norm: Its pseudo-gradient's L2 norm (after clipping), set by the core's norm guard.
+        clipped: Whether the norm guard scaled it down.
     """
 
     unit: int
@@ -54,6 +56,8 @@ class Arrival:
     upload: str = ""
     train_loss: float | None = None
     messages: Any = None
+    norm: float | None = None
+    clipped: bool = False
 
 
 @dataclass

@@ -142,6 +142,7 @@ class OuterService:
                     f"not {self.settings.model!r}: use another --job or the same --model"
                 )
             self.core.import_state(snapshot.versions, snapshot.params, snapshot.opt_leaves)
+            self.core.guard.restore(snapshot.norms)
             self.ledger.load(snapshot.ledger)
             self.progress.evaluation = snapshot.evaluation
             self.progress.restored_from = RestoredFrom(
@@ -407,6 +408,7 @@ class OuterService:
             opt_leaves=leaves,
             ledger=self.ledger.to_record(),
             evaluation=self.progress.evaluation,
+            norms=self.core.guard.history(),
         )
 
     async def _commit(self, store: checkpoint.CheckpointStore) -> bool:

@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from shared.outer_choices import (
     CombineName,
     MergePolicyName,
+    NormGuardName,
     OuterOptimizerName,
     ParamsCodecName,
     StalenessRuleName,
@@ -71,6 +72,15 @@ class OuterAlgorithmSettings(BaseSettings):
         description="scale a merge of m of K units by m/K (not with delayed_nesterov, which "
         "already averages N arrivals)",
     )
+    norm_guard: NormGuardName = Field(
+        "reject",
+        description="an upload whose norm is above --norm-guard-factor x the median of the "
+        "fragment's last 64 merged: reject (counted as norm_outlier), clip (scaled down to the "
+        "bound) or off",
+    )
+    norm_guard_factor: float = Field(
+        10.0, gt=1, le=1e6, description="the norm guard's bound, times the median norm"
+    )
 
     def algorithm(self, num_units: int = 1, fragments: int = 1) -> OuterAlgorithm:
         """The algorithm these settings describe (imports the outer's JAX code)."""
@@ -95,6 +105,8 @@ class OuterAlgorithmSettings(BaseSettings):
             num_units=num_units,
             participation_scale=self.participation_scale,
             fragments=fragments,
+            norm_guard=self.norm_guard,
+            norm_guard_factor=self.norm_guard_factor,
         )
 
     @model_validator(mode="after")

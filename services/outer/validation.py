@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.outer.core import Rejected
+from services.outer.errors import Rejected
 from services.outer.policy import Arrival
 from shared import codec, subjects, wire
 

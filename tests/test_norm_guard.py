@@ -1,0 +1,155 @@
+"""The outer's norm guard (``services/outer/norm_guard.py``), alone and inside ``OuterCore``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.outer.core import OuterAlgorithm, OuterCore
+from services.outer.errors import Rejected
+from services.outer.ledger import OuterLedger
+from services.outer.norm_guard import MIN_HISTORY, WINDOW, NormGuard, update_norm
+from services.outer.policy import Arrival
+
+
+def test_the_norm_is_the_l2_norm_over_all_pieces():
+    pieces = {"a": np.full((2, 2), 3.0, np.float32), "b": np.array([4.0], np.float32)}
+    assert update_norm(pieces) == pytest.approx(np.sqrt(4 * 9 + 16))
+
+
+def test_nothing_is_judged_before_the_fragment_has_history():
+    guard = NormGuard(1, "reject", factor=10.0)
+    guard.merged(0, [1.0] * (MIN_HISTORY - 1))
+    assert guard.bound(0) is None
+    assert guard.judge(0, 1e9) == 1.0
+
+
+def test_reject_refuses_an_update_above_factor_times_the_median_with_its_reason():
+    guard = NormGuard(2, "reject", factor=10.0)
+    guard.merged(0, [1.0, 2.0, 3.0] * 4)  # median 2
+    assert guard.bound(0) == pytest.approx(20.0)
+    assert guard.judge(0, 19.9) == 1.0
+    with pytest.raises(Rejected) as info:
+        guard.judge(0, 2000.0)
+    assert info.value.reason == "norm_outlier" and "2000" in info.value.detail
+    assert guard.bound(1) is None  # fragments are judged by their own history
+
+
+def test_clip_scales_an_outlier_down_to_the_bound():
+    guard = NormGuard(1, "clip", factor=10.0)
+    guard.merged(0, [2.0] * MIN_HISTORY)
+    assert guard.judge(0, 400.0) == pytest.approx(20.0 / 400.0)
+    assert guard.judge(0, 5.0) == 1.0
+
+
+def test_off_never_judges():
+    guard = NormGuard(1, "off")
+    guard.merged(0, [1.0] * WINDOW)
+    assert guard.bound(0) is None and guard.judge(0, 1e12) == 1.0
+
+
+def test_the_history_is_a_bounded_window_and_round_trips():
+    guard = NormGuard(2, "reject", factor=4.0)
+    guard.merged(0, [float(i) for i in range(WINDOW + 10)])
+    history = guard.history()
+    assert len(history[0]) == WINDOW and history[0][0] == 10.0 and history[1] == []
+    again = NormGuard(2, "reject", factor=4.0)
+    again.restore(history)
+    assert again.history() == history and again.bound(0) == guard.bound(0)
+
+
+@pytest.mark.parametrize(
+    ("history", "message"),
+    [([[1.0]], "fragments"), ([[1.0], [float("nan")]], "finite"), ([[-1.0], []], "finite")],
+)
+def test_a_bad_history_is_refused(history, message):
+    with pytest.raises(ValueError, match=message):
+        NormGuard(2).restore(history)
+
+
+@pytest.mark.parametrize(
+    ("mode", "factor"), [("nope", 10.0), ("reject", 1.0), ("clip", 0.5), ("off", float("nan"))]
+)
+def test_bad_settings_are_refused(mode, factor):
+    with pytest.raises(ValueError):
+        NormGuard(1, mode, factor)
+    with pytest.raises(ValueError):
+        OuterAlgorithm(norm_guard=mode, norm_guard_factor=factor)
+
+
+# ---------------------------------------------------------------------------- inside the core
+
+SHAPES = {"w": (64, 8), "b": (8,)}
+
+
+def _core(mode: str) -> OuterCore:
+    params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    return OuterCore(params, OuterAlgorithm(optimizer="sgd", lr=1.0, norm_guard=mode))
+
+
+def _arrival(core: OuterCore, round_: int, scale: float) -> Arrival:
+    rng = np.random.default_rng(round_)
+    grad = {k: (rng.standard_normal(s) * scale).astype(np.float32) for k, s in SHAPES.items()}
+    return Arrival(
+        unit=0,
+        round=round_,
+        base_version=core.version(0),
+        inner_steps=10,
+        tokens=100,
+        pseudo_grad=grad,
+        arrived_at=float(round_),
+    )
+
+
+def _honest_history(core: OuterCore) -> None:
+    for round_ in range(MIN_HISTORY):
+        core.offer(0, _arrival(core, round_, 1e-3))
+        core.merge(0)
+
+
+def _distance(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum(np.sum((a[k] - b[k]) ** 2) for k in a)))
+
+
+def test_the_core_rejects_a_1000x_upload_and_the_params_do_not_move():
+    core = _core("reject")
+    _honest_history(core)
+    before, version = core.fragment_params(0), core.version(0)
+    with pytest.raises(Rejected, match="norm_outlier"):
+        core.offer(0, _arrival(core, 99, 1.0))
+    assert core.due(100.0) == [] and core.version(0) == version
+    assert _distance(core.fragment_params(0), before) == 0.0
+    core.offer(0, _arrival(core, 100, 1e-3))  # honest uploads after it are applied
+    assert core.merge(0).version == version + 1
+
+
+def test_without_the_guard_the_same_upload_moves_the_params_a_thousand_times_further():
+    honest, hostile = _core("off"), _core("off")
+    for core in (honest, hostile):
+        _honest_history(core)
+    before = honest.fragment_params(0)
+    honest.offer(0, _arrival(honest, 99, 1e-3))
+    hostile.offer(0, _arrival(hostile, 99, 1.0))
+    honest.merge(0)
+    hostile.merge(0)
+    step = _distance(honest.fragment_params(0), before)
+    wreck = _distance(hostile.fragment_params(0), before)
+    assert wreck > 500 * step
+
+
+def test_clip_applies_an_outlier_at_the_bound_and_the_books_count_it():
+    core = _core("clip")
+    _honest_history(core)
+    bound = core.guard.bound(0)
+    assert bound is not None
+    before = core.fragment_params(0)
+    core.offer(0, _arrival(core, 99, 1.0))
+    result = core.merge(0)
+    (arrival,) = result.arrivals
+    assert arrival.clipped and arrival.norm == pytest.approx(bound, rel=1e-5)
+    # Outer SGD with learning rate 1: the params moved by exactly the clipped update.
+    assert _distance(core.fragment_params(0), before) == pytest.approx(bound, rel=1e-4)
+    assert core.guard.history()[0][-1] == pytest.approx(bound, rel=1e-5)
+    ledger = OuterLedger()
+    ledger.merged(result.arrivals, result.staleness)
+    assert ledger.to_record().clipped == 1
