@@ -184,7 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     ]
     for name, settings_cls, handler, help_text in table:
         sub = commands.add_parser(
-            name, help=help_text, description=(settings_cls.__doc__ or help_text).strip()
+            name,
+            help=help_text,
+            description=(settings_cls.__doc__ or help_text).strip(),
+            allow_abbrev=False,  # --token must not pass for --token-file
         )
         add_settings_arguments(sub, settings_cls)
         sub.add_argument("--log-level", default="INFO", help="logging level (default INFO)")

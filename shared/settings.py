@@ -110,13 +110,27 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+#: Marks a settings field that holds a secret: it gets no ``--flag`` (a command line shows in
+#: ``ps``); it is set by its environment variable (or a file the settings read).
+SECRET = {"secret": True}
+
+
+def is_secret(field: Any) -> bool:
+    """Whether a settings field holds a secret (:data:`SECRET`)."""
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("secret") is True
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseModel]) -> None:
-    """Add one ``--flag`` per settings field, with the field's description and env variable.
+    """Add one ``--flag`` per settings field, with the field's description and env variable
+    (secret fields get none: they come from the environment).
 
     Flags default to "not given" so that environment variables keep working for fields the
     user did not pass on the command line.
     """
     for name, field in cls.model_fields.items():
+        if is_secret(field):
+            continue
         env = ENV_PREFIX + name.upper()
         default = field.default if field.default is not None else "unset"
         help_text = f"{field.description or name} [env {env}; default {default}]"

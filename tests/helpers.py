@@ -24,7 +24,7 @@ from shared.records import OuterStatus, UnitStatus
 from shared.settings import NatsSettings
 
 REPO = Path(__file__).resolve().parents[1]
-GATEWAY_TOKEN = "testtoken"  # tests start gateways with --token testtoken
+GATEWAY_TOKEN = "test-token-0123456789"  # every gateway a test starts has it (DILOCO_TOKEN)
 AUTH = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
 
 T = TypeVar("T")
@@ -76,6 +76,7 @@ class ServiceProcesses:
         env = {
             **os.environ,
             "DILOCO_JAX_CACHE": str(self.jax_cache),
+            "DILOCO_TOKEN": GATEWAY_TOKEN,
             "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
             "PYTHONUNBUFFERED": "1",
         }

@@ -447,10 +447,9 @@ def test_paused_unit_stays_paused_through_restarts_of_gateway_outer_and_itself(
     job, units = "keeppaused", 2
     ckpt = tmp_path / "units"
     port = free_port()
-    from tests.helpers import AUTH, GATEWAY_TOKEN
+    from tests.helpers import AUTH
 
     gateway_args = ["gateway", "--nats-url", nats_server.url, "--job", job, "--port", str(port)]
-    gateway_args += ["--token", GATEWAY_TOKEN]
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers=AUTH)
 
     def unit_view(unit: int) -> dict | None:

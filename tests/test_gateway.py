@@ -1,5 +1,6 @@
 """Gateway edges through FastAPI's TestClient and a real nats-server: health and readiness, the
-API token, unknown jobs and units, bad names, and malformed records in KV."""
+API token, the body limit and security headers, unknown jobs and units, bad names, and
+malformed records in KV."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def outer_status(state: str = "running") -> OuterStatus:
 
 @pytest.mark.timeout(60)
 def test_health_and_readiness_without_nats():
-    config = GatewaySettings(nats_url=f"nats://127.0.0.1:{free_port()}", token="t")
+    config = GatewaySettings(nats_url=f"nats://127.0.0.1:{free_port()}", token=GATEWAY_TOKEN)
     with TestClient(create_app(config)) as app:
         assert app.get("/healthz").json() == {"status": "ok"}
         response = app.get("/readyz")
@@ -126,6 +127,65 @@ def test_the_token_guards_every_change(client):
     assert client.get("/openapi.json").status_code == 200
     # With the token the same calls work.
     assert client.post("/jobs/t1/start", headers=AUTH).json()["state"] == "running"
+
+
+@pytest.mark.timeout(60)
+def test_an_oversized_body_gets_413_before_it_is_read_and_changes_nothing(nats_server):
+    with gateway(nats_server.url, max_body_bytes=1024) as small:
+        before = small.get("/jobs").json()
+        # Not even JSON: it is refused by its length, never parsed (that would be 422).
+        oversized = b"x" * 1025
+        response = small.post("/jobs", content=oversized, headers=AUTH)
+        assert response.status_code == 413 and "at most 1024" in response.json()["detail"]
+        # A body that does not say its length is not read either.
+        chunked = small.post("/jobs", content=iter([b"{", b"}"]), headers=AUTH)
+        assert chunked.status_code == 411
+        # Without the token, the answer is 401, whatever the body.
+        assert small.post("/jobs", content=oversized).status_code == 401
+        assert small.get("/jobs").json() == before
+        # Within the limit the same route works.
+        job = {"job": "small", "units": 1}
+        assert small.post("/jobs", json=job, headers=AUTH).status_code == 201
+
+
+@pytest.mark.timeout(60)
+def test_security_headers_are_on_every_answer(client):
+    for response in (
+        client.get("/"),
+        client.get("/healthz"),
+        client.get("/jobs/none"),
+        client.post("/jobs", json={}),  # 401
+    ):
+        csp = response.headers["content-security-policy"]
+        assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp, response.url
+        assert response.headers["x-content-type-options"] == "nosniff"
+        assert response.headers["x-frame-options"] == "DENY"
+        assert response.headers["referrer-policy"] == "no-referrer"
+    # The interactive API page loads FastAPI's script from its CDN: only framing is ruled.
+    assert client.get("/docs").headers["content-security-policy"] == "frame-ancestors 'none'"
+
+
+@pytest.mark.parametrize("token", ["t", "fifteen-chars!!"])
+def test_a_weak_token_is_refused_at_start_outside_local_mode(token, monkeypatch, capsys):
+    with pytest.raises(ValueError, match="at least 16"):
+        GatewaySettings(token=token)
+    assert GatewaySettings(token=token, local=True).token == token
+    monkeypatch.setenv("DILOCO_TOKEN", token)
+    assert main(["gateway", "--nats-url", "nats://127.0.0.1:1"]) == 2
+    assert "at least 16" in capsys.readouterr().err
+
+
+def test_the_token_comes_from_the_environment_or_a_file_never_a_flag(tmp_path, capsys):
+    path = tmp_path / "token"
+    path.write_text(GATEWAY_TOKEN + "\n")
+    assert GatewaySettings(token_file=path).token == GATEWAY_TOKEN
+    with pytest.raises(ValueError, match="not both"):
+        GatewaySettings(token=GATEWAY_TOKEN, token_file=path)
+    with pytest.raises(ValueError, match="cannot read"):
+        GatewaySettings(token_file=tmp_path / "missing")
+    with pytest.raises(SystemExit):  # a command line would show it in ps
+        main(["gateway", "--token", GATEWAY_TOKEN])
+    assert "unrecognized arguments: --token" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(60)

@@ -15,7 +15,7 @@ from services.local.broker import free_port
 from shared import kv, subjects, transport
 from shared.records import OuterStatus
 from shared.settings import NatsSettings
-from tests.helpers import AUTH, GATEWAY_TOKEN, wait_for
+from tests.helpers import AUTH, wait_for
 
 schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
@@ -55,7 +55,7 @@ def test_fuzzed_requests_never_get_a_server_error(nats_server, services):
     services.start(
         "gateway",
         "gateway",
-        *("--nats-url", nats_server.url, "--port", str(port), "--token", GATEWAY_TOKEN),
+        *("--nats-url", nats_server.url, "--port", str(port)),
         *("--job", JOB, "--heartbeat-timeout-s", "3600"),
     )
     client = httpx.Client(base_url=url, timeout=10, headers=AUTH)

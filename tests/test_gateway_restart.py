@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from services.local.broker import free_port
-from tests.helpers import AUTH, GATEWAY_TOKEN, read_status, wait_for
+from tests.helpers import AUTH, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -36,7 +36,6 @@ def _stable(view: dict) -> dict:
 def test_gateway_kill_and_restart_changes_nothing(nats_server, services):
     port = free_port()
     gateway_args = ["gateway", "--nats-url", nats_server.url, "--port", str(port)]
-    gateway_args += ["--token", GATEWAY_TOKEN]
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers=AUTH)
     gateway = services.start("gateway", *gateway_args)
     spec = {"job": JOB, "model": "tiny", "units": 2, "h_steps": 5, "seed": 3}

@@ -287,6 +287,17 @@ def test_cli_drives_the_gateway(nats_server, tmp_path, monkeypatch, capsys):
         assert ok("units", "scale", "cli", "3")["units"] == 3
         assert ok("job", "pause", "cli")["state"] == "paused"
         assert ok("job", "resume", "cli")["state"] == "running"
+        # The token from a file instead of the environment; without either, 401.
+        token_file = tmp_path / "token"
+        token_file.write_text(GATEWAY_TOKEN + "\n")
+        code, out, err = diloco("job", "pause", "cli", "--token-file", str(token_file), token="")
+        assert code == 0 and json.loads(out)["state"] == "paused", err
+        code, _, err = diloco("job", "resume", "cli", token="")
+        assert code == 1 and "401" in err
+        with pytest.raises(SystemExit):  # no --token flag: ps would show it
+            diloco("job", "resume", "cli", "--token", GATEWAY_TOKEN)
+        assert "unrecognized arguments: --token" in capsys.readouterr().err
+        assert ok("job", "resume", "cli")["state"] == "running"
         code, _, err = diloco("job", "stop", "cli", token="wrong")
         assert code == 1 and "401" in err and "API token" in err
         assert ok("job", "stop", "cli")["state"] == "stopped"

@@ -53,7 +53,7 @@ def start_job(
     services.start(
         "gateway",
         "gateway",
-        *("--nats-url", nats_url, "--job", job, "--port", str(port), "--token", GATEWAY_TOKEN),
+        *("--nats-url", nats_url, "--job", job, "--port", str(port)),
         *gateway_flags,
     )
     site = services.workdir / "shifted-clock"

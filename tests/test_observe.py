@@ -27,6 +27,7 @@ from shared.records import (
     UnitLedger,
     UnitStatus,
 )
+from tests.helpers import GATEWAY_TOKEN
 
 SERVER_TIME = 1_800_000_000.0
 TIMEOUT_S = 10.0
@@ -300,7 +301,8 @@ def test_prometheus_collector_without_nats_only_says_so():
 
 @pytest.fixture
 def client_without_nats():
-    settings = GatewaySettings(nats_url=f"nats://127.0.0.1:{free_port()}", job="dash", token="t")
+    url = f"nats://127.0.0.1:{free_port()}"
+    settings = GatewaySettings(nats_url=url, job="dash", token=GATEWAY_TOKEN)
     with TestClient(create_app(settings)) as client:
         yield client
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from services.local.broker import free_port
-from tests.helpers import AUTH, GATEWAY_TOKEN, read_status, wait_for
+from tests.helpers import AUTH, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -25,7 +25,6 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
         "gateway",
         "gateway",
         *("--nats-url", nats_server.url, "--job", JOB, "--port", str(port)),
-        *("--token", GATEWAY_TOKEN),
     )
     for unit in range(2):
         services.start(

@@ -12,7 +12,7 @@ import pytest
 
 from services.local.broker import free_port
 from shared.records import UnitStatus
-from tests.helpers import AUTH, GATEWAY_TOKEN, read_status, wait_for
+from tests.helpers import AUTH, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -26,7 +26,7 @@ def test_learners_idle_until_started_and_exit_when_stopped(nats_server, services
     services.start(
         "gateway",
         "gateway",
-        *("--nats-url", nats_server.url, "--port", str(port), "--token", GATEWAY_TOKEN),
+        *("--nats-url", nats_server.url, "--port", str(port)),
     )
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10, headers=AUTH)
 

@@ -3,8 +3,8 @@ where domain errors become HTTP answers.
 
 The gateway keeps no state of its own and never talks to a unit directly: it keeps job records
 in the ``diloco_jobs`` bucket, writes desired states into ``diloco_desired`` (units poll it) and
-reads heartbeats from ``diloco_status``. Every POST/PUT/DELETE needs the API token
-(``auth.py``).
+reads heartbeats from ``diloco_status``. Every request passes the front door first
+(``front_door.py``: the API token of a POST/PUT/DELETE, the body size, security headers).
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import nats.errors
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from services.gateway.auth import document_auth, require_token
+from services.gateway.auth import document_auth
+from services.gateway.front_door import FrontDoor
 from services.gateway.jobs import TransitionError
 from services.gateway.link import NatsLink
 from services.gateway.registry import Conflict
@@ -59,8 +60,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         description="Job registry, job and unit control, and health of a Decoupled DiLoCo "
         "training system. POST, PUT and DELETE need `Authorization: Bearer <token>`.",
         lifespan=lifespan,
-        dependencies=[Depends(require_token)],
     )
+    app.add_middleware(FrontDoor, settings=settings)
     app.state.settings = settings
     app.state.link = NatsLink(settings)
     app.add_exception_handler(TransitionError, conflict)

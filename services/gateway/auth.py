@@ -1,9 +1,8 @@
 """Bearer-token check of every mutating request, and its description in the OpenAPI schema.
 
 Reads (GET, HEAD, OPTIONS) stay open; POST, PUT, PATCH and DELETE need
-``Authorization: Bearer <token>``. The check is an app-wide dependency, so it also covers the
-routes of routers included later, and it runs before any route does anything: a refused call
-changes nothing.
+``Authorization: Bearer <token>``. The front door (``front_door.py``) checks it before a route
+runs and before the request body is read: a refused call changes nothing and costs nothing.
 """
 
 from __future__ import annotations
@@ -11,40 +10,33 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-
-from services.gateway.deps import SettingsDep
 
 MUTATING_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 SCHEME = "bearerToken"
 CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
-async def require_token(request: Request, settings: SettingsDep) -> None:
-    """Refuse a mutating request without the gateway's bearer token (an app-wide dependency;
-    a gateway started with ``--local`` has no token and checks nothing).
+def token_problem(method: str, authorization: str, token: str) -> str | None:
+    """Why a request may not go on (None: it may): a mutating request without the gateway's
+    bearer token. A gateway started with ``--local`` and no token checks nothing.
 
-    Raises:
-        HTTPException: 401 when the token is missing or wrong.
+    Args:
+        method: The request's HTTP method.
+        authorization: Its ``Authorization`` header ("" when absent).
+        token: The gateway's API token.
     """
-    expected = settings.token.encode()
-    if not expected or request.method not in MUTATING_METHODS:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if not header:
-        raise HTTPException(
-            status_code=401,
-            detail="missing API token: send 'Authorization: Bearer <token>'",
-            headers=CHALLENGE,
-        )
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), expected):
-        raise HTTPException(
-            status_code=401,
-            detail="invalid API token in the Authorization header",
-            headers=CHALLENGE,
-        )
+    if not token or method not in MUTATING_METHODS:
+        return None
+    if not authorization:
+        return "missing API token: send 'Authorization: Bearer <token>'"
+    scheme, _, given = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode(), token.encode()
+    ):
+        return "invalid API token in the Authorization header"
+    return None
 
 
 def document_auth(app: FastAPI) -> None:

@@ -8,8 +8,9 @@
 
 Every command prints the gateway's JSON answer. On a 4xx/5xx answer it prints the gateway's
 message to stderr and exits 1 (2 for a local problem such as an unreadable spec file).
-``--gateway`` (env ``DILOCO_GATEWAY``) and ``--token`` (env ``DILOCO_TOKEN``) say where and as
-whom; ``diloco up`` prints its gateway's token and writes it to ``<data-dir>/token``.
+``--gateway`` (env ``DILOCO_GATEWAY``) and the token (env ``DILOCO_TOKEN``, or ``--token-file``;
+never a flag, which ``ps`` would show) say where and as whom; ``diloco up`` prints its gateway's
+token and writes it to ``<data-dir>/token``.
 """
 
 from __future__ import annotations
@@ -52,13 +53,29 @@ def _message(response: httpx.Response) -> str:
     return f"{response.status_code} {response.reason_phrase}: {detail}"
 
 
+def _token(args: argparse.Namespace) -> str:
+    """The API token: from ``--token-file`` if given, else ``DILOCO_TOKEN`` ("" if neither).
+
+    Raises:
+        ClientError: the token file cannot be read.
+    """
+    if args.token_file is None:
+        return os.environ.get("DILOCO_TOKEN", "").strip()
+    try:
+        with open(args.token_file, encoding="utf-8") as handle:
+            return handle.read().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ClientError(f"cannot read token file {args.token_file}: {err}", EXIT_USAGE) from None
+
+
 def call(args: argparse.Namespace, method: str, path: str, body: Any = None) -> Any:
     """One request to the gateway; returns the decoded JSON answer.
 
     Raises:
         ClientError: when the gateway cannot be reached or answers 4xx/5xx.
     """
-    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    token = _token(args)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         with httpx.Client(base_url=args.gateway, timeout=TIMEOUT_S, headers=headers) as client:
             response = client.request(method, path, json=body)
@@ -114,15 +131,17 @@ def run_client(args: argparse.Namespace) -> int:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
+    parser.allow_abbrev = False  # --token must not pass for --token-file
     parser.add_argument(
         "--gateway",
         default=os.environ.get("DILOCO_GATEWAY", DEFAULT_GATEWAY),
         help=f"gateway URL [env DILOCO_GATEWAY; default {DEFAULT_GATEWAY}]",
     )
     parser.add_argument(
-        "--token",
-        default=os.environ.get("DILOCO_TOKEN", ""),
-        help="the gateway's API token, needed to change anything [env DILOCO_TOKEN]",
+        "--token-file",
+        default=None,
+        help="file holding the gateway's API token, needed to change anything (e.g. "
+        "data/token) [or env DILOCO_TOKEN]",
     )
     parser.set_defaults(handler=run_client)
 

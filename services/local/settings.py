@@ -16,7 +16,7 @@ from services.local.supervisor import DEFAULT_MAX_RESTARTS
 from services.outer.settings import OuterAlgorithmSettings
 from shared.link_spec import LinkSpec, parse_link, parse_links, parse_outages
 from shared.records import CHAOS_KINDS, ChaosEvent, ChaosKind
-from shared.settings import ENV_PREFIX, CommonJobSettings
+from shared.settings import ENV_PREFIX, SECRET, CommonJobSettings
 
 
 class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
@@ -37,8 +37,9 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
     gateway_port: int = Field(8000, ge=0, le=65535, description="gateway HTTP port (0 = free)")
     token: str = Field(
         "",
-        description="the gateway's API token (default: a new random one, printed at start and "
-        "written to <data-dir>/token)",
+        description="the gateway's API token, from the environment only (DILOCO_TOKEN; "
+        "default: a new random one, printed at start and written to <data-dir>/token)",
+        json_schema_extra=SECRET,
     )
     nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0 = free)")
     eval_every_s: float = Field(10.0, gt=0, description="seconds between held-out evals")
