@@ -81,6 +81,8 @@ JobState = Literal["created", "running", "paused", "stopped"]
 JOB_STATES: tuple[str, ...] = get_args(JobState)
 MAX_UNITS = 64  # units of a job in the registry (REST, `diloco up`)
 MAX_OUTER_UNITS = 1024  # units one outer serves (`diloco outer --num-units`)
+MAX_BATCH_SIZE = 4096  # sequences per inner step (`diloco learner --batch-size`)
+MAX_STEPS_PER_UPLOAD = 1_000_000  # inner steps one upload may stand for
 MAX_RECORD_BYTES = 8 << 20  # larger than any record a writer makes; bounds a hostile one
 MAX_ERROR_CHARS = 1000
 

@@ -19,13 +19,21 @@ from services.outer.publishing import DeadLetters
 from services.outer.staleness import StalenessRule
 from services.outer.validation import UploadRules, Validated, validate
 from shared import codec, subjects, wire
+from shared.records import MAX_BATCH_SIZE, MAX_OUTER_UNITS, MAX_STEPS_PER_UPLOAD
 from shared.transport import HEADER_REASON
 
 JOB, MODEL = "j", "tiny"
 SHAPES = {"a": (3,), "b": (2, 2)}
+SEQ_LEN = 8
 RULES = UploadRules(
-    job=JOB, model=MODEL, piece_shapes=[SHAPES], max_upload_bytes=1 << 20, max_tensor_bytes=1 << 20
+    job=JOB,
+    model=MODEL,
+    piece_shapes=[SHAPES],
+    max_upload_bytes=1 << 20,
+    max_tensor_bytes=1 << 20,
+    seq_len=SEQ_LEN,
 )
+MOST_PER_STEP = MAX_BATCH_SIZE * SEQ_LEN
 
 
 def tensors(value: float = 0.01, shapes: dict[str, tuple[int, ...]] = SHAPES) -> dict:
@@ -69,6 +77,11 @@ def test_a_valid_upload_becomes_an_arrival_with_named_fields() -> None:
     assert {k: v.shape for k, v in arrival.pseudo_grad.items()} == SHAPES
 
 
+def test_the_most_work_a_job_allows_is_accepted() -> None:
+    most = check(envelope(unit=MAX_OUTER_UNITS - 1, inner_steps=3, tokens=3 * MOST_PER_STEP))
+    assert (most.arrival.unit, most.arrival.tokens) == (MAX_OUTER_UNITS - 1, 3 * MOST_PER_STEP)
+
+
 def _corrupt_payload() -> wire.Envelope:
     env = envelope()
     payload = bytearray(env.payload)
@@ -87,6 +100,16 @@ def _corrupt_payload() -> wire.Envelope:
         ("bad_payload", _corrupt_payload),
         ("shape_mismatch", lambda: envelope(tensors=tensors(shapes={"a": (4,), "b": (2, 2)}))),
         ("shape_mismatch", lambda: envelope(tensors=tensors(shapes={"a": (3,)}))),
+        # Junk unit ids would grow the books without bound.
+        ("unknown_unit", lambda: envelope(unit=MAX_OUTER_UNITS)),
+        ("unknown_unit", lambda: envelope(unit=(1 << 63) - 1)),
+        # Tokens are the upload's own merge weight and add up in the books (the security review
+        # found that 2^63 - 1 of them made the outer fail after each committed checkpoint).
+        ("implausible_work", lambda: envelope(tokens=(1 << 63) - 1)),
+        ("implausible_work", lambda: envelope(inner_steps=10, tokens=10 * MOST_PER_STEP + 1)),
+        ("implausible_work", lambda: envelope(tokens=0)),
+        ("implausible_work", lambda: envelope(inner_steps=0)),
+        ("implausible_work", lambda: envelope(inner_steps=MAX_STEPS_PER_UPLOAD + 1)),
     ],
 )
 def test_every_validation_failure_is_rejected_with_its_reason(reason: str, make: Any) -> None:

@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.codec_config import CODECS, CodecConfig, CodecError
+from shared.records import MAX_BATCH_SIZE
 from shared.settings import ENV_PREFIX, JobSettings
 
 #: Which global params a unit fetches (``services/learner/params_fetcher.py``).
@@ -19,7 +20,7 @@ class InnerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
-    batch_size: int = Field(16, ge=1, le=4096, description="sequences per inner step")
+    batch_size: int = Field(16, ge=1, le=MAX_BATCH_SIZE, description="sequences per inner step")
     inner_lr: float = Field(3e-3, gt=0, le=1.0, description="peak AdamW learning rate")
     warmup_steps: int = Field(50, ge=0, description="linear warm-up steps of the inner LR")
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay")

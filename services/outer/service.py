@@ -111,6 +111,7 @@ class OuterService:
             ],
             max_upload_bytes=s.max_upload_bytes,
             max_tensor_bytes=self.max_params_bytes,
+            seq_len=cfg.seq_len,
             decode_threads=s.decode_threads,
         )
         self.intake = Intake(

@@ -9,6 +9,11 @@ counted under (``OuterLedger.rejected``) and copied to the dead-letter subject w
 * ``inconsistent_ids``: the subject or the upload id names another unit, round or fragment
   than the envelope does;
 * ``wrong_fragment``: a fragment this job does not have;
+* ``unknown_unit``: a unit number no job has (``MAX_OUTER_UNITS`` or more), so that junk ids
+  cannot grow the books without bound;
+* ``implausible_work``: inner steps outside 1..``MAX_STEPS_PER_UPLOAD``, or tokens outside 1..
+  steps × the most tokens a step can have (the largest batch × the model's context length); an
+  upload's tokens are its own merge weight and add up in the books;
 * ``bad_payload``: tensors the codec cannot decode within the size limits (the codec also
   refuses NaN and Inf, see ``shared.codec.decode_tensors``);
 * ``shape_mismatch``: other pieces or shapes than the fragment's.
@@ -27,6 +32,7 @@ from typing import Any
 from services.outer.errors import Rejected
 from services.outer.policy import Arrival
 from shared import codec, subjects, wire
+from shared.records import MAX_BATCH_SIZE, MAX_OUTER_UNITS, MAX_STEPS_PER_UPLOAD
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -40,6 +46,7 @@ class UploadRules:
         piece_shapes: Per fragment, ``{piece name: shape}``.
         max_upload_bytes: Largest envelope accepted.
         max_tensor_bytes: Largest decoded (float32) or uncompressed payload accepted.
+        seq_len: The model's context length (tokens per sequence).
         decode_threads: Threads decoding a large payload (``shared.codec.decode_tensors``).
     """
 
@@ -48,7 +55,12 @@ class UploadRules:
     piece_shapes: Sequence[Shapes]
     max_upload_bytes: int
     max_tensor_bytes: int
+    seq_len: int
     decode_threads: int = 0
+
+    @property
+    def max_tokens_per_step(self) -> int:
+        return MAX_BATCH_SIZE * self.seq_len
 
 
 @dataclass(frozen=True)
@@ -109,6 +121,16 @@ def validate(
     count = len(rules.piece_shapes)
     if not 0 <= envelope.fragment < count:
         raise Rejected("wrong_fragment", f"fragment {envelope.fragment} of {count}")
+    if envelope.unit >= MAX_OUTER_UNITS:
+        raise Rejected("unknown_unit", f"unit {envelope.unit}; units are 0..{MAX_OUTER_UNITS - 1}")
+    steps, tokens = envelope.inner_steps, envelope.tokens
+    if not 1 <= steps <= MAX_STEPS_PER_UPLOAD:
+        raise Rejected("implausible_work", f"{steps} inner steps; 1..{MAX_STEPS_PER_UPLOAD}")
+    if not 1 <= tokens <= steps * rules.max_tokens_per_step:
+        raise Rejected(
+            "implausible_work",
+            f"{tokens} tokens in {steps} steps of at most {rules.max_tokens_per_step} tokens",
+        )
     try:
         tensors = codec.decode_tensors(
             envelope.payload,
