@@ -119,7 +119,10 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
     final_loss = outer.evaluation.last.nats_per_byte
     assert init_loss == pytest.approx(5.55, abs=0.15)
     if fragments == 1:
-        assert final_loss < init_loss - 1.0, (init_loss, final_loss)
+        # Typically 3.1-3.2 nats/byte alone or beside two CPU hogs; on two cores loaded by the
+        # rest of the suite it has been as high as 4.56. A model that does not learn stays at
+        # 5.5; the staleness and versions in the message say how the merges went.
+        assert final_loss < init_loss - 0.5, (init_loss, final_loss, outer.staleness, outer.version)
     else:
         # P = 2 is here to prove the per-fragment protocol (uploads, versions, publishing) over
         # NATS; its quality on this tiny, very fast setup is not stable from run to run (final

@@ -12,8 +12,8 @@ from tests.helpers import cluster_processes, job_status, start_up, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
-OUTAGE_AT_S = 30  # after the links start; the units train from about 10 s to 60 s after
-STEPS = 500
+OUTAGE_AT_S = 25  # after the links start; the units train from about 10 s to 50 s after
+STEPS = 400
 # A sync period (about 4 s) is longer than a copy of the tiny model's fp32 params takes to cross a
 # 1 Mbit/s link (about 2.7 s), which is longer than the time between two versions (about 2 s).
 H_STEPS = 40
@@ -57,7 +57,7 @@ def test_units_train_through_shaped_links_and_a_stall_loses_nothing(tmp_path, ja
     assert {u: s.step for u, s in summary.units.items()} == {0: STEPS, 1: STEPS}
     for status in summary.units.values():
         # Measured on the unit's clock; the training loop never waits for the network.
-        assert status.upload_latency is not None and status.upload_latency.count >= 10
+        assert status.upload_latency is not None and status.upload_latency.count >= 5
         assert status.params_latency is not None and status.params_latency.count >= 1
         assert status.network_wait_s < 1.0, status.network_wait_s
         # Versions came faster than copies crossed (some were skipped), yet a newer one was
