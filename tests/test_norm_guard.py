@@ -123,7 +123,7 @@ def test_the_core_rejects_a_1000x_upload_and_the_params_do_not_move():
     assert core.merge(0).version == version + 1
 
 
-def test_without_the_guard_the_same_upload_moves_the_params_a_thousand_times_further():
+def test_without_the_guard_the_same_upload_moves_the_params_over_500_times_further():
     honest, hostile = _core("off"), _core("off")
     for core in (honest, hostile):
         _honest_history(core)
