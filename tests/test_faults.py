@@ -273,11 +273,11 @@ def test_replay_with_and_without_an_outer_crash_gives_bit_identical_params(
     restarted (twice): the final global params are bit for bit the same. Two of the uploads are
     1000x the usual norm: both runs' norm guards reject the same two (the guard's history is in
     the checkpoint)."""
-    count = 90
+    count = 72
     hostile = {40: 1.0, 62: 1.0}  # upload position -> noise scale (the usual is 1e-3)
     # One upload per fetch: each is merged and committed on its own, so the applied count
     # climbs in small steps that the test can kill between (with a fetch of 32, a fast outer
-    # applied all 90 within one 0.3 s heartbeat and the kills came too late).
+    # applied them all within one 0.3 s heartbeat and the kills came too late).
     # fp32 params, so that the published copies show the params bit for bit.
     one_at_a_time = ("--fetch-batch", "1", "--params-codec", "fp32")
     results = {}
