@@ -326,7 +326,7 @@ def test_nats_server_killed_and_restarted_mid_run(nats_server: NatsServer, servi
     start_outer(services, nats_server.url, job, "outer", units)
     wait_for(lambda: outer_running(nats_server.url, job), 120, "outer")
     learners = [
-        start_learner(services, nats_server.url, job, u, units, tmp_path / "units", 300)
+        start_learner(services, nats_server.url, job, u, units, tmp_path / "units", 200)
         for u in range(units)
     ]
     wait_for(lambda: outer_applied(nats_server.url, job) >= 4, 180, "training")
