@@ -58,3 +58,21 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Replace ``path`` with ``data`` (see :func:`atomic_write`)."""
     atomic_write(path, lambda handle: handle.write(data))
+
+
+PRIVATE = 0o600
+
+
+def write_private_bytes(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data``, readable and writable by its owner only (a secret).
+
+    The temporary file is made private before the data goes into it, so the secret is never in
+    a file that others may read.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(temp_file(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE)
+    try:
+        os.fchmod(fd, PRIVATE)  # also when a stale temporary file had other bits
+    finally:
+        os.close(fd)
+    atomic_write_bytes(path, data)

@@ -20,6 +20,8 @@
   ``<checkpoint-dir>/J/unit-<u>/``, read by the same unit after a restart.
 * :class:`PidsFile`, :class:`RunSummary` — ``diloco up``'s ``pids.json`` and
   ``summary.json``, read by ``bench/chaos.py`` and tests.
+* :class:`NatsCredentials` — a NATS user's credentials file (``shared.nats_auth``), written by
+  ``diloco up``, read by the service that connects as that user.
 
 Binary stream messages have their own parsers: the wire envelope and chunk headers
 (``shared/wire.py``) and the outer's checkpoint blob (``services/outer/checkpoint.py``, whose
@@ -662,6 +664,25 @@ class LearnerCheckpointMeta(Record):
     taken_at: float = Field(description="unix time of the snapshot (for humans)")
 
 
+# ---- NATS identities ---------------------------------------------------------------------
+
+NatsRole = Literal["admin", "outer", "gateway", "learner", "link"]
+NATS_USER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
+
+
+class NatsCredentials(Record):
+    """A credentials file (``shared.nats_auth``): the NATS user a service connects as.
+
+    Written, readable by its owner only, by ``diloco up``; read by the service it names
+    (``--nats-credentials`` or ``DILOCO_NATS_CREDENTIALS``). The server's configuration holds
+    only the password's bcrypt hash.
+    """
+
+    user: str = Field(pattern=NATS_USER_PATTERN)
+    password: str = Field(min_length=16, max_length=256)
+    role: NatsRole
+
+
 # ---- diloco up's files -----------------------------------------------------------------------
 
 
@@ -670,6 +691,8 @@ class PidsFile(Record):
 
     supervisor: int
     nats_url: str | None = None
+    nats_credentials: str | None = None  # the admin's credentials file
+    nats_ca_file: str | None = None  # the CA of nats-server's certificate (--tls)
     pids: dict[str, int] = {}
     restarts: dict[str, Count] = {}
 

@@ -18,8 +18,9 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared import nats_auth, tls
 from shared.model_config import ModelSize
-from shared.records import JOB_NAME_PATTERN
+from shared.records import JOB_NAME_PATTERN, NatsCredentials
 
 ENV_PREFIX = "DILOCO_"
 #: How the units of a job sync (``--mode``).
@@ -42,6 +43,11 @@ class NatsSettings(BaseSettings):
     connect_timeout_s: float = Field(
         5.0, gt=0, description="timeout of one connection attempt to NATS"
     )
+    nats_credentials: str | None = Field(
+        None,
+        description="file with the NATS user and password to connect as (mode 0600, written by "
+        "`diloco up`; docs/SECURITY.md); default: no user",
+    )
 
     @field_validator("nats_url")
     @classmethod
@@ -50,6 +56,32 @@ class NatsSettings(BaseSettings):
             if not re.match(r"^(nats|tls|ws|wss)://[^\s/]+$", url.strip()):
                 raise ValueError(f"expected nats://host:port (comma-separated), got {url!r}")
         return value
+
+    nats_ca_file: str | None = Field(
+        None,
+        description="CA certificate (PEM) the NATS server's certificate must chain to: connect "
+        "with TLS and verify the server (`diloco up --tls` writes one); default: no TLS",
+    )
+
+    @field_validator("nats_ca_file")
+    @classmethod
+    def _check_ca_file(cls, value: str | None) -> str | None:
+        if value is not None:
+            tls.client_context(value)  # a clear error at start, not at first connect
+        return value
+
+    @field_validator("nats_credentials")
+    @classmethod
+    def _check_credentials(cls, value: str | None) -> str | None:
+        if value is not None:
+            nats_auth.read_credentials(value)  # a clear error at start, not at first connect
+        return value
+
+    def credentials(self) -> NatsCredentials | None:
+        """The user to connect as (None: connect without one)."""
+        if self.nats_credentials is None:
+            return None
+        return nats_auth.read_credentials(self.nats_credentials)
 
     def nats_servers(self) -> list[str]:
         """The URL list nats-py expects."""

@@ -141,7 +141,12 @@ def checkpoint_epoch(subject: str) -> int | None:
 def outer_standby_key(job: str, holder: str) -> str:
     """KV key (bucket STATUS_BUCKET) of a standby outer's status (one per standby process)."""
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in holder)
-    return f"{job}.outer_standby.{safe}"
+    return outer_standby_keys(job).replace("*", safe)
+
+
+def outer_standby_keys(job: str) -> str:
+    """KV key filter (bucket STATUS_BUCKET) covering every standby outer of a job."""
+    return f"{job}.outer_standby.*"
 
 
 def lease_key(job: str) -> str:

@@ -10,6 +10,7 @@ describes the layout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import Callable, Mapping
@@ -28,7 +29,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from shared import records, subjects
+from shared import nats_auth, records, subjects, tls
 from shared.records import ParamsHead
 from shared.retry import QUICK, Backoff, retry
 from shared.settings import NatsSettings
@@ -67,6 +68,10 @@ TORN_READ_BACKOFF = Backoff(initial_s=0.05, max_s=0.5, jitter_s=0.05)
 PARAMS_VERSIONS_KEPT = 8
 
 
+AUTHORIZATION_VIOLATION = "authorization violation"
+NATS_CONNECT_ERRORS = (TimeoutError, OSError, nats.errors.Error)
+
+
 class TransportError(RuntimeError):
     """A NATS operation failed after its retries."""
 
@@ -79,26 +84,68 @@ async def connect(settings: NatsSettings, name: str, **callbacks: Callable[..., 
         name: client name shown in the server's connection list.
         **callbacks: optional nats-py callbacks (``disconnected_cb``, ``reconnected_cb``, ...).
 
+    With ``settings.nats_credentials`` it connects as that user, with the user's own inbox
+    prefix (``shared.nats_auth``); with ``settings.nats_ca_file`` over TLS, verifying the
+    server's certificate against that CA (``shared.tls``).
+
     Raises:
-        TransportError: when the first connection cannot be made within the connect timeout.
+        TransportError: when the first connection cannot be made within the connect timeout
+            (a refused user or password included).
+        nats_auth.CredentialsError: the credentials file cannot be used.
     """
 
-    async def error_cb(err: Exception) -> None:
+    async def log_error(err: Exception) -> None:
         # Denied publishes and other server-side errors only surface here.
         log.warning("nats error (%s): %s", name, err)
 
-    try:
-        return await nats.connect(
+    report = callbacks.pop("error_cb", log_error)
+    refused = asyncio.Event()
+
+    async def error_cb(err: Exception) -> None:
+        # nats-py retries a refused user forever, even on its first connection.
+        if AUTHORIZATION_VIOLATION in str(err).lower():
+            refused.set()
+        await report(err)
+
+    credentials = settings.credentials()
+    identity: dict[str, Any] = {}
+    if credentials is not None:
+        identity = {
+            "user": credentials.user,
+            "password": credentials.password,
+            "inbox_prefix": nats_auth.inbox_prefix(credentials.user),
+        }
+    if settings.nats_ca_file is not None:
+        identity["tls"] = tls.client_context(settings.nats_ca_file)
+    connecting = asyncio.ensure_future(
+        nats.connect(
             servers=settings.nats_servers(),
             name=name,
+            **identity,
             connect_timeout=settings.connect_timeout_s,
             max_reconnect_attempts=-1,
             reconnect_time_wait=random.uniform(*RECONNECT_WAIT_S),
             allow_reconnect=True,
-            error_cb=callbacks.pop("error_cb", error_cb),
+            error_cb=error_cb,
             **callbacks,
         )
-    except (TimeoutError, OSError, nats.errors.Error) as err:
+    )
+    watching = asyncio.ensure_future(refused.wait())
+    try:
+        await asyncio.wait({connecting, watching}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+    if not connecting.done():
+        connecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, *NATS_CONNECT_ERRORS):
+            await connecting
+        who = f"user {credentials.user}" if credentials is not None else "no user"
+        raise TransportError(
+            f"NATS at {settings.nats_url} refused the connection ({who}): Authorization Violation"
+        )
+    try:
+        return connecting.result()
+    except NATS_CONNECT_ERRORS as err:
         raise TransportError(f"cannot connect to NATS at {settings.nats_url}: {err}") from err
 
 
@@ -129,6 +176,23 @@ async def connect_with_retry(
 def chunk_size_for(nc: NatsClient) -> int:
     """Largest chunk that fits the server's max_payload with room for headers."""
     return max(4096, min(MAX_CHUNK_BYTES, nc.max_payload - HEADER_SLACK_BYTES))
+
+
+async def prepare_streams(js: JetStreamContext, settings: NatsSettings) -> None:
+    """Make sure the streams and buckets exist: create them (:func:`ensure_streams`) as the
+    admin or without a user; as any other role, only check the ones it uses
+    (``nats_auth.ROLE_STREAMS``; only the admin may create streams).
+
+    Raises:
+        nats.js.errors.NotFoundError: a stream is not created yet (retry later).
+        TimeoutError, nats.errors.Error: NATS unreachable.
+    """
+    credentials = settings.credentials()
+    if credentials is None or credentials.role == "admin":
+        await ensure_streams(js)
+        return
+    for stream in nats_auth.ROLE_STREAMS[credentials.role]:
+        await js.stream_info(stream)
 
 
 async def ensure_streams(js: JetStreamContext) -> None:

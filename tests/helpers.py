@@ -41,11 +41,13 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def job_status(nats_url: str, job: str) -> JobStatus:
-    """The outer's and every unit's status record of ``job``, with their ages."""
+def job_status(nats_url: str, job: str, credentials: str | None = None) -> JobStatus:
+    """The outer's and every unit's status record of ``job``, with their ages (``credentials``:
+    the file of the user to connect as, e.g. ``diloco up``'s admin)."""
 
     async def read() -> JobStatus:
-        nc = await transport.connect(NatsSettings(nats_url=nats_url), "test-reader")
+        settings = NatsSettings(nats_url=nats_url, nats_credentials=credentials)
+        nc = await transport.connect(settings, "test-reader")
         try:
             return await read_job_status(nc, nc.jetstream(), job)
         except KvError:  # no service has created the status bucket yet

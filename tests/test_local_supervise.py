@@ -67,7 +67,7 @@ def test_supervise_releases_the_units_together_and_finishes_when_the_books_balan
         cluster.learners.append(cluster.spawn(f"learner-{unit}", ["learner"], may_finish=True))
 
     async def scenario() -> RunSummary:
-        await release.hold_units(nats_server.url, JOB, 2)
+        await release.hold_units(NatsSettings(nats_url=nats_server.url), JOB, 2)
         nc = await transport.connect(NatsSettings(nats_url=nats_server.url), "test")
         js = nc.jetstream()
         status_kv = await js.key_value(subjects.STATUS_BUCKET)

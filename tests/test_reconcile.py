@@ -19,6 +19,7 @@ from services.local.reconcile import Retire, Spawn, plan
 from services.local.registry import Registry
 from services.local.settings import UpSettings
 from services.local.supervisor import RestartPolicy, State, Supervisor
+from shared import nats_auth
 from shared.records import JobRecord, JobSpec
 
 CKPT = "/data/units"
@@ -149,7 +150,14 @@ def stand_in_cluster(tmp_path: Path):
     settings = UpSettings(learners=1, data_dir=str(tmp_path))
     cluster = Cluster(settings, out=io.StringIO(), launch=_sleeper)
     cluster.supervisor = Supervisor(RestartPolicy(initial_backoff_s=0.05))
-    server = SimpleNamespace(url="nats://127.0.0.1:1", alive=lambda: False, stop=lambda: None)
+    reloads: list[str] = []
+    server = SimpleNamespace(
+        url="nats://127.0.0.1:1",
+        alive=lambda: False,
+        stop=lambda: None,
+        reload=reloads.append,
+        reloads=reloads,
+    )
     cluster.server = server  # type: ignore[assignment]
     yield cluster
     cluster.stop()
@@ -165,6 +173,11 @@ def test_cluster_starts_a_jobs_processes_and_stops_its_outer_after_its_learners(
     assert (Path(cluster.settings.data_dir) / "logs" / "j-learner-1.log").exists()
     learner = next(c for c in cluster.job_children if c.name == "j/learner-1")
     assert "--nats-url" in learner.args and learner.args[0] == "learner"
+    # The job's NATS users were added to the server in one reload; each process got its own.
+    [authorization] = cluster.server.reloads
+    assert '"learner-j-1"' in authorization and '"outer-j"' in authorization
+    credentials = nats_auth.read_credentials(learner.env["DILOCO_NATS_CREDENTIALS"])
+    assert (credentials.user, credentials.role) == ("learner-j-1", "learner")
     assert cluster.jobs_busy()
     # Stopped: the learners exit 0 by themselves (here: terminated, reported as exit 0 ...).
     for child in cluster.job_learners():

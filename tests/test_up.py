@@ -17,11 +17,15 @@ pytestmark = pytest.mark.slow  # real processes and nats-server (run by make tes
 
 @pytest.mark.timeout(540)
 def test_up_trains_to_the_end_through_restarts_of_gateway_and_nats_server(tmp_path, jax_cache):
-    """A whole run: the gateway and nats-server are killed and restarted on the way, the run
-    finishes by itself, the model learned, the books balance, and no process is left."""
+    """A whole run over TLS, every process connected as its own NATS user: the gateway and
+    nats-server are killed and restarted on the way, the run finishes by itself, the model
+    learned, the books balance, no process stepped outside its permissions, and no process is
+    left."""
     # Paced (slowdown 3) like the e2e test: unpaced tiny units outrun the outer's first merges.
     process, data_dir, out_path = start_up(
-        tmp_path, jax_cache, "--max-steps", "150", "--h-steps", "10", "--slowdowns", "3,3"
+        tmp_path,
+        jax_cache,
+        *("--max-steps", "150", "--h-steps", "10", "--slowdowns", "3,3", "--tls"),
     )
     try:
         everyone = {"nats-server", "outer", "gateway", "learner-0", "learner-1"}
@@ -70,3 +74,6 @@ def test_up_trains_to_the_end_through_restarts_of_gateway_and_nats_server(tmp_pa
     assert summary is not None and summary.reason == "finished", summary
     assert summary.ledger.balanced and set(summary.units) == {0, 1}, summary.ledger
     assert summary.restarts["nats-server"] == summary.restarts["gateway"] == 1
+    server_log = (data_dir / "nats" / "nats-server.log").read_text()
+    assert "TLS required for client connections" in server_log
+    assert "Violation" not in server_log, [x for x in server_log.splitlines() if "Violation" in x]

@@ -32,7 +32,7 @@ def test_units_train_through_shaped_links_and_a_stall_loses_nothing(tmp_path, ja
         assert record.nats_url is not None
 
         def stalled():
-            status = job_status(record.nats_url, "demo")
+            status = job_status(record.nats_url, "demo", record.nats_credentials)
             links = [status.links.get(name) for name in ("0", "1")]
             if all(link is not None and link.record.outage == "stall" for link in links):
                 return status

@@ -63,7 +63,7 @@ class NatsLink:
         nc = await transport.connect(self.settings, "gateway")
         try:
             js = nc.jetstream(timeout=REQUEST_TIMEOUT_S)
-            await transport.ensure_streams(js)
+            await transport.prepare_streams(js, self.settings)
             jobs_kv = await js.key_value(subjects.JOBS_BUCKET)
             desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
         except BaseException:

@@ -213,7 +213,7 @@ class LearnerLink:
             return
         js = nc.jetstream()
         # The connection may drop again at any point: every set-up call is retried.
-        await self._retry(lambda: transport.ensure_streams(js), "create streams")
+        await self._retry(lambda: transport.prepare_streams(js, self.settings), "create streams")
         status_kv = await self._retry(
             lambda: js.key_value(subjects.STATUS_BUCKET), "open status bucket"
         )
@@ -261,7 +261,9 @@ class LearnerLink:
         while True:
             await self._reconnected.wait()
             self._reconnected.clear()
-            await self._retry(lambda: transport.ensure_streams(js), "re-create streams")
+            await self._retry(
+                lambda: transport.prepare_streams(js, self.settings), "re-create streams"
+            )
 
     async def _on_reconnect(self) -> None:
         if self._reconnected is not None:

@@ -78,7 +78,7 @@ async def _report(settings: LinkSettings, proxy: LinkProxy, stop: asyncio.Event)
     bucket: Any = None
     try:
         js = nc.jetstream()
-        await retry(lambda: transport.ensure_streams(js), "create streams")
+        await retry(lambda: transport.prepare_streams(js, settings), "create streams")
         bucket = await retry(lambda: js.key_value(subjects.STATUS_BUCKET), "open status bucket")
         while True:
             try:

@@ -17,7 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared import atomic
+
 READY_LINE = "Server is ready"
+RELOADED_LINE = "Reloaded server configuration"
 
 
 class BrokerError(RuntimeError):
@@ -75,6 +78,7 @@ class NatsServer:
     new_session: bool = False
     die_with_parent: bool = False
     log_offset: int = 0
+    base_config: str = ""  # the configuration without its authorization block
 
     @property
     def url(self) -> str:
@@ -138,6 +142,36 @@ class NatsServer:
         if ready_timeout_s is not None:
             self.wait_ready(ready_timeout_s)
 
+    def reload(self, authorization: str, timeout_s: float = 20.0) -> None:
+        """Replace the server's ``authorization`` block (``shared.nats_auth``) and have the
+        running server load it (SIGHUP); returns once the server has logged the reload.
+
+        Connections of users that still exist stay open; a restart reads the same file.
+
+        Raises:
+            BrokerError: if the server is not running, was not started by
+                ``start_nats_server``, or has not reloaded within ``timeout_s``.
+        """
+        if self.config_path is None:
+            raise BrokerError("nats-server was not started by start_nats_server: cannot reload")
+        if not self.alive():
+            raise BrokerError(f"nats-server (pid {self.pid}) is not running")
+        atomic.write_private_bytes(
+            self.config_path, _config_text(self.base_config, authorization).encode()
+        )
+        offset = self.log_path.stat().st_size
+        self.process.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with open(self.log_path, "rb") as log:
+                log.seek(offset)
+                if RELOADED_LINE.encode() in log.read():
+                    return
+            if not self.alive():
+                raise BrokerError(f"nats-server exited while reloading; see {self.log_path}")
+            time.sleep(0.02)
+        raise BrokerError(f"nats-server did not reload within {timeout_s}s; see {self.log_path}")
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop gracefully (SIGTERM lets JetStream flush its state), then kill if it hangs."""
         if self.process.poll() is not None:
@@ -183,12 +217,18 @@ def _spawn(
     return process, offset
 
 
+def _config_text(base: str, authorization: str | None) -> str:
+    return base + (authorization + "\n" if authorization else "")
+
+
 def start_nats_server(
     store_dir: str | os.PathLike[str],
     *,
     host: str = "127.0.0.1",
     port: int = 0,
     max_payload: int | None = None,
+    authorization: str | None = None,
+    tls: str | None = None,
     ready_timeout_s: float = 20.0,
     new_session: bool = False,
     die_with_parent: bool = False,
@@ -200,6 +240,10 @@ def start_nats_server(
         host: interface to listen on.
         port: TCP port, or 0 to pick a free one.
         max_payload: optional max message size in bytes (server default 1 MiB).
+        authorization: the server's ``authorization`` block (``shared.nats_auth``): only its
+            users may connect. None: anyone may, with no permission checks (tests).
+        tls: the server's ``tls`` block (``shared.tls.ServerFiles.server_block``): clients
+            must connect with TLS. None: plain TCP.
         ready_timeout_s: how long to wait for the "Server is ready" log line.
         new_session: start the server in its own process session (so a terminal's Ctrl-C does
             not reach it directly and the supervisor decides the shutdown order).
@@ -222,7 +266,11 @@ def start_nats_server(
     ]
     if max_payload is not None:
         lines.append(f"max_payload: {int(max_payload)}")
-    config_path.write_text("\n".join(lines) + "\n")
+    if tls is not None:
+        lines.append(tls)
+    base = "\n".join(lines) + "\n"
+    # Private: it holds the password hashes.
+    atomic.write_private_bytes(config_path, _config_text(base, authorization).encode())
     process, offset = _spawn(config_path, log_path, new_session, die_with_parent)
     server = NatsServer(
         process=process,
@@ -234,6 +282,7 @@ def start_nats_server(
         new_session=new_session,
         die_with_parent=die_with_parent,
         log_offset=offset,
+        base_config=base,
     )
     server.wait_ready(ready_timeout_s)
     return server

@@ -28,10 +28,15 @@ from services.local.children import Child, Launch, popen
 from services.local.registry import Registry
 from services.local.settings import UpSettings
 from services.local.supervisor import RestartPolicy, State, Supervisor
+from shared import nats_auth, tls
 from shared.link_spec import LinkSpec
 from shared.records import ChaosEvent, PidsFile
+from shared.settings import NatsSettings
 
 STOP_GRACE_S = 30.0
+CREDENTIALS_DIR = "credentials"  # <data-dir>/credentials/<user>.json, one per NATS user
+TLS_DIR = "tls"  # <data-dir>/tls: the CA and nats-server's certificate (--tls)
+TLS_HOSTS = ["127.0.0.1", "localhost"]  # the names the server's certificate is valid for
 NATS = "nats-server"
 ESSENTIAL = ("outer", NATS)  # without these nothing can go on: the run ends if they stay dead
 
@@ -61,9 +66,33 @@ class Cluster:
     chaos: list[ChaosEvent] = field(default_factory=list)  # failures to inject, by time
     chaos_clock: ChaosClock = field(default_factory=lambda: ChaosClock([]))
     chaos_started: float = 0.0  # monotonic time the chaos schedule counts from
+    credentials: nats_auth.Credentials = field(init=False)
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(RestartPolicy(max_restarts=self.settings.max_restarts))
+        self.credentials = nats_auth.Credentials(self.data_dir / CREDENTIALS_DIR)
+
+    @property
+    def ca_file(self) -> str | None:
+        """The CA certificate clients verify nats-server with (None: no TLS)."""
+        return str(self.data_dir / TLS_DIR / "ca.pem") if self.settings.tls else None
+
+    def admin_settings(self) -> NatsSettings:
+        """How ``diloco up`` itself connects: as the admin (it creates the streams)."""
+        path, _ = self.credentials.ensure(nats_auth.Identity("admin"))
+        return NatsSettings(
+            nats_url=self.nats_url, nats_credentials=str(path), nats_ca_file=self.ca_file
+        )
+
+    def identity_env(self, *identities: nats_auth.Identity) -> list[dict[str, str]]:
+        """The environment that gives each child its NATS user (``DILOCO_NATS_CREDENTIALS``)
+        and, with ``--tls``, the CA (``DILOCO_NATS_CA_FILE``); users new to the running server
+        are added to it first (one reload)."""
+        made = [self.credentials.ensure(who) for who in identities]
+        if self.server is not None and any(new for _, new in made):
+            self.server.reload(self.credentials.authorization_block())
+        tls_env = {"DILOCO_NATS_CA_FILE": self.ca_file} if self.ca_file is not None else {}
+        return [{"DILOCO_NATS_CREDENTIALS": str(path), **tls_env} for path, _ in made]
 
     @property
     def data_dir(self) -> Path:
@@ -101,11 +130,30 @@ class Cluster:
         # Each run is a fresh job: learners number their rounds from 0, and JetStream would
         # drop a new run's uploads as duplicates of the last run's within its dedupe window;
         # a learner would restore the last run's checkpoint.
-        for stale in (store, commands.checkpoint_dir(s)):
+        tls_dir = self.data_dir / TLS_DIR
+        for stale in (store, commands.checkpoint_dir(s), self.credentials.folder, tls_dir):
             if stale.exists():
                 shutil.rmtree(stale)
+        # Every user the run starts with, so that the server needs no reload for them; a
+        # registry job's users are added when it starts (reconcile).
+        links = [str(u) for u in range(s.learners)] if s.unit_links() is not None else []
+        links += ["outer"] if s.outer_link_spec() is not None else []
+        for who in (
+            nats_auth.Identity("admin"),
+            nats_auth.Identity("outer", s.job),
+            nats_auth.Identity("gateway"),
+            *(nats_auth.Identity("learner", s.job, unit=u) for u in range(s.learners)),
+            *(nats_auth.Identity("link", s.job, link=name) for name in links),
+        ):
+            self.credentials.ensure(who)
+        server_tls = tls.make_server_files(tls_dir, TLS_HOSTS) if s.tls else None
         self.server = broker.start_nats_server(
-            store, port=s.nats_port, new_session=True, die_with_parent=True
+            store,
+            port=s.nats_port,
+            authorization=self.credentials.authorization_block(),
+            tls=server_tls.server_block() if server_tls is not None else None,
+            new_session=True,
+            die_with_parent=True,
         )
         self.supervisor.add(NATS, time.monotonic())
         self.print(f"nats-server  {self.nats_url}  (fresh JetStream store {store})")
@@ -114,13 +162,16 @@ class Cluster:
         if outer_spec is not None:
             outer_url = self.start_link("outer", outer_spec, "")
         outer = commands.outer_args(s, outer_url)
-        self.services.append(self.spawn("outer", outer, commands.cache_env(s)))
+        [outer_user] = self.identity_env(nats_auth.Identity("outer", s.job))
+        self.services.append(self.spawn("outer", outer, {**commands.cache_env(s), **outer_user}))
         port = s.gateway_port or broker.free_port()
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.token = s.token or secrets.token_urlsafe(24)
         token_path = files.write_token(self.data_dir, self.token)
         gateway = commands.gateway_args(s, self.nats_url, port)
-        self.services.append(self.spawn("gateway", gateway, {"DILOCO_TOKEN": self.token}))
+        [gateway_user] = self.identity_env(nats_auth.Identity("gateway"))
+        env = {"DILOCO_TOKEN": self.token, **gateway_user}
+        self.services.append(self.spawn("gateway", gateway, env))
         self.print(
             f"gateway      {self.gateway_url}  (GET /jobs/{s.job}, /readyz)"
             f"  token: {self.token}  (also in {token_path})"
@@ -132,7 +183,8 @@ class Cluster:
         its client connects to."""
         port = broker.free_port()
         args = commands.link_args(self.settings, self.nats_url, name, spec, port, outages)
-        self.links.append(self.spawn(f"link-{name}", args))
+        [user] = self.identity_env(nats_auth.Identity("link", self.settings.job, link=name))
+        self.links.append(self.spawn(f"link-{name}", args, user))
         self.print(f"link-{name:<7} nats://127.0.0.1:{port}  ({spec.text()})")
         return f"nats://127.0.0.1:{port}"
 
@@ -151,8 +203,10 @@ class Cluster:
                 outages = ",".join(o for o in (s.link_outages, link_outages(self.chaos, unit)) if o)
                 url = self.start_link(str(unit), links[unit], outages)
             args = commands.learner_args(s, url, unit)
+            [user] = self.identity_env(nats_auth.Identity("learner", s.job, unit=unit))
             # A learner that exits 0 has trained all its steps.
-            self.learners.append(self.spawn(f"learner-{unit}", args, env, may_finish=True))
+            name = f"learner-{unit}"
+            self.learners.append(self.spawn(name, args, {**env, **user}, may_finish=True))
         self.print(
             f"{s.learners} learners     model {s.model}, {s.max_steps} steps each, H={s.h_steps}"
             f"  (logs in {commands.logs_dir(s)})"
@@ -195,11 +249,22 @@ class Cluster:
         self.registry_busy = any(
             job != self.settings.job and r.state != "stopped" for job, r in registry.records.items()
         )
+        spawns = [a for a in actions if isinstance(a, reconcile.Spawn)]
+        users = dict(
+            zip(
+                (a.name for a in spawns),
+                self.identity_env(
+                    *(nats_auth.Identity(a.role, a.job, unit=a.unit) for a in spawns)
+                ),
+                strict=True,
+            )
+        )
         for action in actions:
             if isinstance(action, reconcile.Spawn):
                 command, *flags = action.args
                 learner = action.role == "learner"
                 env = (commands.learner_env if learner else commands.cache_env)(self.settings)
+                env = {**env, **users[action.name]}
                 # A learner that exits 0 was stopped or has finished.
                 args = [command, "--nats-url", self.nats_url, *flags]
                 child = self.spawn(action.name, args, env, may_finish=learner)
@@ -249,6 +314,8 @@ class Cluster:
             PidsFile(
                 supervisor=os.getpid(),
                 nats_url=self.server.url if self.server is not None else None,
+                nats_credentials=str(self.credentials.folder / "admin.json"),
+                nats_ca_file=self.ca_file,
                 pids=self.pids(),
                 restarts=self.supervisor.restarts(),
             ),

@@ -12,7 +12,6 @@ reads as None (a malformed one is counted in ``shared.records.rejections``).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from shared import atomic, records
@@ -21,27 +20,16 @@ from shared.records import PidsFile, R, RunSummary
 TOKEN_FILE = "token"
 PIDS_FILE = "pids.json"
 SUMMARY_FILE = "summary.json"
-PRIVATE = 0o600
 
 
 def write_token(data_dir: Path, token: str) -> Path:
     """Write the gateway's API token to ``<data-dir>/token``, readable by its owner only.
 
-    The temporary file is created private before the token goes into it, so the token is never
-    in a file that others may read.
-
     Returns:
         The token file's path.
     """
     path = data_dir / TOKEN_FILE
-    data_dir.mkdir(parents=True, exist_ok=True)
-    tmp = atomic.temp_file(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE)
-    try:
-        os.fchmod(fd, PRIVATE)  # also when a stale temporary file had other bits
-    finally:
-        os.close(fd)
-    atomic.atomic_write_bytes(path, f"{token}\n".encode())
+    atomic.write_private_bytes(path, f"{token}\n".encode())
     return path
 
 

@@ -123,6 +123,7 @@ class Spawn:
     job: str
     role: Literal["outer", "learner"]
     args: tuple[str, ...]
+    unit: int | None = None  # a learner's unit
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def plan(
                 name = learner_name(job, unit)
                 if name not in children and states.get(unit, "running") != "stopped":
                     args = learner_args(record, unit, checkpoint_dir)
-                    actions.append(Spawn(name, job, "learner", tuple(args)))
+                    actions.append(Spawn(name, job, "learner", tuple(args), unit))
             continue
         # Stopped or deleted: the learners exit by themselves; then the outer goes.
         outer = outer_name(job)

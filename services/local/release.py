@@ -26,13 +26,13 @@ async def set_desired(desired_kv: Any, job: str, units: int, state: DesiredState
         await kv.put(desired_kv, subjects.desired_key(job, unit), record)
 
 
-async def hold_units(nats_url: str, job: str, units: int) -> None:
+async def hold_units(nats: NatsSettings, job: str, units: int) -> None:
     """Create every unit paused (before the learners start), so they can start together.
 
     Raises:
         transport.TransportError, TimeoutError, nats.errors.Error: NATS unreachable.
     """
-    nc = await transport.connect(NatsSettings(nats_url=nats_url), "diloco-up")
+    nc = await transport.connect(nats, "diloco-up")
     try:
         js = nc.jetstream()
         await transport.ensure_streams(js)

@@ -41,7 +41,6 @@ from shared.records import (
     RunSummary,
     UnitStatus,
 )
-from shared.settings import NatsSettings
 
 STATUS_READ_TIMEOUT_S = 3.0  # bounds a status read while NATS is down, so healing goes on
 RECONCILE_EVERY_S = 1.0  # how often the registry's jobs are read and their processes matched
@@ -102,9 +101,7 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
     async def quiet(_err: Exception) -> None:
         """Connection errors while nats-server is down: the loop reports the outage once."""
 
-    nc = await transport.connect(
-        NatsSettings(nats_url=cluster.nats_url), "diloco-up", error_cb=quiet
-    )
+    nc = await transport.connect(cluster.admin_settings(), "diloco-up", error_cb=quiet)
     js = nc.jetstream()
     await transport.ensure_streams(js)
     desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
@@ -260,7 +257,7 @@ def run_up(settings: UpSettings, out: TextIO = sys.stdout, launch: Launch = pope
         cluster.start_services()
         if settings.start_together:
             loop.run_until_complete(
-                release.hold_units(cluster.nats_url, settings.job, settings.learners)
+                release.hold_units(cluster.admin_settings(), settings.job, settings.learners)
             )
         cluster.start_learners()
         summary = loop.run_until_complete(supervise(cluster, stop))

@@ -42,6 +42,11 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
         json_schema_extra=SECRET,
     )
     nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0 = free)")
+    tls: bool = Field(
+        False,
+        description="NATS over TLS only: make a CA and a server certificate in "
+        "<data-dir>/tls; every service verifies the server against the CA",
+    )
     eval_every_s: float = Field(10.0, gt=0, description="seconds between held-out evals")
     progress_every_s: float = Field(5.0, gt=0, description="seconds between progress lines")
     max_duration_s: float = Field(

@@ -216,7 +216,7 @@ class OuterService:
             return self.status_record()
         js = nc.jetstream()
         self.chunk_size = transport.chunk_size_for(nc)
-        await self._retry(lambda: transport.ensure_streams(js), "create streams")
+        await self._retry(lambda: transport.prepare_streams(js, self.settings), "create streams")
         status_kv = await js.key_value(subjects.STATUS_BUCKET)
         outer_kv = await js.key_value(subjects.OUTER_BUCKET)
         self.state = "standby"

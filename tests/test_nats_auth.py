@@ -1,0 +1,244 @@
+"""NATS authentication and per-role permissions on a real nats-server (shared/nats_auth.py).
+
+The server runs with the authorization block ``diloco up`` writes. Each refused action must
+both fail (nothing reaches the stream) and be reported by the server as a permissions violation
+to the client that tried it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.local.broker import NatsServer, start_nats_server
+from shared import kv, nats_auth, records, subjects, transport
+from shared.nats_auth import Credentials, CredentialsError, Identity
+from shared.records import DesiredRecord, NatsCredentials
+from shared.settings import NatsSettings, SettingsError, settings_from_args
+
+pytestmark = pytest.mark.nats
+
+JOB = "secure"
+DENIED_WAIT_S = 3.0  # a refused request gets no reply; this bounds the wait for the violation
+
+
+class _Cluster:
+    def __init__(self, root: Path) -> None:
+        self.credentials = Credentials(root / "credentials")
+        for who in (
+            Identity("admin"),
+            Identity("outer", JOB),
+            Identity("gateway"),
+            Identity("learner", JOB, unit=0),
+            Identity("learner", JOB, unit=1),
+        ):
+            self.credentials.ensure(who)
+        self.server: NatsServer = start_nats_server(
+            root / "nats", authorization=self.credentials.authorization_block()
+        )
+
+    def settings(self, who: Identity) -> NatsSettings:
+        path, _ = self.credentials.ensure(who)
+        return NatsSettings(nats_url=self.server.url, nats_credentials=str(path))
+
+
+class _Client:
+    """A connection that keeps the errors the server sent it."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+        self.nc: Any = None
+
+    async def open(self, settings: NatsSettings, name: str) -> _Client:
+        async def on_error(err: Exception) -> None:
+            self.errors.append(str(err))
+
+        self.nc = await transport.connect(settings, name, error_cb=on_error)
+        return self
+
+    async def refused(self, subject: str, data: bytes = b"x") -> None:
+        """Publish to ``subject`` and wait for the server's permissions violation about it."""
+        before = len(self.errors)
+        await self.nc.publish(subject, data)
+        await self.nc.flush(timeout=DENIED_WAIT_S)
+        await self._violation(f'publish to "{subject}"', before)
+
+    async def refused_subscription(self, subject: str) -> None:
+        """Subscribe to ``subject`` and wait for the server's permissions violation about it."""
+        before = len(self.errors)
+        await self.nc.subscribe(subject)
+        await self.nc.flush(timeout=DENIED_WAIT_S)
+        await self._violation(f'subscription to "{subject}"', before)
+
+    async def _violation(self, what: str, since: int) -> None:
+        # nats-py lowercases the server's message.
+        wanted = f"permissions violation for {what}".lower()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DENIED_WAIT_S
+        while loop.time() < deadline:
+            if any(wanted in e.lower() for e in self.errors[since:]):
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no {wanted!r}: {self.errors[since:]}")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[_Cluster]:
+    made = _Cluster(tmp_path)
+    yield made
+    made.server.stop()
+
+
+@pytest.fixture
+async def admin(cluster: _Cluster) -> AsyncIterator[_Client]:
+    client = await _Client().open(cluster.settings(Identity("admin")), "admin")
+    await transport.ensure_streams(client.nc.jetstream())
+    yield client
+    await client.nc.close()
+
+
+async def _stream_messages(admin: _Client, stream: str) -> int:
+    return int((await admin.nc.jetstream().stream_info(stream)).state.messages)
+
+
+async def test_an_anonymous_client_or_a_wrong_password_is_refused(cluster: _Cluster) -> None:
+    with pytest.raises(transport.TransportError, match="[Aa]uthorization"):
+        await transport.connect(
+            NatsSettings(nats_url=cluster.server.url, connect_timeout_s=2), "anonymous"
+        )
+    forged = cluster.credentials.folder / "forged.json"
+    nats_auth.write_credentials(
+        forged, NatsCredentials(user="learner-secure-0", password="x" * 32, role="learner")
+    )
+    with pytest.raises(transport.TransportError, match="[Aa]uthorization"):
+        await transport.connect(
+            NatsSettings(nats_url=cluster.server.url, nats_credentials=str(forged)), "forged"
+        )
+
+
+async def test_a_learner_may_do_its_own_work_and_nothing_else(
+    cluster: _Cluster, admin: _Client
+) -> None:
+    learner = await _Client().open(cluster.settings(Identity("learner", JOB, unit=0)), "l0")
+    js = learner.nc.jetstream()
+    try:
+        # Its own work: the streams it uses exist, it uploads on its subject, writes its status
+        # and reads its desired state.
+        await transport.prepare_streams(js, cluster.settings(Identity("learner", JOB, unit=0)))
+        await js.publish(subjects.grads_subject(JOB, 0), b"upload", timeout=5)
+        status_kv = await js.key_value(subjects.STATUS_BUCKET)
+        await status_kv.put(subjects.unit_status_key(JOB, 0), b"{}")
+        admin_desired = await admin.nc.jetstream().key_value(subjects.DESIRED_BUCKET)
+        await kv.put(admin_desired, subjects.desired_key(JOB, 0), DesiredRecord(state="running"))
+        desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
+        found = await kv.get(desired_kv, subjects.desired_key(JOB, 0), DesiredRecord)
+        assert found is not None and found.state == "running"
+        assert await _stream_messages(admin, subjects.GRADS_STREAM) == 1
+
+        # Everything else is refused, and the server says so.
+        api = nats_auth.JS_API
+        for subject in (
+            subjects.grads_subject(JOB, 1),  # another unit's uploads
+            subjects.grads_subject("other", 0),  # another job's
+            subjects.params_head_subject(JOB, 0),  # the global params
+            subjects.params_chunk_subject(JOB, 0, 0),
+            f"$KV.{subjects.DESIRED_BUCKET}.{subjects.desired_key(JOB, 1)}",  # desired states
+            f"$KV.{subjects.DESIRED_BUCKET}.{subjects.desired_key(JOB, 0)}",
+            f"$KV.{subjects.JOBS_BUCKET}.{JOB}",  # jobs
+            f"$KV.{subjects.STATUS_BUCKET}.{subjects.unit_status_key(JOB, 1)}",
+            f"$KV.{subjects.STATUS_BUCKET}.{subjects.outer_status_key(JOB)}",
+            f"$KV.{subjects.OUTER_BUCKET}.{JOB}",  # the outer's lease
+            subjects.dead_letter_subject(JOB),
+            f"{api}.STREAM.DELETE.{subjects.GRADS_STREAM}",  # streams and consumers
+            f"{api}.STREAM.PURGE.{subjects.GRADS_STREAM}",
+            f"{api}.STREAM.CREATE.EVIL",
+            f"{api}.STREAM.UPDATE.{subjects.PARAMS_STREAM}",
+            f"{api}.CONSUMER.DELETE.{subjects.GRADS_STREAM}.{subjects.outer_consumer(JOB)}",
+            f"{api}.CONSUMER.CREATE.{subjects.GRADS_STREAM}",
+            f"{api}.CONSUMER.DURABLE.CREATE.{subjects.GRADS_STREAM}.thief",
+            f"{api}.DIRECT.GET.KV_{subjects.DESIRED_BUCKET}.$KV.{subjects.DESIRED_BUCKET}.other.0",
+        ):
+            await learner.refused(subject)
+        # Nor may it read the replies another user asked for, or the uploads of others.
+        await learner.refused_subscription(nats_auth.inbox_prefix("learner-secure-1") + ".>")
+        await learner.refused_subscription(subjects.grads_subject(JOB, 1))
+        assert await _stream_messages(admin, subjects.GRADS_STREAM) == 1
+    finally:
+        await learner.nc.close()
+
+
+async def test_the_outer_and_the_gateway_keep_to_their_roles(
+    cluster: _Cluster, admin: _Client
+) -> None:
+    outer = await _Client().open(cluster.settings(Identity("outer", JOB)), "outer")
+    gateway = await _Client().open(cluster.settings(Identity("gateway")), "gateway")
+    try:
+        # The gateway writes desired states and jobs; the outer publishes params and its lease.
+        gateway_js = gateway.nc.jetstream()
+        desired = await gateway_js.key_value(subjects.DESIRED_BUCKET)
+        await kv.put(desired, subjects.desired_key(JOB, 1), DesiredRecord(state="paused"))
+        await outer.nc.jetstream().publish(subjects.params_head_subject(JOB, 0), b"{}", timeout=5)
+        lease = await outer.nc.jetstream().key_value(subjects.OUTER_BUCKET)
+        await lease.put(subjects.lease_key(JOB), b"{}")
+        for subject in (
+            subjects.grads_subject(JOB, 0),
+            subjects.params_head_subject(JOB, 0),
+            f"{nats_auth.JS_API}.STREAM.DELETE.{subjects.PARAMS_STREAM}",
+        ):
+            await gateway.refused(subject)
+        for subject in (
+            subjects.grads_subject(JOB, 0),
+            subjects.params_head_subject("other", 0),
+            f"$KV.{subjects.DESIRED_BUCKET}.{subjects.desired_key(JOB, 0)}",
+            f"$KV.{subjects.OUTER_BUCKET}.other",
+            f"{nats_auth.JS_API}.STREAM.DELETE.{subjects.GRADS_STREAM}",
+            f"{nats_auth.JS_API}.CONSUMER.DELETE.{subjects.GRADS_STREAM}.outer-other",
+        ):
+            await outer.refused(subject)
+    finally:
+        await outer.nc.close()
+        await gateway.nc.close()
+
+
+async def test_new_users_are_added_to_a_running_server_by_a_reload(cluster: _Cluster) -> None:
+    who = Identity("learner", "later", unit=3)
+    path, new = cluster.credentials.ensure(who)
+    assert new
+    settings = NatsSettings(nats_url=cluster.server.url, nats_credentials=str(path))
+    with pytest.raises(transport.TransportError, match="[Aa]uthorization"):
+        await transport.connect(settings, "too-early")
+    cluster.server.reload(cluster.credentials.authorization_block())
+    nc = await transport.connect(settings, "after-reload")
+    await nc.close()
+
+
+def test_credentials_files_are_private_and_checked(tmp_path: Path) -> None:
+    credentials = Credentials(tmp_path)
+    path, _ = credentials.ensure(Identity("learner", JOB, unit=2))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    stored = nats_auth.read_credentials(path)
+    assert stored.user == "learner-secure-2" and stored.role == "learner"
+    # The server's block has only the password's hash.
+    block = credentials.authorization_block()
+    assert stored.password not in block and '"$2a$' in block
+    assert json.loads(block.removeprefix("authorization: "))["users"][0]["user"] == stored.user
+
+    os.chmod(path, 0o644)
+    with pytest.raises(CredentialsError, match="chmod 600"):
+        nats_auth.read_credentials(path)
+    with pytest.raises(SettingsError, match="chmod 600"):
+        settings_from_args(NatsSettings, {"nats_credentials": str(path)})
+    os.chmod(path, 0o600)
+    path.write_bytes(b"{}")
+    with pytest.raises(CredentialsError, match="malformed"):
+        nats_auth.read_credentials(path)
+    with pytest.raises(CredentialsError, match="cannot read"):
+        nats_auth.read_credentials(tmp_path / "missing.json")
+    assert records.NatsCredentials.model_fields["password"].metadata  # min length enforced
