@@ -85,6 +85,9 @@ MAX_UNITS = 64  # units of a job in the registry (REST, `diloco up`)
 MAX_OUTER_UNITS = 1024  # units one outer serves (`diloco outer --num-units`)
 MAX_BATCH_SIZE = 4096  # sequences per inner step (`diloco learner --batch-size`)
 MAX_STEPS_PER_UPLOAD = 1_000_000  # inner steps one upload may stand for
+# Global versions a job can reach (one per merge: a merge a millisecond for 30 years); a head
+# above it is rejected, so a forged huge version cannot make learners wait for it.
+MAX_VERSION = 1 << 40
 MAX_RECORD_BYTES = 8 << 20  # larger than any record a writer makes; bounds a hostile one
 MAX_ERROR_CHARS = 1000
 
@@ -578,7 +581,7 @@ class LeaseRecord(Record):
 class ParamsHead(Record):
     """The newest global params of one fragment: which upload holds them, in which chunks."""
 
-    version: Count
+    version: int = Field(ge=0, le=MAX_VERSION)
     upload: str = Field(max_length=200)
     chunks: int = Field(ge=1, le=1 << 24)
     sequences: list[Annotated[int, Field(ge=1)]] = Field(

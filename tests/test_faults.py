@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 import signal
 import subprocess
@@ -517,6 +518,72 @@ def test_paused_unit_stays_paused_through_restarts_of_gateway_outer_and_itself(
 
 
 # --------------------------------------------------------------------------- poison messages
+
+
+def _publish_params(url: str, job: str, version: int, params: dict[str, np.ndarray]) -> None:
+    """Publish ``params`` as fragment 0's global at ``version``, as an outer would."""
+    from services.outer.publishing import params_envelope
+
+    async def publish() -> None:
+        nc = await transport.connect(NatsSettings(nats_url=url), "test-params")
+        try:
+            js = nc.jetstream()
+            blob, checksum = params_envelope(job, "tiny", 0, version, 0, params, "fp32")
+            chunk = transport.chunk_size_for(nc)
+            await transport.publish_params(js, job, 0, version, blob, chunk, checksum)
+        finally:
+            await nc.close()
+
+    asyncio.run(publish())
+
+
+@pytest.mark.timeout(300)
+def test_a_learner_fed_malformed_heads_wrong_shapes_and_huge_versions_adopts_the_next_genuine(
+    nats_server, services, tmp_path
+) -> None:
+    """What a learner reads as the global params is checked before it touches training: a head
+    that is not a head, params of the wrong shapes, and a version beyond any job's reach are
+    rejected; a version that is merely too high is replaced by the next genuine head (the newest
+    head published is the truth). The unit never stops training."""
+    import jax
+
+    from shared import model, pytree
+
+    job = "hostileparams"
+    url = nats_server.url
+    learner = start_learner(services, url, job, 0, 1, tmp_path / "units", 100_000)
+
+    def unit() -> UnitStatus | None:
+        return read_status(url, job)[1].get(0)
+
+    def unit_where(what: str, check) -> UnitStatus:
+        return wait_for(lambda: (u := unit()) is not None and check(u) and u, 120, what)
+
+    unit_where("training", lambda u: u.step > 0)
+    genuine = pytree.flatten_named(
+        model.init_params(model.get_config("tiny"), jax.random.PRNGKey(1))
+    )
+    name = sorted(genuine)[0]
+
+    async def junk_head(data: bytes) -> None:
+        nc = await transport.connect(NatsSettings(nats_url=url), "test-junk")
+        await nc.jetstream().publish(subjects.params_head_subject(job, 0), data, timeout=5)
+        await nc.close()
+
+    asyncio.run(junk_head(b"\x00 not a head"))
+    wrong = {**genuine, name: genuine[name][..., :1]}
+    _publish_params(url, job, 5, wrong)
+    rejected = unit_where("wrong shapes rejected", lambda u: u.counter("params_rejected") >= 1)
+    assert "shape" in rejected.last_error, rejected.last_error
+    huge = {"version": records.MAX_VERSION + 1, "upload": "x", "chunks": 1, "sequences": [1]}
+    asyncio.run(junk_head(json.dumps({**huge, "size": 1}).encode()))  # refused as a head
+    _publish_params(url, job, 10**9, {k: v + 0.01 for k, v in genuine.items()})
+    unit_where("the high version adopted", lambda u: u.base_versions == [10**9])
+    _publish_params(url, job, 6, genuine)  # genuine again: newest published, lower version
+    back = unit_where("the genuine version adopted", lambda u: u.base_versions == [6])
+    later = unit_where("still training", lambda u: u.step > back.step)
+    assert learner.poll() is None and later.state == "running", services.log("learner-0")
+    assert later.counter("params_rejected") == 1, later.counters
 
 
 @pytest.mark.timeout(300)

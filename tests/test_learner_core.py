@@ -69,6 +69,28 @@ def test_adopting_a_global_keeps_exactly_the_unsent_progress():
     assert not core.offer_global(0, 5, new_global)
 
 
+def test_a_global_that_does_not_fit_is_refused_and_a_rewind_replaces_a_higher_version():
+    core = make_core(SyncSchedule(h_steps=2))
+    good = named(model.init_params(CFG, jax.random.PRNGKey(3)))
+    name = sorted(good)[0]
+    before = named(core.state.params)
+    for bad, reason in (
+        ({k: v for k, v in good.items() if k != name}, "pieces differ"),
+        ({**good, name: good[name][..., :1]}, "shape"),
+        ({**good, name: np.full_like(good[name], np.nan)}, "not finite"),
+    ):
+        with pytest.raises(ValueError, match=reason):
+            core.offer_global(0, 9, bad)
+    assert core.adopt_globals() == [] and core.newest_version(0) == 0
+    for key, value in named(core.state.params).items():
+        np.testing.assert_array_equal(value, before[key])
+    # A version that is too high is held; a lower one replaces it only as a rewind.
+    assert core.offer_global(0, 10**9, good)
+    assert not core.offer_global(0, 6, good)
+    assert core.offer_global(0, 6, good, rewind=True)
+    assert core.adopt_globals() == [0] and core.base_versions() == [6]
+
+
 def test_mixing_alpha_keeps_a_share_of_the_local_params():
     core = make_core(SyncSchedule(h_steps=1, mix_alpha=0.25))
     core.train_step(batch(0))

@@ -11,7 +11,7 @@ import nats
 import numpy as np
 
 from services.learner.counters import Counters
-from services.learner.params_fetcher import GlobalFragment, ParamsFetcher
+from services.learner.params_fetcher import PARAMS_POLL_S, GlobalFragment, ParamsFetcher
 from services.learner.settings import LearnerSettings
 from services.link.proxy import LinkProxy
 from services.outer.publishing import params_envelope
@@ -74,6 +74,26 @@ def test_newest_fetches_each_announced_version(nats_server) -> None:
             fetcher.want_after_upload(0)  # changes nothing: every newer version is wanted
             await publish(js, 4)
             assert [f.version for f in await taken(fetcher, 10)] == [4]
+
+    asyncio.run(scenario())
+
+
+def test_a_version_above_the_newest_head_is_replaced_and_a_bad_head_is_read_once(
+    nats_server,
+) -> None:
+    async def scenario() -> None:
+        async with running_fetcher(nats_server.url, SETTINGS) as (js, fetcher):
+            await publish(js, 10**9)  # a forged (or broken) high version
+            assert [(f.version, f.rewind) for f in await taken(fetcher, 10)] == [(10**9, False)]
+            await publish(js, 4)  # the genuine outer's next version: the newest head
+            assert [(f.version, f.rewind) for f in await taken(fetcher, 10)] == [(4, True)]
+            # Params of another model under a head: rejected once, not re-read at every poll.
+            blob, _ = params_envelope(JOB, "small", 0, 5, 0, {"w": values(5, 10)}, "fp32")
+            await transport.publish_params(js, JOB, 0, 5, blob, 4096)
+            assert await taken(fetcher, PARAMS_POLL_S * 2.5) == []
+            assert fetcher.counters["params_rejected"] == 1
+            await publish(js, 6)
+            assert [(f.version, f.rewind) for f in await taken(fetcher, 10)] == [(6, False)]
 
     asyncio.run(scenario())
 

@@ -233,13 +233,39 @@ class LearnerCore:
         sync = self.syncs[fragment]
         return sync.pending[0] if sync.pending else sync.base_version
 
-    def offer_global(self, fragment: int, version: int, pieces: dict[str, np.ndarray]) -> bool:
-        """Hold a newer global fragment until it may be adopted; False if it is not newer."""
+    def offer_global(
+        self,
+        fragment: int,
+        version: int,
+        pieces: dict[str, np.ndarray],
+        rewind: bool = False,
+    ) -> bool:
+        """Hold a newer global fragment until it may be adopted; False if it is not newer.
+
+        Args:
+            rewind: take it even if its version is not newer: the newest version published is
+                lower than the one this unit holds, so what it holds is not the job's global
+                (``ParamsFetcher``).
+
+        Raises:
+            ValueError: the pieces are not this fragment's (names, shapes) or not finite; the
+                unit goes on with what it has.
+        """
         sync = self.syncs[fragment]
-        if version <= self.newest_version(fragment):
+        if version <= self.newest_version(fragment) and not rewind:
             return False
-        if sorted(pieces) != self.plan.keys(fragment):
+        layout = self.layouts[fragment]
+        if sorted(pieces) != list(layout.names):
             raise ValueError(f"global fragment {fragment} pieces differ from this unit's plan")
+        for name, shape in zip(layout.names, layout.shapes, strict=True):
+            piece = pieces[name]
+            if tuple(piece.shape) != tuple(shape):
+                raise ValueError(
+                    f"global fragment {fragment} piece {name}: shape {tuple(piece.shape)}, "
+                    f"expected {tuple(shape)}"
+                )
+            if not np.isfinite(piece).all():
+                raise ValueError(f"global fragment {fragment} piece {name} is not finite")
         sync.pending = (version, pieces)
         return True
 

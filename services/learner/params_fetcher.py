@@ -52,6 +52,8 @@ class GlobalFragment:
     Attributes:
         applied_round: the newest round of this unit the outer had applied when it published
             this version (-1: none), from its head.
+        rewind: the newest version published is lower than the one fetched before: that one
+            was not the job's global (a forged or broken head), so this one replaces it.
     """
 
     fragment: int
@@ -59,6 +61,7 @@ class GlobalFragment:
     pieces: dict[str, np.ndarray]
     seen_at: float
     applied_round: int = -1
+    rewind: bool = False
 
 
 class ParamsFetcher:
@@ -83,6 +86,8 @@ class ParamsFetcher:
         self._wanted: list[int | None] = [-1] * settings.fragments
         self._head_versions = [-1] * settings.fragments  # the newest head seen
         self._head_seen_at = [0.0] * settings.fragments  # when that head was first seen
+        # The upload id of the last head whose params were rejected (not read again).
+        self._rejected: list[str | None] = [None] * settings.fragments
         self.params_latency = Latencies()
         # Each upload's sync point → the first head that includes it (the sender marks the
         # sync points; the heads end them).
@@ -150,7 +155,9 @@ class ParamsFetcher:
                 await asyncio.wait_for(head_seen.wait(), timeout=PARAMS_POLL_S)
 
     def _note_head(self, fragment: int, version: int) -> None:
-        if version > self._head_versions[fragment]:
+        # The latest head, not the highest: a forged huge version must not outlive the next
+        # genuine head.
+        if version != self._head_versions[fragment]:
             self._head_versions[fragment] = version
             self._head_seen_at[fragment] = time.monotonic()
 
@@ -168,16 +175,28 @@ class ParamsFetcher:
         if head is None:
             return
         self._note_head(fragment, head.version)
-        if head.version <= max(wanted, self._known_versions[fragment]):
+        # The newest head published is the truth: a version above it that this unit fetched
+        # (or waits for) came from a head that is gone, so it is dropped, not waited for.
+        bar = wanted if wanted <= head.version else head.version - 1
+        rewind = head.version < self._known_versions[fragment]
+        if head.version <= max(bar, self._known_versions[fragment]) and not rewind:
             return
+        if head.upload == self._rejected[fragment]:
+            return  # read and rejected already: wait for the next head
         fetched = await transport.read_latest_params(js, job, fragment, self.max_params_bytes)
         if fetched is None:
             return
         fetched_head, blob = fetched
+        self._rejected[fragment] = fetched_head.upload  # until it proves good below
         version = fetched_head.version
         envelope = wire.unpack_envelope(blob, max_size=self.max_params_bytes)
         if envelope.kind != "params" or envelope.fragment != fragment or envelope.job != job:
             raise wire.WireError(f"expected params of {job} fragment {fragment}")
+        if envelope.model != self.settings.model or envelope.round != version:
+            raise wire.WireError(
+                f"params of model {envelope.model} version {envelope.round} under a head of "
+                f"version {version} (this unit trains model {self.settings.model})"
+            )
         pieces = codec.decode_tensors(envelope.payload, envelope.codec)
         seen_at = self._head_seen_at[fragment] if version == self._head_versions[fragment] else 0
         global_fragment = GlobalFragment(
@@ -186,7 +205,9 @@ class ParamsFetcher:
             pieces,
             seen_at or time.monotonic(),
             fetched_head.applied.get(self.settings.unit, -1),
+            rewind=version < self._known_versions[fragment],
         )
+        self._rejected[fragment] = None
         with self._lock:
             self._newest[fragment] = global_fragment
             self._known_versions[fragment] = version

@@ -79,6 +79,19 @@ def build_core(settings: LearnerSettings) -> tuple[LearnerCore, data.BatchSample
     return core, sampler, 4 * model.param_count(params)
 
 
+def offer_globals(core: LearnerCore, link: LearnerLink) -> None:
+    """Hand the global fragments the link fetched to the core; one that does not fit this
+    unit (names, shapes, non-finite values) is counted in ``params_rejected`` with its reason
+    and the unit trains on with what it has."""
+    for fragment in link.take_new_params():
+        try:
+            core.offer_global(fragment.fragment, fragment.version, fragment.pieces, fragment.rewind)
+        except ValueError as err:
+            link.counters.add("params_rejected")
+            link.counters.error(f"bad global params (version {fragment.version}): {err}")
+            log.error("bad global params (version %d): %s", fragment.version, err)
+
+
 def restore_core(settings: LearnerSettings, core: LearnerCore) -> Restored | None:
     """Restore ``core`` from the unit's checkpoint, if ``--checkpoint-dir`` has one that fits."""
     if settings.checkpoint_dir is None:
@@ -142,8 +155,7 @@ def wait_for_merge(
     started = time.monotonic()
     published_at: float | None = None
     while waiting and not stop.is_set() and link.desired_state == "running":
-        for fragment in link.take_new_params():
-            core.offer_global(fragment.fragment, fragment.version, fragment.pieces)
+        offer_globals(core, link)
         for fragment, base in list(waiting.items()):
             if core.newest_version(fragment) > base:
                 del waiting[fragment]
@@ -306,8 +318,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
             running_since = time.monotonic()
             unit_state.mark_trained(time.time())
 
-        for fragment in link.take_new_params():
-            core.offer_global(fragment.fragment, fragment.version, fragment.pieces)
+        offer_globals(core, link)
         if settings.mode != "sync":
             # Synchronous DiLoCo adopts a global only at a sync point (wait_for_merge), so that
             # a unit dropped from a round goes on from the round's global in step with the rest.
