@@ -20,6 +20,7 @@ from services.local import files
 from shared import transport
 from shared.job_status import JobStatus, read_job_status
 from shared.kv import KvError
+from shared.nats_auth import Identity
 from shared.records import OuterStatus, UnitStatus
 from shared.settings import NatsSettings
 
@@ -58,9 +59,11 @@ def job_status(nats_url: str, job: str, credentials: str | None = None) -> JobSt
     return asyncio.run(read())
 
 
-def read_status(nats_url: str, job: str) -> tuple[OuterStatus | None, dict[int, UnitStatus]]:
+def read_status(
+    nats_url: str, job: str, credentials: str | None = None
+) -> tuple[OuterStatus | None, dict[int, UnitStatus]]:
     """The outer's and every unit's status record of ``job`` (without their ages)."""
-    status = job_status(nats_url, job)
+    status = job_status(nats_url, job, credentials)
     return status.outer_record(), status.unit_records()
 
 
@@ -72,11 +75,15 @@ class ServiceProcesses:
         self.jax_cache = jax_cache
         self.children: list[tuple[str, subprocess.Popen[bytes], Path]] = []
 
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        """Start ``diloco <args>`` logging to ``<workdir>/<name>.log``."""
+    def start(
+        self, name: str, *args: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start ``diloco <args>`` logging to ``<workdir>/<name>.log`` (``env``: variables
+        on top of this process's)."""
         log_path = self.workdir / f"{name}.log"
         env = {
             **os.environ,
+            **(env or {}),
             "DILOCO_JAX_CACHE": str(self.jax_cache),
             "DILOCO_TOKEN": GATEWAY_TOKEN,
             "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
@@ -243,28 +250,86 @@ def upload_blob(
     return wire.pack_envelope(envelope)
 
 
-def publish_uploads(url: str, job: str, count: int, scales: dict[int, float] | None = None) -> None:
+def publish_uploads(
+    url: str,
+    job: str,
+    count: int,
+    scales: dict[int, float] | None = None,
+    first: int = 0,
+    secure: SecureNats | None = None,
+) -> None:
     """Store ``count`` uploads of three units (upload k: unit k % 3, round k // 3) in the job's
-    grads stream; upload k's noise has standard deviation ``scales.get(k, 1e-3)``."""
+    grads stream, from upload ``first`` on; upload k's noise has standard deviation
+    ``scales.get(k, 1e-3)``. With ``secure``, each unit publishes as its own NATS user."""
     from shared import subjects, wire
+    from shared.nats_auth import Identity
 
     async def publish() -> None:
-        nc = await transport.connect(NatsSettings(nats_url=url), "upload-publisher")
-        js = nc.jetstream()
-        await transport.ensure_streams(js)
-        for k in range(count):
+        uploads = range(first, first + count)
+        connections = {}
+        for unit in sorted({k % 3 for k in uploads}):
+            settings = (
+                NatsSettings(nats_url=url)
+                if secure is None
+                else secure.settings(Identity("learner", job, unit=unit))
+            )
+            nc = await transport.connect(settings, f"upload-publisher-{unit}")
+            await transport.prepare_streams(nc.jetstream(), settings)
+            connections[unit] = nc
+        for k in uploads:  # in order: the stream holds them as numbered
             unit, round_ = k % 3, k // 3
+            nc = connections[unit]
             # The outer offers a whole fetched batch (up to 32 messages) before merging it, so
             # a base version 40 behind the upload's position is always one it has reached.
             scale = (scales or {}).get(k, 1e-3)
             blob = upload_blob(job, unit, round_, base=max(0, k - 40), seed=k, scale=scale)
             await transport.publish_blob(
-                js,
+                nc.jetstream(),
                 subjects.grads_subject(job, unit),
                 blob,
                 wire.upload_id(job, unit, round_, 0),
                 transport.chunk_size_for(nc),
             )
-        await nc.close()
+        for nc in connections.values():
+            await nc.close()
 
     asyncio.run(publish())
+
+
+class SecureNats:
+    """A nats-server with the users ``diloco up`` would make (``shared.nats_auth``), the admin
+    having created the streams."""
+
+    def __init__(self, root: Path, identities: list[Identity]) -> None:
+        from services.local.broker import start_nats_server
+        from shared.nats_auth import Credentials
+
+        self.credentials = Credentials(root / "credentials")
+        for who in [Identity("admin"), *identities]:
+            self.credentials.ensure(who)
+        self.server = start_nats_server(
+            root / "nats", authorization=self.credentials.authorization_block()
+        )
+
+        async def create_streams() -> None:
+            nc = await transport.connect(self.settings(Identity("admin")), "admin")
+            await transport.ensure_streams(nc.jetstream())
+            await nc.close()
+
+        asyncio.run(create_streams())
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def path(self, who: Identity) -> str:
+        """The credentials file of ``who``."""
+        return str(self.credentials.ensure(who)[0])
+
+    def settings(self, who: Identity) -> NatsSettings:
+        """How ``who`` connects."""
+        return NatsSettings(nats_url=self.url, nats_credentials=self.path(who))
+
+    def env(self, who: Identity) -> dict[str, str]:
+        """The environment of a service process that connects as ``who``."""
+        return {"DILOCO_NATS_CREDENTIALS": self.path(who)}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
 import signal
@@ -25,9 +26,17 @@ import pytest
 from services.local.broker import NatsServer, start_nats_server
 from shared import codec, records, subjects, transport, wire
 from shared.ledger import balance
+from shared.nats_auth import Identity
 from shared.records import Books, OuterStatus, ParamsHead, UnitStatus
 from shared.settings import NatsSettings
-from tests.helpers import job_status, publish_uploads, read_status, upload_blob, wait_for
+from tests.helpers import (
+    SecureNats,
+    job_status,
+    publish_uploads,
+    read_status,
+    upload_blob,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -38,7 +47,9 @@ def job_flags(url: str, job: str) -> list[str]:
     return ["--nats-url", url, "--job", job, "--model", "tiny", "--seed", "1"]
 
 
-def start_outer(services, url: str, job: str, name: str, units: int, *extra: str):
+def start_outer(
+    services, url: str, job: str, name: str, units: int, *extra: str, env: dict | None = None
+):
     return services.start(
         name,
         "outer",
@@ -52,6 +63,7 @@ def start_outer(services, url: str, job: str, name: str, units: int, *extra: str
         LEASE_S,
         "--status-interval-s",
         "0.3",
+        env=env,
     )
 
 
@@ -640,45 +652,80 @@ def test_poison_upload_is_dead_lettered_once_and_the_outer_goes_on(nats_server, 
 # --------------------------------------------------------------------------- a hostile unit
 
 
+def _hostile(job: str, round_: int, base: int, **changes) -> tuple[bytes, str]:
+    """Unit 0's upload of ``round_`` with the envelope fields ``changes`` replaced (``scale``:
+    the noise's standard deviation; ``cut``: one tensor cut to a single column)."""
+    scale, cut = changes.pop("scale", 1e-3), changes.pop("cut", False)
+    envelope = wire.unpack_envelope(upload_blob(job, 0, round_, base, 200 + round_, scale))
+    if cut:
+        tensors = codec.decode_tensors(envelope.payload, envelope.codec)
+        name = sorted(tensors)[0]
+        payload, description = codec.encode_tensors(
+            {**tensors, name: tensors[name][..., :1]}, "int8"
+        )
+        changes.update(payload=payload, codec=description)
+    blob = wire.pack_envelope(dataclasses.replace(envelope, **changes))
+    return blob, wire.upload_id(job, 0, round_, 0)
+
+
 @pytest.mark.timeout(300)
-def test_an_upload_1000x_the_usual_norm_is_rejected_and_the_held_out_loss_holds(
-    nats_server, services
-):
-    """A finite, well-formed upload from a valid unit whose norm is 1000x the usual (issue 16:
-    one upload with staleness 0 must not replace the model): the norm guard rejects it with its
-    reason, the held-out loss moves by less than 1%, and honest uploads after it are applied."""
+def test_hostile_uploads_from_a_valid_unit_are_rejected_and_honest_rounds_go_on(tmp_path, services):
+    """Unit 0, connected with its own valid credentials, sends every hostile upload of the
+    security review through the wire format: one 1000x the usual norm with staleness 0 (issue
+    16: it must not replace the model), tokens of 2^63 - 1, another unit's id, a base version
+    from the future, a tensor of the wrong shape, and chunks that are not an upload (NaN and
+    Inf cannot even be decoded: tests/test_codec.py). Each is rejected with its reason;
+    the outer stays alive, the held-out loss moves by less than 1%, honest rounds of the other
+    units are applied, and the books stay bounded (only the job's units appear in them)."""
     job, honest = "hostile", 12
-    url = nats_server.url
-    publish_uploads(url, job, honest)  # units 0, 1, 2, rounds 0-3, noise of norm "usual"
-    start_outer(services, url, job, "outer", 3)
+    units = [Identity("learner", job, unit=u) for u in range(3)]
+    secure = SecureNats(tmp_path / "secure", [Identity("outer", job), *units])
+    url, admin = secure.url, secure.path(Identity("admin"))
+    publish_uploads(url, job, honest, secure=secure)  # units 0-2, rounds 0-3, "usual" norm
+    outer = start_outer(services, url, job, "outer", 3, env=secure.env(Identity("outer", job)))
+
+    def status() -> OuterStatus | None:
+        return read_status(url, job, admin)[0]
 
     def evaluated(version: int) -> float | None:
-        status = outer_status(url, job)
-        last = status.evaluation.last if status is not None else None
-        return last.nats_per_byte if last is not None and last.version == version else None
+        last = (s := status()) is not None and s.evaluation.last
+        return last.nats_per_byte if last and last.version == version else None
 
     before = wait_for(lambda: evaluated(honest), 120, "the honest uploads applied and evaluated")
+    hostile = [
+        _hostile(job, 4, honest, scale=1.0),  # 1000x the usual norm
+        _hostile(job, 5, honest, tokens=(1 << 63) - 1),
+        _hostile(job, 6, honest, unit=1),  # says it is unit 1, on unit 0's subject
+        _hostile(job, 7, 10**9),  # a base version from the future
+        _hostile(job, 8, honest, cut=True),  # a tensor of the wrong shape
+    ]
 
-    async def publish(*uploads: tuple[int, float]) -> None:
-        nc = await transport.connect(NatsSettings(nats_url=url), "hostile-publisher")
+    async def send() -> None:
+        nc = await transport.connect(secure.settings(units[0]), "hostile-unit-0")
         js = nc.jetstream()
-        for unit, scale in uploads:
-            round_ = honest // 3
-            blob = upload_blob(job, unit, round_, base=honest, seed=100 + unit, scale=scale)
-            upload = wire.upload_id(job, unit, round_, 0)
-            await transport.publish_blob(js, subjects.grads_subject(job, unit), blob, upload, 4096)
+        subject = subjects.grads_subject(job, 0)
+        for blob, upload in hostile:
+            await transport.publish_blob(js, subject, blob, upload, 4096)
+        await js.publish(subject, b"not a chunk", timeout=5)  # no chunk headers
+        garbage = b"\x93junk" * 100  # chunk headers of round 9, a body that is no envelope
+        await transport.publish_blob(js, subject, garbage, wire.upload_id(job, 0, 9, 0), 4096)
         await nc.close()
 
-    asyncio.run(publish((0, 1.0)))  # unit 0's next round, based on the current version
-    wait_for(
-        lambda: (status := outer_status(url, job)) is not None and status.rejected,
-        60,
-        "the hostile upload to be judged",
-    )
-    asyncio.run(publish((1, 1e-3), (2, 1e-3)))
+    asyncio.run(send())
+    reasons = {
+        "norm_outlier": 1,
+        "implausible_work": 1,
+        "inconsistent_ids": 1,
+        "future_base_version": 1,
+        "shape_mismatch": 1,
+        "bad_chunk_header": 1,
+        "bad_envelope": 1,
+    }
+    wait_for(lambda: (s := status()) and s.rejected == reasons, 60, f"rejections {reasons}")
+    publish_uploads(url, job, 2, first=honest + 1, secure=secure)  # units 1 and 2, round 4
     after = wait_for(lambda: evaluated(honest + 2), 120, "the next honest uploads evaluated")
-    status = outer_status(url, job)
-    assert status is not None
-    assert status.rejected == {"norm_outlier": 1} and status.rejected_rounds == {0: [(4, 4)]}
-    assert status.applied == honest + 2 and status.clipped == 0
+    final = status()
+    assert final is not None and outer.poll() is None, services.log("outer")
+    assert final.rejected == reasons and final.applied == honest + 2 and final.clipped == 0
+    assert set(final.rejected_rounds) == {0} and set(final.units) <= {0, 1, 2}, final
     assert abs(after - before) < 0.01 * before, (before, after)
