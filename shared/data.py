@@ -48,6 +48,30 @@ def _walk_files(root: pathlib.Path, skip_dirs: frozenset[str] = frozenset()) -> 
     return sorted(found, key=lambda p: p.relative_to(root).parts)
 
 
+def corpus_within(corpus: str, root: str | os.PathLike | None) -> pathlib.Path:
+    """The corpus path a job may use: a regular file or a folder that resolves (symlinks and
+    ``..`` followed) inside ``root``.
+
+    Raises:
+        CorpusError: no root is configured, or the path leaves it, does not exist, or is not a
+            regular file or folder (``/dev/zero``, a socket, ...).
+    """
+    if root is None:
+        raise CorpusError(
+            "this gateway takes no corpus paths (start it with --data-root to allow those "
+            "under one folder); leave corpus out to train on the built-in corpus"
+        )
+    base = pathlib.Path(root).resolve()
+    path = (base / corpus).resolve()
+    if not path.is_relative_to(base):
+        raise CorpusError(f"corpus {corpus!r} is outside the data root {base}")
+    if not path.exists():
+        raise CorpusError(f"corpus {corpus!r} does not exist under the data root {base}")
+    if not (path.is_file() or path.is_dir()):
+        raise CorpusError(f"corpus {corpus!r} is neither a regular file nor a folder")
+    return path
+
+
 def default_corpus_files() -> list[pathlib.Path]:
     """The default corpus: Python standard-library source files of the running interpreter.
 

@@ -165,6 +165,32 @@ def test_security_headers_are_on_every_answer(client):
     assert client.get("/docs").headers["content-security-policy"] == "frame-ancestors 'none'"
 
 
+def test_a_viewer_token_guards_every_read_of_job_data_and_changes_nothing(nats_server):
+    viewer = "viewer-token-0123456789"
+    with gateway(nats_server.url, viewer_token=viewer) as client:
+        read_only = {"Authorization": f"Bearer {viewer}"}
+        assert client.post("/jobs", json={"job": "v1", "units": 2}, headers=AUTH).status_code == 201
+        for path in ("/jobs", "/jobs/v1", "/jobs/v1/metrics", "/metrics", "/jobs/v1/units/0"):
+            for headers in BAD_HEADERS:
+                response = client.get(path, headers=headers)
+                assert response.status_code == 401, (path, headers, response.text)
+                assert "read-only or API token" in response.text
+            # Let in (a job without status records has no metrics yet: 404 past the door).
+            assert client.get(path, headers=read_only).status_code in (200, 404), path
+            assert client.get(path, headers=AUTH).status_code in (200, 404), path
+        # Probes, the schema and the dashboard's page hold no job data.
+        for path in ("/healthz", "/", "/static/dashboard.js", "/openapi.json", "/docs"):
+            assert client.get(path).status_code == 200, path
+        # The viewer token reads only.
+        response = client.post("/jobs/v1/start", headers=read_only)
+        assert response.status_code == 401 and "API token" in response.text
+        assert client.get("/jobs/v1", headers=read_only).json()["state"] == "created"
+    with pytest.raises(ValueError, match="must differ"):
+        GatewaySettings(token=GATEWAY_TOKEN, viewer_token=GATEWAY_TOKEN)
+    with pytest.raises(ValueError, match="read-only token has 5 characters"):
+        GatewaySettings(token=GATEWAY_TOKEN, viewer_token="short")
+
+
 @pytest.mark.parametrize("token", ["t", "fifteen-chars!!"])
 def test_a_weak_token_is_refused_at_start_outside_local_mode(token, monkeypatch, capsys):
     with pytest.raises(ValueError, match="at least 16"):

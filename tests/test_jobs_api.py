@@ -160,6 +160,35 @@ def test_job_registry_lifecycle_and_refusals(client):
 
 
 @pytest.mark.timeout(120)
+def test_a_jobs_corpus_must_resolve_inside_the_data_root(nats_server, tmp_path):
+    root = tmp_path / "corpora"
+    (root / "books").mkdir(parents=True)
+    (root / "books" / "a.txt").write_text("text " * 100)
+    (root / "escape").symlink_to("/etc")
+    refused = {
+        "/etc/passwd": "outside the data root",
+        "../../../etc": "outside the data root",
+        "escape": "outside the data root",  # a symlink out of the root
+        "missing.txt": "does not exist",
+        "/dev/zero": "outside the data root",
+    }
+    settings = settings_for(nats_server.url).model_copy(update={"data_root": root})
+    with TestClient(create_app(settings), headers=AUTH) as client:
+        wait_for(lambda: client.app.state.link.connected, 30, "the gateway to reach NATS")
+        for n, (corpus, reason) in enumerate(refused.items()):
+            spec = {**SPEC, "job": f"c{n}", "corpus": corpus}
+            assert_refused(client, f"c{n}", 422, "POST", "/jobs", reason, json=spec)
+        created = client.post("/jobs", json={**SPEC, "job": "ok", "corpus": "books"})
+        assert created.status_code == 201, created.text
+        assert created.json()["spec"]["corpus"] == str((root / "books").resolve())
+    # Without a data root no job may name a corpus (the built-in one needs none).
+    with TestClient(create_app(settings_for(nats_server.url)), headers=AUTH) as client:
+        wait_for(lambda: client.app.state.link.connected, 30, "the gateway to reach NATS")
+        spec = {**SPEC, "job": "nr", "corpus": str(root / "books")}
+        assert_refused(client, "nr", 422, "POST", "/jobs", "--data-root", json=spec)
+        assert client.post("/jobs", json={**SPEC, "job": "builtin"}).status_code == 201
+
+
 def test_units_transitions_and_scaling(client):
     assert client.post("/jobs", json={**SPEC, "units": 2}).status_code == 201
 

@@ -1,7 +1,7 @@
 """The gateway's front door: what every HTTP request meets before any route runs.
 
-* **The API token** (``auth.py``): a mutating request without it gets 401 before its body is
-  read.
+* **The tokens** (``auth.py``): a mutating request without the API token, or with a viewer
+  token a read of job data without a token, gets 401 before its body is read.
 * **The body size**: a body larger than ``--max-body-bytes`` gets 413 from its
   ``Content-Length``, before it is read or parsed; a mutating request that does not say its
   length (chunked) gets 411. The HTTP server delivers no more than ``Content-Length`` bytes.
@@ -61,7 +61,13 @@ class FrontDoor:
         """The answer to a request refused at the door (None: let it in)."""
         method = scope["method"]
         headers = Headers(scope=scope)
-        problem = token_problem(method, headers.get("authorization", ""), self.settings.token)
+        problem = token_problem(
+            method,
+            scope["path"],
+            headers.get("authorization", ""),
+            self.settings.token,
+            self.settings.viewer_token,
+        )
         if problem is not None:
             return JSONResponse({"detail": problem}, status_code=401, headers=CHALLENGE)
         length = headers.get("content-length")

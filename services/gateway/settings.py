@@ -38,6 +38,22 @@ class GatewaySettings(NatsSettings):
         description="allow starting without a token, or with a short one: then anyone who "
         "reaches the port may change jobs (only for a gateway bound to a trusted machine)",
     )
+    viewer_token: str = Field(
+        "",
+        description="read-only API token: when set, every read but /healthz, /readyz, the API "
+        "schema and the dashboard's page needs it (or the API token); from the environment "
+        "only (DILOCO_VIEWER_TOKEN); default: reads are open",
+        json_schema_extra=SECRET,
+    )
+    viewer_token_file: Path | None = Field(
+        None, description="file holding the read-only token (instead of DILOCO_VIEWER_TOKEN)"
+    )
+    data_root: Path | None = Field(
+        None,
+        description="folder a job created through the API may take its corpus from (the path "
+        "must resolve inside it, symlinks followed); default: such a job may not name a corpus "
+        "and trains on the built-in one",
+    )
     max_body_bytes: int = Field(
         1 << 20,
         ge=1024,
@@ -47,13 +63,12 @@ class GatewaySettings(NatsSettings):
 
     @model_validator(mode="after")
     def _check_token(self) -> GatewaySettings:
-        if self.token_file is not None:
-            if self.token:
-                raise ValueError("give the API token by DILOCO_TOKEN or --token-file, not both")
-            try:
-                self.token = self.token_file.read_text(encoding="utf-8").strip()
-            except (OSError, UnicodeDecodeError) as err:
-                raise ValueError(f"cannot read --token-file {self.token_file}: {err}") from None
+        self.token = _secret(self.token, self.token_file, "DILOCO_TOKEN", "--token-file")
+        self.viewer_token = _secret(
+            self.viewer_token, self.viewer_token_file, "DILOCO_VIEWER_TOKEN", "--viewer-token-file"
+        )
+        if self.viewer_token and self.viewer_token == self.token:
+            raise ValueError("the read-only token must differ from the API token")
         if self.local:
             return self
         if not self.token:
@@ -61,9 +76,22 @@ class GatewaySettings(NatsSettings):
                 "the gateway needs an API token: set DILOCO_TOKEN or pass --token-file, "
                 "or --local to run without one on a trusted machine"
             )
-        if len(self.token) < MIN_TOKEN_CHARS:
-            raise ValueError(
-                f"the API token has {len(self.token)} characters; a gateway outside --local "
-                f"needs at least {MIN_TOKEN_CHARS} (e.g. openssl rand -base64 24)"
-            )
+        for name, value in (("API token", self.token), ("read-only token", self.viewer_token)):
+            if value and len(value) < MIN_TOKEN_CHARS:
+                raise ValueError(
+                    f"the {name} has {len(value)} characters; a gateway outside --local "
+                    f"needs at least {MIN_TOKEN_CHARS} (e.g. openssl rand -base64 24)"
+                )
         return self
+
+
+def _secret(value: str, path: Path | None, env: str, flag: str) -> str:
+    """A token given by its environment variable (``value``) or read from ``path``."""
+    if path is None:
+        return value
+    if value:
+        raise ValueError(f"give the token by {env} or {flag}, not both")
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read {flag} {path}: {err}") from None

@@ -67,7 +67,8 @@ def outer_args(settings: UpSettings, nats_url: str) -> list[str]:
 
 def gateway_args(settings: UpSettings, nats_url: str, port: int) -> list[str]:
     """``diloco gateway`` arguments: local mode (the token goes by environment, not on the
-    command line, where ``ps`` would show it)."""
+    command line, where ``ps`` would show it), and the folder REST jobs may take corpora from."""
+    data_root = ["--data-root", settings.data_root] if settings.data_root else []
     return [
         "gateway",
         "--nats-url",
@@ -77,6 +78,7 @@ def gateway_args(settings: UpSettings, nats_url: str, port: int) -> list[str]:
         "--port",
         str(port),
         "--local",
+        *data_root,
     ]
 
 

@@ -42,6 +42,11 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
         json_schema_extra=SECRET,
     )
     nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0 = free)")
+    data_root: str | None = Field(
+        None,
+        description="folder jobs created through the gateway may take their corpus from "
+        "(default: they train on the built-in corpus)",
+    )
     tls: bool = Field(
         False,
         description="NATS over TLS only: make a CA and a server certificate in "

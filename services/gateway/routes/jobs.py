@@ -26,6 +26,7 @@ from services.gateway.views import (
     job_view,
     record_view,
 )
+from shared import data
 from shared.job_status import read_job_status
 from shared.records import MAX_UNITS, JobRecord, JobSpec
 
@@ -72,11 +73,19 @@ async def managed(registry: Registry, nats: NatsHandles, job: str) -> tuple[JobR
     response_model=JobRecordView,
     summary="Create a job",
     description="Store a validated job spec in the registry (state `created`) and set "
-    "each of its units' desired state to `idle`. 409 if the job exists.",
+    "each of its units' desired state to `idle`. 409 if the job exists; 422 if its corpus "
+    "does not resolve to a file or folder inside the gateway's `--data-root` (a gateway "
+    "without one takes no corpus paths).",
     responses={**CONFLICT},
 )
-async def create_job(spec: JobSpec, registry: RegistryDep) -> JobRecordView:
-    """Register ``spec`` as a new job."""
+async def create_job(spec: JobSpec, registry: RegistryDep, settings: SettingsDep) -> JobRecordView:
+    """Register ``spec`` as a new job (its corpus, if any, resolved inside ``--data-root``)."""
+    if spec.corpus is not None:
+        try:
+            path = data.corpus_within(spec.corpus, settings.data_root)
+        except data.CorpusError as err:
+            raise HTTPException(status_code=422, detail=str(err)) from None
+        spec = spec.model_copy(update={"corpus": str(path)})
     record = await registry.create_job(spec)
     await registry.write_desired(spec.job, range(spec.units), "idle")
     return record_view(record)

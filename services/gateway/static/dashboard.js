@@ -1,5 +1,6 @@
 // Live dashboard of one job: polls GET /jobs/{job}/metrics every 2 s and draws plain <canvas>
-// charts; pause/resume buttons POST with the bearer token kept in sessionStorage.
+// charts; pause/resume buttons POST with the bearer token kept in sessionStorage (which the
+// polls send too, for a gateway whose reads need a token).
 "use strict";
 
 const JOB = document.querySelector('meta[name="diloco-job"]').content;
@@ -217,9 +218,15 @@ function drawBytes(metrics) {
 async function poll() {
   let metrics;
   try {
-    const response = await fetch(`/jobs/${encodeURIComponent(JOB)}/metrics`);
+    // A gateway with a read-only token answers reads only with a token (that one or the API's).
+    const bearer = sessionStorage.getItem(TOKEN_KEY);
+    const response = await fetch(`/jobs/${encodeURIComponent(JOB)}/metrics`, {
+      headers: bearer ? { Authorization: `Bearer ${bearer}` } : {},
+    });
     if (!response.ok) {
-      $("#outer-state").textContent = `no data (${response.status})`;
+      $("#outer-state").textContent = response.status === 401
+        ? "enter a token to see this job (read-only or API)"
+        : `no data (${response.status})`;
       return;
     }
     metrics = await response.json();
