@@ -49,6 +49,29 @@ HEADER_SLACK_BYTES = 8 * 1024  # headers count towards max_payload on the server
 MAX_CHUNK_BYTES = 1 << 20  # 1 MiB chunks: fast on loopback and far below file-store limits
 GRADS_DUPLICATE_WINDOW_S = 3600.0  # longer than any learner retry window
 GRADS_MAX_BYTES = 8 << 30  # a full grads stream refuses new uploads instead of losing old ones
+# Chunks one unit may have waiting in the grads stream (1 GiB of 1 MiB chunks): a unit whose
+# backlog is full is refused (it keeps its uploads and retries), so no one unit fills the stream.
+GRADS_MAX_CHUNKS_PER_UNIT = 1024
+# Chunks are at most MAX_CHUNK_BYTES plus headers; the server's max_payload bounds them too.
+MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + HEADER_SLACK_BYTES
+SMALL_RECORD_BYTES = 64 << 10  # a desired state, a job's record, the outer's lease
+SMALL_BUCKET_BYTES = 64 << 20
+STATUS_BUCKET_BYTES = 1 << 30
+PARAMS_MAX_BYTES = 4 << 30  # every job's kept params versions
+CKPT_MAX_BYTES = 4 << 30  # every job's outer checkpoints
+DEAD_MAX_BYTES = 1 << 30
+DEAD_MAX_PER_JOB = 1000  # dead letters kept per job: one job's junk cannot evict another's
+DEAD_MAX_AGE_S = 7 * 24 * 3600.0
+#: What the limits above reserve of JetStream's file store in all (nats-server refuses a stream
+#: whose limit does not fit its store; ``services.local.broker`` sizes the store from this).
+STORE_BYTES = (
+    GRADS_MAX_BYTES
+    + PARAMS_MAX_BYTES
+    + CKPT_MAX_BYTES
+    + DEAD_MAX_BYTES
+    + STATUS_BUCKET_BYTES
+    + 3 * SMALL_BUCKET_BYTES
+)
 STATUS_TTL_S = 24 * 3600.0  # status keys of long-gone units eventually disappear
 PUBLISH_TIMEOUT_S = 10.0
 # The slowest link a request's timeout allows for: a request that moves n bytes may take
@@ -205,13 +228,18 @@ async def ensure_streams(js: JetStreamContext) -> None:
             storage=StorageType.FILE,
             duplicate_window=GRADS_DUPLICATE_WINDOW_S,
             max_bytes=GRADS_MAX_BYTES,
+            max_msgs_per_subject=GRADS_MAX_CHUNKS_PER_UNIT,
             discard=DiscardPolicy.NEW,
+            discard_new_per_subject=True,
+            max_msg_size=MAX_MESSAGE_BYTES,
         ),
         StreamConfig(
             name=subjects.PARAMS_STREAM,
             subjects=[subjects.PARAMS_ALL],
             storage=StorageType.FILE,
             max_msgs_per_subject=PARAMS_VERSIONS_KEPT,
+            max_bytes=PARAMS_MAX_BYTES,
+            max_msg_size=MAX_MESSAGE_BYTES,
             allow_direct=True,
             discard=DiscardPolicy.OLD,
         ),
@@ -220,6 +248,8 @@ async def ensure_streams(js: JetStreamContext) -> None:
             subjects=[subjects.CKPT_ALL],
             storage=StorageType.FILE,
             max_msgs_per_subject=1,
+            max_bytes=CKPT_MAX_BYTES,
+            max_msg_size=MAX_MESSAGE_BYTES,
             allow_direct=True,
             discard=DiscardPolicy.OLD,
         ),
@@ -227,24 +257,41 @@ async def ensure_streams(js: JetStreamContext) -> None:
             name=subjects.DEAD_STREAM,
             subjects=[subjects.DEAD_ALL],
             storage=StorageType.FILE,
-            max_age=7 * 24 * 3600.0,
-            max_bytes=1 << 30,
+            max_age=DEAD_MAX_AGE_S,
+            max_bytes=DEAD_MAX_BYTES,
+            max_msgs_per_subject=DEAD_MAX_PER_JOB,
+            max_msg_size=MAX_MESSAGE_BYTES,
             discard=DiscardPolicy.OLD,
         ),
     ]
     for config in configs:
+        # Added only when missing: nats-server counts an add's limits against the store before
+        # it sees that the stream exists.
         try:
+            await js.stream_info(config.name)
+        except nats.js.errors.NotFoundError:
             await js.add_stream(config)
-        except nats.js.errors.BadRequestError:
+        else:
             await js.update_stream(config)
-    await js.create_key_value(
-        KeyValueConfig(bucket=subjects.DESIRED_BUCKET, history=5, direct=True)
-    )
-    await js.create_key_value(
-        KeyValueConfig(bucket=subjects.STATUS_BUCKET, history=1, ttl=STATUS_TTL_S, direct=True)
-    )
-    await js.create_key_value(KeyValueConfig(bucket=subjects.OUTER_BUCKET, history=1, direct=True))
-    await js.create_key_value(KeyValueConfig(bucket=subjects.JOBS_BUCKET, history=5, direct=True))
+    small = {"max_value_size": SMALL_RECORD_BYTES, "max_bytes": SMALL_BUCKET_BYTES, "direct": True}
+    buckets = [
+        KeyValueConfig(bucket=subjects.DESIRED_BUCKET, history=5, **small),
+        KeyValueConfig(
+            bucket=subjects.STATUS_BUCKET,
+            history=1,
+            ttl=STATUS_TTL_S,
+            max_value_size=records.MAX_RECORD_BYTES,
+            max_bytes=STATUS_BUCKET_BYTES,
+            direct=True,
+        ),
+        KeyValueConfig(bucket=subjects.OUTER_BUCKET, history=1, **small),
+        KeyValueConfig(bucket=subjects.JOBS_BUCKET, history=5, **small),
+    ]
+    for bucket in buckets:
+        try:
+            await js.stream_info(f"KV_{bucket.bucket}")
+        except nats.js.errors.NotFoundError:
+            await js.create_key_value(bucket)
 
 
 async def publish_blob(

@@ -17,10 +17,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared import atomic
+from shared import atomic, transport
 
 READY_LINE = "Server is ready"
 RELOADED_LINE = "Reloaded server configuration"
+# JetStream's file store is sized to what the streams' limits reserve (twice, for two creators
+# racing), not to the free disk: each stream stays within its own limit, and a small disk does
+# not refuse the streams at their creation.
+STORE_BYTES = 2 * transport.STORE_BYTES
 
 
 class BrokerError(RuntimeError):
@@ -262,7 +266,7 @@ def start_nats_server(
     log_path = store / "nats-server.log"
     lines = [
         f'listen: "{host}:{port}"',
-        f'jetstream {{ store_dir: "{store.resolve()}" }}',
+        f'jetstream {{ store_dir: "{store.resolve()}", max_file_store: {STORE_BYTES} }}',
     ]
     if max_payload is not None:
         lines.append(f"max_payload: {int(max_payload)}")
