@@ -11,7 +11,7 @@ from typing import Literal, get_args
 OuterOptimizerName = Literal["sgd", "nesterov", "delayed_nesterov"]
 MergePolicyName = Literal["each", "quorum"]
 StalenessRuleName = Literal["constant", "polynomial", "hinge", "exponential"]
-CombineName = Literal["weighted", "rda"]
+CombineName = Literal["weighted", "rda", "median", "trimmed_mean"]
 TokenWeightingName = Literal["uniform", "tokens", "tokens2_per_step"]
 #: What the norm guard does with an upload far above the usual norm (services/outer/norm_guard.py).
 NormGuardName = Literal["reject", "clip", "off"]

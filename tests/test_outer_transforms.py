@@ -321,6 +321,33 @@ def test_rda_all_zero_updates_give_zero():
         np.testing.assert_array_equal(np.asarray(leaf), 0.0)
 
 
+@pytest.mark.parametrize("kind", ["median", "trimmed_mean"])
+def test_a_robust_combine_keeps_one_huge_update_among_honest_ones_in_their_range(kind):
+    rng = np.random.default_rng(5)
+    honest = [{"w": rng.standard_normal((6, 3)).astype(np.float32)} for _ in range(4)]
+    huge = {"w": np.full((6, 3), 1e6, np.float32)}
+    # The huge update also claims all the tokens: the robust combines ignore the weights.
+    merged = combine(kind, [*honest, huge], [1.0] * 4 + [1e9], [1.0] * 5)["w"]
+    stack = np.stack([u["w"] for u in honest])
+    assert np.all(merged <= stack.max(axis=0) + 1e-6) and np.all(merged >= stack.min(axis=0) - 1e-6)
+    plain = combine("weighted", [*honest, huge], [1.0] * 5, [1.0] * 5)["w"]
+    assert np.abs(plain).min() > 1e5  # the plain average is taken over
+
+
+def test_robust_combines_match_numpy_and_apply_the_staleness_scales():
+    rng = np.random.default_rng(6)
+    updates = [{"w": rng.standard_normal((4, 5)).astype(np.float32)} for _ in range(8)]
+    scales = [1.0, 0.5, 1.0, 0.25, 1.0, 1.0, 0.5, 1.0]
+    scaled = np.stack([s * u["w"] for s, u in zip(scales, updates, strict=True)])
+    np.testing.assert_allclose(
+        combine("median", updates, [1.0] * 8, scales)["w"], np.median(scaled, axis=0), rtol=1e-6
+    )
+    expected = np.sort(scaled, axis=0)[2:6].mean(axis=0)  # 8 values: 2 dropped at each end
+    np.testing.assert_allclose(
+        combine("trimmed_mean", updates, [1.0] * 8, scales)["w"], expected, rtol=1e-5
+    )
+
+
 def test_combine_errors():
     rng = np.random.default_rng(8)
     u = [rand_tree(rng) for _ in range(3)]

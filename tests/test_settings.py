@@ -126,7 +126,7 @@ def test_config_file_errors_are_clear(tmp_path):
     [
         (["--outer-optimizer", "adam"], "--outer-optimizer (env DILOCO_OUTER_OPTIMIZER) = 'adam'"),
         (["--merge-policy", "sometimes"], "Input should be 'each' or 'quorum'"),
-        (["--combine", "median"], "Input should be 'weighted' or 'rda'"),
+        (["--combine", "mean"], "Input should be 'weighted', 'rda', 'median' or 'trimmed_mean'"),
         (["--token-weighting", "bytes"], "--token-weighting (env DILOCO_TOKEN_WEIGHTING)"),
         (["--staleness-rule", "linear"], "Input should be 'constant', 'polynomial'"),
         (["--min-quorum", "3", "--num-units", "2"], "min-quorum 3 > num-units 2"),

@@ -11,10 +11,16 @@ applied per tensor, falling back to the plain weighted average where the mean di
 vanishes. Staleness weights s_m multiply each update but are *not* normalised away:
 merged = Σ_m s_m w_m Δ_m / Σ_m w_m (FedBuff-style), so a batch of stale updates moves the
 params less than a batch of fresh ones.
+
+Two robust combines bound what a few hostile or broken updates of one merge can do (docs/
+SECURITY.md): the **coordinate-wise median** of the s_m Δ_m, and the **trimmed mean**, which
+drops the ⌊M/4⌋ largest and ⌊M/4⌋ smallest values of each coordinate and averages the rest.
+Both ignore the token weights: an upload's token count is its own claim.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +30,7 @@ import jax.numpy as jnp
 from shared.outer_choices import COMBINES, TOKEN_WEIGHTINGS
 
 _EPS = 1e-12
+TRIM_FRACTION = 0.25  # the trimmed mean drops this share of the values at each end
 
 
 def token_weight(kind: str, tokens: int, steps: int) -> float:
@@ -83,13 +90,35 @@ def radial_directional_average(stacked: Any, weights: jax.Array, scales: jax.Arr
     return jax.tree_util.tree_map(leaf, stacked)
 
 
+@jax.jit
+def coordinate_median(stacked: Any, scales: jax.Array) -> Any:
+    """The median of the scaled updates s_m Δ_m, coordinate by coordinate."""
+
+    def leaf(x: jax.Array) -> jax.Array:
+        return jnp.median(scales.reshape((-1,) + (1,) * (x.ndim - 1)) * x, axis=0)
+
+    return jax.tree_util.tree_map(leaf, stacked)
+
+
+@functools.partial(jax.jit, static_argnames="trim")
+def trimmed_mean(stacked: Any, scales: jax.Array, trim: int) -> Any:
+    """The mean of the scaled updates s_m Δ_m, coordinate by coordinate, without the ``trim``
+    largest and ``trim`` smallest values."""
+
+    def leaf(x: jax.Array) -> jax.Array:
+        ordered = jnp.sort(scales.reshape((-1,) + (1,) * (x.ndim - 1)) * x, axis=0)
+        return jnp.mean(ordered[trim : x.shape[0] - trim], axis=0)
+
+    return jax.tree_util.tree_map(leaf, stacked)
+
+
 def combine(
     kind: str, updates: Sequence[Any], weights: Sequence[float], scales: Sequence[float]
 ) -> Any:
     """Merge pseudo-gradients (pytrees of one structure) into one.
 
     Args:
-        kind: ``weighted`` or ``rda``.
+        kind: ``weighted``, ``rda``, ``median`` or ``trimmed_mean``.
         updates: the pseudo-gradients.
         weights: token weights w_m (normalised here).
         scales: staleness weights s_m (not normalised).
@@ -112,4 +141,8 @@ def combine(
     stacked = _stack(updates)
     if kind == "weighted":
         return weighted_average(stacked, w, s)
+    if kind == "median":
+        return coordinate_median(stacked, s)
+    if kind == "trimmed_mean":
+        return trimmed_mean(stacked, s, trim=int(len(updates) * TRIM_FRACTION))
     return radial_directional_average(stacked, w, s)

@@ -49,7 +49,11 @@ class OuterAlgorithmSettings(BaseSettings):
     )
     grace_min_s: float = Field(0.0, ge=0, description="shortest grace window, seconds")
     grace_max_s: float = Field(30.0, ge=0, description="longest grace window, seconds")
-    combine: CombineName = Field("weighted", description="merge: weighted (average) or rda")
+    combine: CombineName = Field(
+        "weighted",
+        description="merge: weighted (average), rda, or a robust one for quorum merges: median "
+        "or trimmed_mean (coordinate-wise, token weights ignored; docs/ALGORITHMS.md)",
+    )
     token_weighting: TokenWeightingName = Field(
         "tokens2_per_step", description="update weight by work: uniform, tokens or tokens2_per_step"
     )
