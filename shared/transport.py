@@ -102,14 +102,14 @@ class TransportError(RuntimeError):
 async def connect(settings: NatsSettings, name: str, **callbacks: Callable[..., Any]) -> NatsClient:
     """Connect to NATS with reconnect-forever and logged errors.
 
+    With ``settings.nats_credentials`` it connects as that user, with the user's own inbox
+    prefix (``shared.nats_auth``); with ``settings.nats_ca_file`` over TLS, verifying the
+    server's certificate against that CA (``shared.tls``).
+
     Args:
         settings: connection settings.
         name: client name shown in the server's connection list.
         **callbacks: optional nats-py callbacks (``disconnected_cb``, ``reconnected_cb``, ...).
-
-    With ``settings.nats_credentials`` it connects as that user, with the user's own inbox
-    prefix (``shared.nats_auth``); with ``settings.nats_ca_file`` over TLS, verifying the
-    server's certificate against that CA (``shared.tls``).
 
     Raises:
         TransportError: when the first connection cannot be made within the connect timeout

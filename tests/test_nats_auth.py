@@ -207,7 +207,7 @@ async def test_the_outer_and_the_gateway_keep_to_their_roles(
         await gateway.nc.close()
 
 
-async def test_new_users_are_added_to_a_running_server_by_a_reload(cluster: _Cluster) -> None:
+async def test_new_users_are_added_by_a_reload_or_at_the_next_restart(cluster: _Cluster) -> None:
     who = Identity("learner", "later", unit=3)
     path, new = cluster.credentials.ensure(who)
     assert new
@@ -216,6 +216,15 @@ async def test_new_users_are_added_to_a_running_server_by_a_reload(cluster: _Clu
         await transport.connect(settings, "too-early")
     cluster.server.reload(cluster.credentials.authorization_block())
     nc = await transport.connect(settings, "after-reload")
+    await nc.close()
+    # A server that is down when users are added finds them when it is restarted.
+    late = Identity("learner", "later", unit=4)
+    path, _ = cluster.credentials.ensure(late)
+    cluster.server.kill()
+    cluster.server.reload(cluster.credentials.authorization_block())
+    cluster.server.restart()
+    late_settings = NatsSettings(nats_url=cluster.server.url, nats_credentials=str(path))
+    nc = await transport.connect(late_settings, "after-restart")
     await nc.close()
 
 
