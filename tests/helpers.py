@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -115,7 +116,8 @@ class ServiceProcesses:
         )
 
     def stop_all(self) -> None:
-        """SIGTERM every process still running, then SIGKILL those that do not stop in 20 s."""
+        """SIGTERM every process still running, then SIGKILL those that do not stop in 20 s
+        (after they dumped their threads' stacks into their logs: SIGUSR1, faulthandler)."""
         for _, process, _ in self.children:
             if process.poll() is None:
                 process.terminate()
@@ -124,6 +126,8 @@ class ServiceProcesses:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGUSR1)
+                time.sleep(0.5)
                 process.kill()
                 process.wait()
 

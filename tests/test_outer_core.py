@@ -210,7 +210,7 @@ def test_invalid_algorithm_choices_are_refused():
     for kwargs in (
         {"optimizer": "adam"},
         {"policy": "sometimes"},
-        {"combine": "median"},
+        {"combine": "mean"},
         {"token_weighting": "bytes"},
         {"min_quorum": 0},
         {"fragments": 0},

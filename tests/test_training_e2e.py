@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # real processes and nats-server (run by make tes
         (1, ("int8", "int8"), 150),
         # Two fragments, and units of different codecs: the outer decodes what each message's
         # description says (the protocol, not the quality: fewer steps).
-        (2, ("int4", "int2"), 100),
+        (2, ("int4", "int2"), 60),
     ],
     ids=["P1", "P2-int4-int2"],
 )
