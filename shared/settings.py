@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import ssl
 import tomllib
 from collections.abc import Iterable
 from typing import Any, Literal, TypeVar
@@ -48,6 +49,11 @@ class NatsSettings(BaseSettings):
         description="file with the NATS user and password to connect as (mode 0600, written by "
         "`diloco up`; docs/SECURITY.md); default: no user",
     )
+    nats_ca_file: str | None = Field(
+        None,
+        description="CA certificate (PEM) the NATS server's certificate must chain to: connect "
+        "with TLS and verify the server (`diloco up --tls` writes one); default: no TLS",
+    )
 
     @field_validator("nats_url")
     @classmethod
@@ -57,17 +63,14 @@ class NatsSettings(BaseSettings):
                 raise ValueError(f"expected nats://host:port (comma-separated), got {url!r}")
         return value
 
-    nats_ca_file: str | None = Field(
-        None,
-        description="CA certificate (PEM) the NATS server's certificate must chain to: connect "
-        "with TLS and verify the server (`diloco up --tls` writes one); default: no TLS",
-    )
-
     @field_validator("nats_ca_file")
     @classmethod
     def _check_ca_file(cls, value: str | None) -> str | None:
         if value is not None:
-            tls.client_context(value)  # a clear error at start, not at first connect
+            try:  # a clear error at start, not at first connect
+                tls.client_context(value)
+            except (OSError, ssl.SSLError) as err:
+                raise ValueError(f"cannot use the CA file {value}: {err}") from None
         return value
 
     @field_validator("nats_credentials")

@@ -251,3 +251,5 @@ def test_credentials_files_are_private_and_checked(tmp_path: Path) -> None:
     with pytest.raises(CredentialsError, match="cannot read"):
         nats_auth.read_credentials(tmp_path / "missing.json")
     assert records.NatsCredentials.model_fields["password"].metadata  # min length enforced
+    with pytest.raises(SettingsError, match="cannot use the CA file"):
+        settings_from_args(NatsSettings, {"nats_ca_file": str(tmp_path / "missing.pem")})
