@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from services.local.broker import NatsServer, start_nats_server
-from shared import kv, nats_auth, records, subjects, transport
+from shared import kv, nats_auth, subjects, transport
 from shared.nats_auth import Credentials, CredentialsError, Identity
 from shared.records import DesiredRecord, NatsCredentials
 from shared.settings import NatsSettings, SettingsError, settings_from_args
@@ -250,6 +250,8 @@ def test_credentials_files_are_private_and_checked(tmp_path: Path) -> None:
         nats_auth.read_credentials(path)
     with pytest.raises(CredentialsError, match="cannot read"):
         nats_auth.read_credentials(tmp_path / "missing.json")
-    assert records.NatsCredentials.model_fields["password"].metadata  # min length enforced
+    path.write_text('{"user": "learner-secure-2", "password": "short", "role": "learner"}')
+    with pytest.raises(CredentialsError, match="at least 16 characters"):
+        nats_auth.read_credentials(path)
     with pytest.raises(SettingsError, match="cannot use the CA file"):
         settings_from_args(NatsSettings, {"nats_ca_file": str(tmp_path / "missing.pem")})
