@@ -12,8 +12,8 @@ from tests.helpers import cluster_processes, job_status, start_up, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
-OUTAGE_AT_S = 25  # after the links start; the units train from about 10 s to 50 s after
-STEPS = 400
+OUTAGE_AT_S = 25  # after the links start; the units train from about 10 s to 40 s after
+STEPS = 300
 # A sync period (about 4 s) is longer than a copy of the tiny model's fp32 params takes to cross a
 # 1 Mbit/s link (about 2.7 s), which is longer than the time between two versions (about 2 s).
 H_STEPS = 40
