@@ -84,7 +84,7 @@ class ParamsFetcher:
         self._known_versions = [-1] * settings.fragments
         # Per fragment: fetch the first version newer than this (None: nothing wanted).
         self._wanted: list[int | None] = [-1] * settings.fragments
-        self._head_versions = [-1] * settings.fragments  # the newest head seen
+        self._head_versions = [-1] * settings.fragments  # the latest head seen
         self._head_seen_at = [0.0] * settings.fragments  # when that head was first seen
         # The upload id of the last head whose params were rejected (not read again).
         self._rejected: list[str | None] = [None] * settings.fragments
