@@ -19,7 +19,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared import nats_auth, tls
+from shared import nats_auth
 from shared.model_config import ModelSize
 from shared.records import JOB_NAME_PATTERN, NatsCredentials
 
@@ -67,6 +67,8 @@ class NatsSettings(BaseSettings):
     @classmethod
     def _check_ca_file(cls, value: str | None) -> str | None:
         if value is not None:
+            from shared import tls  # X.509 only where TLS is asked for
+
             try:  # a clear error at start, not at first connect
                 tls.client_context(value)
             except (OSError, ssl.SSLError) as err:

@@ -29,7 +29,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from shared import nats_auth, records, subjects, tls
+from shared import nats_auth, records, subjects
 from shared.records import ParamsHead
 from shared.retry import QUICK, Backoff, retry
 from shared.settings import NatsSettings
@@ -139,6 +139,8 @@ async def connect(settings: NatsSettings, name: str, **callbacks: Callable[..., 
             "inbox_prefix": nats_auth.inbox_prefix(credentials.user),
         }
     if settings.nats_ca_file is not None:
+        from shared import tls  # X.509 only where TLS is asked for
+
         identity["tls"] = tls.client_context(settings.nats_ca_file)
     connecting = asyncio.ensure_future(
         nats.connect(
