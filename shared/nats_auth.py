@@ -263,9 +263,13 @@ class Credentials:
     folder: Path
     _users: dict[str, tuple[Identity, NatsCredentials, str]] = field(default_factory=dict)
 
+    def path(self, who: Identity) -> Path:
+        """Where the credentials file of ``who`` is (or goes)."""
+        return self.folder / f"{who.user}.json"
+
     def ensure(self, who: Identity) -> tuple[Path, bool]:
         """The credentials file of ``who``, made if new; returns it and whether it is new."""
-        path = self.folder / f"{who.user}.json"
+        path = self.path(who)
         if who.user in self._users:
             return path, False
         credentials = new_credentials(who)

@@ -17,36 +17,16 @@ from typing import Any
 
 import pytest
 
-from services.local.broker import NatsServer, start_nats_server
 from shared import kv, nats_auth, subjects, transport
 from shared.nats_auth import Credentials, CredentialsError, Identity
 from shared.records import DesiredRecord, NatsCredentials
 from shared.settings import NatsSettings, SettingsError, settings_from_args
+from tests.helpers import SecureNats
 
 pytestmark = pytest.mark.nats
 
 JOB = "secure"
 DENIED_WAIT_S = 3.0  # a refused request gets no reply; this bounds the wait for the violation
-
-
-class _Cluster:
-    def __init__(self, root: Path) -> None:
-        self.credentials = Credentials(root / "credentials")
-        for who in (
-            Identity("admin"),
-            Identity("outer", JOB),
-            Identity("gateway"),
-            Identity("learner", JOB, unit=0),
-            Identity("learner", JOB, unit=1),
-        ):
-            self.credentials.ensure(who)
-        self.server: NatsServer = start_nats_server(
-            root / "nats", authorization=self.credentials.authorization_block()
-        )
-
-    def settings(self, who: Identity) -> NatsSettings:
-        path, _ = self.credentials.ensure(who)
-        return NatsSettings(nats_url=self.server.url, nats_credentials=str(path))
 
 
 class _Client:
@@ -90,16 +70,18 @@ class _Client:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[_Cluster]:
-    made = _Cluster(tmp_path)
+def cluster(tmp_path: Path) -> Iterator[SecureNats]:
+    """The users ``diloco up`` would make for job JOB's outer and two learners, and the gateway;
+    the admin has created the streams."""
+    users = [Identity("outer", JOB), Identity("gateway")]
+    made = SecureNats(tmp_path, [*users, *(Identity("learner", JOB, unit=u) for u in (0, 1))])
     yield made
     made.server.stop()
 
 
 @pytest.fixture
-async def admin(cluster: _Cluster) -> AsyncIterator[_Client]:
+async def admin(cluster: SecureNats) -> AsyncIterator[_Client]:
     client = await _Client().open(cluster.settings(Identity("admin")), "admin")
-    await transport.ensure_streams(client.nc.jetstream())
     yield client
     await client.nc.close()
 
@@ -108,7 +90,7 @@ async def _stream_messages(admin: _Client, stream: str) -> int:
     return int((await admin.nc.jetstream().stream_info(stream)).state.messages)
 
 
-async def test_an_anonymous_client_or_a_wrong_password_is_refused(cluster: _Cluster) -> None:
+async def test_an_anonymous_client_or_a_wrong_password_is_refused(cluster: SecureNats) -> None:
     with pytest.raises(transport.TransportError, match="[Aa]uthorization"):
         await transport.connect(
             NatsSettings(nats_url=cluster.server.url, connect_timeout_s=2), "anonymous"
@@ -124,7 +106,7 @@ async def test_an_anonymous_client_or_a_wrong_password_is_refused(cluster: _Clus
 
 
 async def test_a_learner_may_do_its_own_work_and_nothing_else(
-    cluster: _Cluster, admin: _Client
+    cluster: SecureNats, admin: _Client
 ) -> None:
     learner = await _Client().open(cluster.settings(Identity("learner", JOB, unit=0)), "l0")
     js = learner.nc.jetstream()
@@ -175,7 +157,7 @@ async def test_a_learner_may_do_its_own_work_and_nothing_else(
 
 
 async def test_the_outer_and_the_gateway_keep_to_their_roles(
-    cluster: _Cluster, admin: _Client
+    cluster: SecureNats, admin: _Client
 ) -> None:
     outer = await _Client().open(cluster.settings(Identity("outer", JOB)), "outer")
     gateway = await _Client().open(cluster.settings(Identity("gateway")), "gateway")
@@ -207,7 +189,7 @@ async def test_the_outer_and_the_gateway_keep_to_their_roles(
         await gateway.nc.close()
 
 
-async def test_new_users_are_added_by_a_reload_or_at_the_next_restart(cluster: _Cluster) -> None:
+async def test_new_users_are_added_by_a_reload_or_at_the_next_restart(cluster: SecureNats) -> None:
     who = Identity("learner", "later", unit=3)
     path, new = cluster.credentials.ensure(who)
     assert new

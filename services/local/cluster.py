@@ -67,6 +67,7 @@ class Cluster:
     chaos_clock: ChaosClock = field(default_factory=lambda: ChaosClock([]))
     chaos_started: float = 0.0  # monotonic time the chaos schedule counts from
     credentials: nats_auth.Credentials = field(init=False)
+    tls_files: tls.ServerFiles | None = None  # with --tls, once nats-server is started
 
     def __post_init__(self) -> None:
         self.supervisor = Supervisor(RestartPolicy(max_restarts=self.settings.max_restarts))
@@ -75,7 +76,7 @@ class Cluster:
     @property
     def ca_file(self) -> str | None:
         """The CA certificate clients verify nats-server with (None: no TLS)."""
-        return str(self.data_dir / TLS_DIR / "ca.pem") if self.settings.tls else None
+        return str(self.tls_files.ca_cert) if self.tls_files is not None else None
 
     def admin_settings(self) -> NatsSettings:
         """How ``diloco up`` itself connects: as the admin (it creates the streams)."""
@@ -146,12 +147,12 @@ class Cluster:
             *(nats_auth.Identity("link", s.job, link=name) for name in links),
         ):
             self.credentials.ensure(who)
-        server_tls = tls.make_server_files(tls_dir, TLS_HOSTS) if s.tls else None
+        self.tls_files = tls.make_server_files(tls_dir, TLS_HOSTS) if s.tls else None
         self.server = broker.start_nats_server(
             store,
             port=s.nats_port,
             authorization=self.credentials.authorization_block(),
-            tls=server_tls.server_block() if server_tls is not None else None,
+            tls=self.tls_files.server_block() if self.tls_files is not None else None,
             new_session=True,
             die_with_parent=True,
         )
@@ -314,7 +315,7 @@ class Cluster:
             PidsFile(
                 supervisor=os.getpid(),
                 nats_url=self.server.url if self.server is not None else None,
-                nats_credentials=str(self.credentials.folder / "admin.json"),
+                nats_credentials=str(self.credentials.path(nats_auth.Identity("admin"))),
                 nats_ca_file=self.ca_file,
                 pids=self.pids(),
                 restarts=self.supervisor.restarts(),
