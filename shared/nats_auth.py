@@ -194,8 +194,27 @@ _ROLE_PUBLISH = {"learner": _learner, "outer": _outer, "gateway": _gateway, "lin
 def new_credentials(who: Identity) -> NatsCredentials:
     """Fresh credentials (a random password) for ``who``."""
     return NatsCredentials(
-        user=who.user, password=secrets.token_urlsafe(PASSWORD_BYTES), role=who.role
+        user=who.user,
+        password=secrets.token_urlsafe(PASSWORD_BYTES),
+        role=who.role,
+        job=who.job,
+        unit=who.unit,
+        link=who.link,
     )
+
+
+def identity_of(credentials: NatsCredentials) -> Identity:
+    """The identity a credentials file is for.
+
+    Raises:
+        CredentialsError: the file's user name is not the one its role, job and unit make.
+    """
+    who = Identity(credentials.role, credentials.job, credentials.unit, credentials.link)
+    if who.user != credentials.user:
+        raise CredentialsError(
+            f"credentials of user {credentials.user!r} name another identity ({who.user!r})"
+        )
+    return who
 
 
 def password_hash(password: str) -> str:
@@ -255,6 +274,9 @@ class Credentials:
 
     Identities are added as the cluster needs them (a job created through the REST API brings
     its outer and learners); the caller then rewrites the server's configuration and reloads it.
+    A file already in the folder is kept (its user may be connected): several processes may
+    add users to one folder (compose's controller), and the server's owner picks them up with
+    :meth:`load`.
 
     Attributes:
         folder: where the credentials files go (``<user>.json``, mode 0600).
@@ -272,10 +294,39 @@ class Credentials:
         path = self.path(who)
         if who.user in self._users:
             return path, False
-        credentials = new_credentials(who)
-        write_credentials(path, credentials)
+        if path.exists():
+            credentials = read_credentials(path)
+            if identity_of(credentials) != who:
+                raise CredentialsError(f"{path} holds the credentials of another identity")
+        else:
+            credentials = new_credentials(who)
+            write_credentials(path, credentials)
         self._users[who.user] = (who, credentials, password_hash(credentials.password))
         return path, True
+
+    def load(self) -> tuple[list[str], list[str]]:
+        """Add every credentials file in the folder that is new to this object (written by
+        another process).
+
+        Returns:
+            The new users' names, and why each file that cannot be used was skipped.
+        """
+        added, problems = [], []
+        for path in sorted(self.folder.glob("*.json")):
+            if path.stem in self._users:
+                continue
+            try:
+                credentials = read_credentials(path)
+                who = identity_of(credentials)
+            except CredentialsError as err:
+                problems.append(str(err))
+                continue
+            if who.user != path.stem:
+                problems.append(f"{path} holds the credentials of {who.user!r}")
+                continue
+            self._users[who.user] = (who, credentials, password_hash(credentials.password))
+            added.append(who.user)
+        return added, problems
 
     def authorization_block(self) -> str:
         """nats-server's ``authorization`` block for every identity made so far."""

@@ -684,6 +684,9 @@ class NatsCredentials(Record):
     user: str = Field(pattern=NATS_USER_PATTERN)
     password: str = Field(min_length=16, max_length=256)
     role: NatsRole
+    job: str = Field("", max_length=128, description="the job an outer, learner or link acts for")
+    unit: Count | None = Field(None, description="a learner's unit")
+    link: str = Field("", max_length=64, description="a link's name")
 
 
 # ---- diloco up's files -----------------------------------------------------------------------

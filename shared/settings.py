@@ -55,6 +55,14 @@ class NatsSettings(BaseSettings):
         "with TLS and verify the server (`diloco up --tls` writes one); default: no TLS",
     )
 
+    nats_tls_hostname: str | None = Field(
+        None,
+        max_length=253,
+        description="the name the NATS server's certificate must be valid for, when it differs "
+        "from the URL's host (a learner behind a shaped link connects to the link, not to the "
+        "server); default: the URL's host",
+    )
+
     @field_validator("nats_url")
     @classmethod
     def _check_url(cls, value: str) -> str:

@@ -142,6 +142,8 @@ async def connect(settings: NatsSettings, name: str, **callbacks: Callable[..., 
         from shared import tls  # X.509 only where TLS is asked for
 
         identity["tls"] = tls.client_context(settings.nats_ca_file)
+        if settings.nats_tls_hostname is not None:
+            identity["tls_hostname"] = settings.nats_tls_hostname
     connecting = asyncio.ensure_future(
         nats.connect(
             servers=settings.nats_servers(),

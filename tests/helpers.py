@@ -87,7 +87,7 @@ class ServiceProcesses:
             **(env or {}),
             "DILOCO_JAX_CACHE": str(self.jax_cache),
             "DILOCO_TOKEN": GATEWAY_TOKEN,
-            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+            "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
             "PYTHONUNBUFFERED": "1",
         }
         with open(log_path, "ab") as log_file:

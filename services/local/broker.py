@@ -234,6 +234,7 @@ def start_nats_server(
     max_payload: int | None = None,
     authorization: str | None = None,
     tls: str | None = None,
+    http_port: int | None = None,
     ready_timeout_s: float = 20.0,
     new_session: bool = False,
     die_with_parent: bool = False,
@@ -249,6 +250,8 @@ def start_nats_server(
             users may connect. None: anyone may, with no permission checks (tests).
         tls: the server's ``tls`` block (``shared.tls.ServerFiles.server_block``): clients
             must connect with TLS. None: plain TCP.
+        http_port: serve the monitoring endpoints (``/healthz``, ``/varz``, ...) on this port of
+            127.0.0.1 (a container's health check); None: none.
         ready_timeout_s: how long to wait for the "Server is ready" log line.
         new_session: start the server in its own process session (so a terminal's Ctrl-C does
             not reach it directly and the supervisor decides the shutdown order).
@@ -271,6 +274,8 @@ def start_nats_server(
     ]
     if max_payload is not None:
         lines.append(f"max_payload: {int(max_payload)}")
+    if http_port is not None:
+        lines.append(f'http: "127.0.0.1:{int(http_port)}"')
     if tls is not None:
         lines.append(tls)
     base = "\n".join(lines) + "\n"

@@ -35,16 +35,16 @@ def cache_env(settings: UpSettings) -> dict[str, str]:
     return {"DILOCO_JAX_CACHE": str((Path(settings.data_dir) / JAX_CACHE_DIR).resolve())}
 
 
+def threads_env(threads: int) -> dict[str, str]:
+    """Environment that bounds a JAX process's compute threads (several share few cores):
+    XLA's multi-threaded Eigen only with more than one thread."""
+    eigen = "true" if threads > 1 else "false"
+    return {"XLA_FLAGS": f"--xla_cpu_multi_thread_eigen={eigen}", "OMP_NUM_THREADS": str(threads)}
+
+
 def learner_env(settings: UpSettings) -> dict[str, str]:
-    """Environment of a learner: the cache and bounded XLA threads (several JAX processes share
-    few cores)."""
-    threads = settings.learner_threads
-    return {
-        **cache_env(settings),
-        "XLA_FLAGS": f"--xla_cpu_multi_thread_eigen={'true' if threads > 1 else 'false'} "
-        f"intra_op_parallelism_threads={threads}",
-        "OMP_NUM_THREADS": str(threads),
-    }
+    """Environment of a learner: the cache and bounded XLA threads."""
+    return {**cache_env(settings), **threads_env(settings.learner_threads)}
 
 
 def job_flags(settings: UpSettings, nats_url: str) -> list[str]:
