@@ -36,7 +36,7 @@ JOB = "g"
 @contextmanager
 def gateway(nats_url: str, **options) -> Iterator[TestClient]:
     """A gateway app in this process (``--job g``, the test token), connected to NATS."""
-    config = GatewaySettings(nats_url=nats_url, job=JOB, **{"token": GATEWAY_TOKEN, **options})
+    config = GatewaySettings(nats_url=nats_url, **{"job": JOB, "token": GATEWAY_TOKEN, **options})
     with TestClient(create_app(config)) as client:
         wait_for(lambda: client.app.state.link.connected, 30, "the gateway to reach NATS")
         yield client
@@ -92,6 +92,19 @@ def test_readiness_follows_the_outer_heartbeat(nats_server, client):
         time.sleep(0.7)
         response = strict.get("/readyz")
         assert response.status_code == 503 and "state lost" in response.text
+
+
+@pytest.mark.timeout(60)
+def test_a_gateway_of_no_job_is_ready_when_nats_answers(nats_server):
+    # compose's gateway: no outer to wait for; NATS answering a round trip is enough.
+    with gateway(nats_server.url, job="") as app:
+        ready = app.get("/readyz")
+        assert ready.status_code == 200, ready.text
+        assert ready.json() == {"status": "ready", "job": "", "outer_heartbeat_age_s": None}
+        assert app.get("/metrics").status_code == 200
+        nats_server.kill()
+        response = app.get("/readyz")
+        assert response.status_code == 503, response.text
 
 
 MUTATING_CALLS = [

@@ -18,7 +18,11 @@ class GatewaySettings(NatsSettings):
 
     host: str = Field("127.0.0.1", description="interface the HTTP server binds to")
     port: int = Field(8000, ge=0, le=65535, description="HTTP port (0 = any free port)")
-    job: str = Field("demo", description="job whose outer must be alive for /readyz")
+    job: str = Field(
+        "demo",
+        description="job whose outer must be alive for /readyz; empty: none (a cluster whose "
+        "jobs all come through the API: ready when NATS answers)",
+    )
     heartbeat_timeout_s: float = Field(
         10.0, gt=0, description="a unit or outer silent for longer than this is 'lost'"
     )

@@ -49,7 +49,7 @@ async def prometheus_metrics(settings: SettingsDep, link: LinkDep) -> Response:
     snapshot: dict[str, JobStatus] = {}
     nats = link.handles if link.connected else None
     if nats is not None:
-        for job in sorted({settings.job, *await jobs_with_status(nats.nc)}):
+        for job in sorted({settings.job, *await jobs_with_status(nats.nc)} - {""}):
             snapshot[job] = await read_job_status(nats.nc, nats.js, job)
     rejected = records.rejections.counts()
     registry = CollectorRegistry(auto_describe=False)
