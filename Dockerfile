@@ -1,21 +1,39 @@
-# One image for every service: `diloco learner|outer|gateway` and the bundled nats-server.
+# One image for every service of a compose cluster (docker-compose.yml): `diloco broker`,
+# `gateway`, `controller`, and the `outer`, `learner` and `link` containers the controller starts.
+#
+# The base is python:3.11-slim; any Debian-like image with Python 3.11+ and its venv module
+# will do: `docker build --build-arg BASE_IMAGE=diloco-base:bookworm .` (docker/base-image.sh
+# makes that one from Debian's archive, for machines that reach no image registry).
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH \
     DILOCO_JAX_CACHE=/cache/jax NUMBA_CACHE_DIR=/opt/diloco/numba-cache
-WORKDIR /app
-# The dependencies, exactly as locked (with their hashes), in a layer of their own: it is
-# rebuilt only when requirements.lock changes, not on every source edit.
+# A network that re-signs HTTPS needs its CA certificates for pip: docker/ca-certificates/*.crt,
+# which holds none in a normal build (see docker/ca-certificates/README.md).
+COPY docker/ca-certificates/ /usr/local/share/ca-certificates/
+RUN if ls /usr/local/share/ca-certificates/*.crt >/dev/null 2>&1; then \
+        update-ca-certificates \
+        && printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > /etc/pip.conf; \
+    fi \
+    && python3 -m venv /opt/venv \
+    && useradd --system --uid 10001 --user-group --create-home --home-dir /home/diloco diloco
+# The dependencies, exactly as locked (with their hashes), in a layer of their own: rebuilt only
+# when requirements.lock changes, not on every source edit. nats-server is one of them.
 COPY requirements.lock /src/
 RUN pip install -r /src/requirements.lock
 COPY pyproject.toml README.md /src/
 COPY shared /src/shared
 COPY services /src/services
 # The project itself, nothing resolved again; the source copy is then removed, so that every
-# process imports the installed package. Then the codec's Numba kernels are compiled into
-# NUMBA_CACHE_DIR, so a new container loads them instead of compiling them (~15 s); a host
-# whose CPU differs from the build machine's compiles them once more.
+# process imports the installed package. The folders the services write are the user's: the
+# named volumes mounted there start with this ownership.
 RUN pip install --no-deps /src && rm -rf /src \
-    && python -c "from shared import codec; codec.warm_up()" \
-    && mkdir -p /cache/jax /data
+    && mkdir -p /cache/jax /data /secrets /units "$NUMBA_CACHE_DIR" \
+    && chown diloco:diloco /cache/jax /data /secrets /units "$NUMBA_CACHE_DIR"
+USER diloco
+WORKDIR /home/diloco
+# The codec's Numba kernels, compiled into NUMBA_CACHE_DIR: a new container loads them instead of
+# compiling them (~15 s). A host whose CPU differs from the build machine's compiles them again.
+RUN python -c "from shared import codec; codec.warm_up()"
 ENTRYPOINT ["diloco"]

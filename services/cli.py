@@ -5,6 +5,8 @@
     diloco outer     run the outer optimizer of a job
     diloco gateway   run the REST gateway
     diloco link      a shaped link (rate, delay, outages) in front of nats-server
+    diloco broker    nats-server of a docker-compose cluster, with the cluster's secrets
+    diloco controller  the containers of REST-created jobs in a docker-compose cluster
     diloco loadtest  synthetic units against a real outer: ingest, latency, saturation point
     diloco jobs | job | unit | units   control jobs through a gateway (services/gateway/client.py)
 
@@ -40,6 +42,7 @@ CLIENT_COMMANDS = ("jobs", "job", "unit", "units")  # services/gateway/client.py
 
 def _settings(cls, args: argparse.Namespace):
     """Settings of one command from its flags, the environment and the config file."""
+    from services.compose.settings import BrokerSettings, ControllerSettings
     from services.gateway.settings import GatewaySettings
     from services.learner.settings import LearnerSettings
     from services.link.settings import LinkSettings
@@ -49,6 +52,8 @@ def _settings(cls, args: argparse.Namespace):
 
     known = set()
     for settings_cls in (
+        BrokerSettings,
+        ControllerSettings,
         UpSettings,
         LearnerSettings,
         OuterSettings,
@@ -116,6 +121,35 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_broker(args: argparse.Namespace) -> int:
+    from services.compose.broker import run_broker
+    from services.compose.settings import BrokerSettings
+
+    settings = _settings(BrokerSettings, args)
+    setup_logging(args.log_level, "broker")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: stop.set())
+    return run_broker(settings, stop)
+
+
+def _cmd_controller(args: argparse.Namespace) -> int:
+    from services.compose.controller import run_controller
+    from services.compose.settings import ControllerSettings
+
+    settings = _settings(ControllerSettings, args)
+    setup_logging(args.log_level, "controller")
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await run_controller(settings, stop)
+
+    return asyncio.run(main())
+
+
 def _cmd_link(args: argparse.Namespace) -> int:
     from services.link.service import run_link
     from services.link.settings import LinkSettings
@@ -152,6 +186,7 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``diloco`` argument parser with one subcommand per service."""
+    from services.compose.settings import BrokerSettings, ControllerSettings
     from services.gateway.settings import GatewaySettings
     from services.learner.settings import LearnerSettings
     from services.link.settings import LinkSettings
@@ -175,6 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
         ("outer", OuterSettings, _cmd_outer, "run the outer optimizer of a job"),
         ("gateway", GatewaySettings, _cmd_gateway, "run the REST gateway"),
         ("link", LinkSettings, _cmd_link, "a shaped link in front of nats-server"),
+        (
+            "broker",
+            BrokerSettings,
+            _cmd_broker,
+            "nats-server of a compose cluster, with the cluster's secrets (docker-compose.yml)",
+        ),
+        (
+            "controller",
+            ControllerSettings,
+            _cmd_controller,
+            "start and supervise the containers of REST-created jobs (docker-compose.yml)",
+        ),
         (
             "loadtest",
             LoadtestSettings,

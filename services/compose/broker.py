@@ -1,0 +1,99 @@
+"""``diloco broker``: nats-server in a compose cluster, and the cluster's secrets.
+
+At its first start it makes, in the ``secrets`` volume (``--secrets-dir``): the credentials of the
+admin (the controller) and the gateway, a CA and the server's certificate for the names the other
+containers use (``--server-names``), and the gateway's API token (``api-token``). Later starts
+keep them. Then it runs nats-server with JetStream (every listed user, TLS only) and checks the
+credentials folder every ``--poll-s``: a user the controller added for a new job's container is
+loaded into the running server (a reload, no reconnects), so that container's first connection is
+accepted. If nats-server exits, so does this command, with its code (the container's restart
+policy starts it again on the same store).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from pathlib import Path
+
+from services.compose.settings import CREDENTIALS_DIR, TLS_DIR, TOKEN_FILE, BrokerSettings
+from services.local import broker
+from shared import atomic, nats_auth, tls
+
+log = logging.getLogger("diloco.broker")
+#: The users every compose cluster has from the start; a job's users come with its containers.
+BASE_IDENTITIES = (nats_auth.Identity("admin"), nats_auth.Identity("gateway"))
+TOKEN_BYTES = 24
+
+
+def credentials_of(secrets_dir: Path) -> nats_auth.Credentials:
+    """The cluster's credentials folder, every file in it loaded."""
+    credentials = nats_auth.Credentials(secrets_dir / CREDENTIALS_DIR)
+    _load(credentials, set())
+    return credentials
+
+
+def _load(credentials: nats_auth.Credentials, reported: set[str]) -> list[str]:
+    """Load the folder's new users; a file that cannot be used is logged once and skipped."""
+    added, problems = credentials.load()
+    for problem in problems:
+        if problem not in reported:
+            reported.add(problem)
+            log.error("skipped a credentials file: %s", problem)
+    return added
+
+
+def make_secrets(settings: BrokerSettings) -> tuple[nats_auth.Credentials, tls.ServerFiles | None]:
+    """Make the cluster's secrets that are missing; returns the credentials (every user so far)
+    and, with ``--tls``, the server's TLS files."""
+    folder = settings.secrets_dir
+    credentials = credentials_of(folder)
+    for who in BASE_IDENTITIES:
+        credentials.ensure(who)
+    token = folder / TOKEN_FILE
+    if not token.exists():
+        atomic.write_private_bytes(token, f"{secrets.token_urlsafe(TOKEN_BYTES)}\n".encode())
+        log.info("made the gateway's API token (%s)", token)
+    files = None
+    if settings.tls:
+        tls_dir = folder / TLS_DIR
+        files = tls.ServerFiles(
+            tls_dir / "ca.pem", tls_dir / "server.pem", tls_dir / "server-key.pem"
+        )
+        if not all(path.exists() for path in (files.ca_cert, files.cert, files.key)):
+            files = tls.make_server_files(tls_dir, settings.names())
+            log.info("made a CA and a certificate for %s (%s)", settings.server_names, tls_dir)
+    return credentials, files
+
+
+def run_broker(settings: BrokerSettings, stop: threading.Event) -> int:
+    """Run nats-server until ``stop`` is set (then stop it gracefully: exit 0) or it exits by
+    itself (returns its exit code)."""
+    credentials, files = make_secrets(settings)
+    server = broker.start_nats_server(
+        settings.store_dir,
+        host=settings.listen_host,
+        port=settings.port,
+        authorization=credentials.authorization_block(),
+        tls=files.server_block() if files is not None else None,
+        http_port=settings.http_port,
+        ready_timeout_s=60.0,
+    )
+    log.info(
+        "nats-server ready on %s:%d (log %s)", settings.listen_host, settings.port, server.log_path
+    )
+    reported: set[str] = set()
+    try:
+        while not stop.wait(settings.poll_s):
+            code = server.process.poll()
+            if code is not None:
+                log.error("nats-server exited with code %d (log %s)", code, server.log_path)
+                return code or 1
+            added = _load(credentials, reported)
+            if added:
+                server.reload(credentials.authorization_block())
+                log.info("added users %s", ", ".join(added))
+    finally:
+        server.stop()
+    return 0

@@ -1,0 +1,82 @@
+"""The options of ``diloco broker`` and ``diloco controller`` (each also ``DILOCO_<NAME>``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.link_spec import parse_link
+from shared.settings import ENV_PREFIX, NatsSettings
+
+#: Inside the ``secrets`` volume: one credentials file per NATS user, the TLS files, the token.
+CREDENTIALS_DIR = "credentials"
+TLS_DIR = "tls"
+TOKEN_FILE = "api-token"
+
+
+class BrokerSettings(BaseSettings):
+    """Options of ``diloco broker``: nats-server for a compose cluster, with the cluster's
+    secrets (made once, kept in ``--secrets-dir``) and a reload whenever users are added."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    secrets_dir: Path = Field(
+        Path("/secrets"),
+        description="folder of the cluster's secrets: credentials/<user>.json, tls/, api-token",
+    )
+    store_dir: Path = Field(Path("/data"), description="JetStream's store and the server log")
+    listen_host: str = Field("0.0.0.0", description="interface nats-server listens on")
+    port: int = Field(4222, ge=1, le=65535, description="client port")
+    http_port: int = Field(
+        8222, ge=1, le=65535, description="monitoring port on 127.0.0.1 (the health check)"
+    )
+    tls: bool = Field(True, description="clients must connect with TLS (a CA made once)")
+    server_names: str = Field(
+        "nats,localhost,127.0.0.1",
+        description="comma-separated names and addresses the server's certificate is valid for",
+    )
+    poll_s: float = Field(
+        1.0, gt=0, le=60, description="how often the credentials folder is checked for new users"
+    )
+
+    def names(self) -> list[str]:
+        """The certificate's names, in order."""
+        return [name.strip() for name in self.server_names.split(",") if name.strip()]
+
+
+class ControllerSettings(NatsSettings):
+    """Options of ``diloco controller``: start a container for each outer, learner (and shaped
+    link) of the jobs created through the REST API, restart crashed ones, retire finished jobs;
+    connects to NATS as the admin (``DILOCO_NATS_CREDENTIALS``)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    secrets_dir: Path = Field(
+        Path("/secrets"), description="the broker's secrets folder (new users' files go here)"
+    )
+    checkpoint_dir: str = Field(
+        "/units", description="the learners' --checkpoint-dir (a volume every learner mounts)"
+    )
+    link: str = Field(
+        "",
+        description="put every learner behind a shaped link of this spec, e.g. 20mbit/40ms "
+        "(its bytes show in /metrics as diloco_link_bytes); empty: no shaping",
+    )
+    learner_threads: int = Field(1, ge=1, le=64, description="XLA threads of each learner")
+    docker_socket: str = Field(
+        "/var/run/docker.sock", description="the Docker Engine API's Unix socket"
+    )
+    container: str = Field(
+        "",
+        description="this controller's container (name or id), whose image, networks and "
+        "volumes the job containers get; default: $HOSTNAME (a container's own id)",
+    )
+
+    @field_validator("link")
+    @classmethod
+    def _check_link(cls, value: str) -> str:
+        if value:
+            parse_link(value)  # a clear error at start
+        return value
