@@ -1,10 +1,12 @@
 # One image for every service of a compose cluster (docker-compose.yml): `diloco broker`,
 # `gateway`, `controller`, and the `outer`, `learner` and `link` containers the controller starts.
 #
-# The base is python:3.11-slim; any Debian-like image with Python 3.11+ and its venv module
-# will do: `docker build --build-arg BASE_IMAGE=diloco-base:bookworm .` (docker/base-image.sh
-# makes that one from Debian's archive, for machines that reach no image registry).
-ARG BASE_IMAGE=python:3.11-slim
+# The base is python:3.11-slim-bookworm (Debian 12); any Debian-like image with Python 3.11+ and
+# its venv module will do: `docker build --build-arg BASE_IMAGE=diloco-base:bookworm .`
+# (docker/base-image.sh makes that one from Debian's archive, where no image registry is
+# reachable). Pin the base by digest (python:3.11-slim-bookworm@sha256:...) for builds that must
+# be repeatable byte for byte; the Python packages are pinned with their hashes either way.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE}
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH \

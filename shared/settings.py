@@ -144,7 +144,19 @@ class CommonJobSettings(BaseSettings):
         return value
 
 
-class JobSettings(NatsSettings, CommonJobSettings):
+class LivenessSettings(BaseSettings):
+    """A service whose container's health check reads a file it touches (``shared.liveness``)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    liveness_file: str | None = Field(
+        None,
+        description="file touched at each heartbeat, for a container's health check "
+        "(python -m shared.liveness FILE MAX_AGE_S); default: none",
+    )
+
+
+class JobSettings(NatsSettings, CommonJobSettings, LivenessSettings):
     """A service of one job: NATS connection plus the job's definition."""
 
 

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.compose]
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The images a build may start FROM, in order: the default one, or a local Debian base.
-BASE_IMAGES = ("python:3.11-slim", "diloco-base:bookworm")
+BASE_IMAGES = ("python:3.11-slim-bookworm", "diloco-base:bookworm")
 DIRS = ("up", "down")
 SPEC = {"model": "tiny", "units": 2, "h_steps": 10, "seed": 1}
 # Reads the job's books in the controller's container, which connects as the admin.
@@ -166,6 +166,12 @@ def new_cluster(compose_env: dict[str, str]) -> Iterator[Callable[..., Compose]]
             compose("down", "-v", "--timeout", "10", check=False)
 
 
+def health(container: str) -> str:
+    """A container's health status (empty: none known)."""
+    done = _run("docker", "inspect", "--format", "{{.State.Health.Status}}", container)
+    return done.stdout.strip()
+
+
 def job_view(client: httpx.Client, job: str) -> dict:
     response = client.get(f"/jobs/{job}")
     assert response.status_code == 200, response.text
@@ -181,7 +187,7 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
     cluster = new_cluster()
     job = "ctest"
     client = start(cluster)
-    assert client.post("/jobs", json={"job": job, **SPEC, "max_steps": 400}).status_code == 201
+    assert client.post("/jobs", json={"job": job, **SPEC, "max_steps": 600}).status_code == 201
     wait_for(
         lambda: _run("docker", "inspect", cluster.container(job, "learner-1")).returncode == 0,
         120,
@@ -201,25 +207,35 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
     assert unit_view(client, job, 1)["step"] == paused_at
     assert client.post(f"/jobs/{job}/units/1/resume").status_code == 200
     wait_for(lambda: unit_view(client, job, 1)["step"] > paused_at, 120, "unit 1 to go on")
-    # docker kill learner 0: the controller starts its container again, and it rejoins from its
-    # checkpoint.
+    # Every job container's health check passes while its heartbeat goes on.
+    for child in ("outer", "learner-0", "learner-1"):
+        wait_for(lambda c=child: health(cluster.container(job, c)) == "healthy", 120, child)
+    # docker kill learner 0, and hang learner 1 (SIGSTOP: its heartbeat stops, the process
+    # stays): the controller starts both containers again, and they rejoin from their
+    # checkpoints.
     killed_at = unit_view(client, job, 0)["step"]
+    hung_at = unit_view(client, job, 1)["step"]
     assert _run("docker", "kill", cluster.container(job, "learner-0")).returncode == 0
-    wait_for(
-        lambda: re.search(
-            rf"{job}/learner-0 started again \(restart #1\)", cluster("logs", "controller")
-        ),
-        120,
-        "the controller to start learner 0 again",
-    )
-    wait_for(
-        lambda: (
-            unit_view(client, job, 0)["step"] > killed_at
-            and unit_view(client, job, 0)["state"] in ("running", "finished")
-        ),
-        180,
-        "learner 0 to rejoin and train on",
-    )
+    stop_all = "import os, signal; os.kill(-1, signal.SIGSTOP)"  # all but the init process
+    hang = _run("docker", "exec", cluster.container(job, "learner-1"), "python", "-c", stop_all)
+    assert hang.returncode == 0, hang.stderr
+    for unit, at in ((0, killed_at), (1, hung_at)):
+        wait_for(
+            lambda u=unit: re.search(
+                rf"{job}/learner-{u} started again \(restart #1\)", cluster("logs", "controller")
+            ),
+            180,
+            f"the controller to start learner {unit} again",
+        )
+        wait_for(
+            lambda u=unit, a=at: (
+                unit_view(client, job, u)["step"] > a
+                and unit_view(client, job, u)["state"] in ("running", "finished")
+            ),
+            180,
+            f"learner {unit} to rejoin and train on",
+        )
+    assert "learner-1 is unhealthy" in cluster("logs", "controller")
     # To the end: both units finish, everything they published is applied; the loss fell.
     wait_for(
         lambda: all(u["state"] == "finished" for u in job_view(client, job)["units"]),

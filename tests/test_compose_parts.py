@@ -15,7 +15,7 @@ import pytest
 from services.compose import docker_api
 from services.compose.broker import make_secrets
 from services.compose.settings import BrokerSettings, ControllerSettings
-from shared import nats_auth
+from shared import liveness, nats_auth
 from shared.nats_auth import Credentials, CredentialsError, Identity
 
 
@@ -91,3 +91,17 @@ def test_the_controllers_link_option_is_checked_at_start() -> None:
     assert ControllerSettings(link="20mbit/40ms").link == "20mbit/40ms"
     with pytest.raises(ValueError, match="expected a rate"):
         ControllerSettings(link="fast")
+
+
+def test_the_liveness_check_follows_the_files_age(tmp_path: Path, capsys) -> None:
+    alive = tmp_path / "alive"
+    assert liveness.main([str(alive), "30"]) == 1  # not touched yet
+    liveness.mark(str(alive))
+    assert liveness.main([str(alive), "30"]) == 0
+    old = alive.stat().st_mtime - 60
+    os.utime(alive, (old, old))
+    assert liveness.main([str(alive), "30"]) == 1
+    assert "s old" in capsys.readouterr().err
+    liveness.mark(None)  # no file: nothing to do
+    liveness.mark(str(tmp_path / "missing" / "alive"))  # logged, not raised
+    assert liveness.main([]) == 2

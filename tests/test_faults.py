@@ -669,7 +669,9 @@ def _hostile(job: str, round_: int, base: int, **changes) -> tuple[bytes, str]:
 
 
 @pytest.mark.timeout(300)
-def test_hostile_uploads_from_a_valid_unit_are_rejected_and_honest_rounds_go_on(tmp_path, services):
+def test_hostile_uploads_from_a_valid_unit_are_rejected_and_honest_rounds_go_on(
+    tmp_path, services, request
+):
     """Unit 0, connected with its own valid credentials, sends every hostile upload of the
     security review through the wire format: one 1000x the usual norm with staleness 0 (issue
     16: it must not replace the model), tokens of 2^63 - 1, another unit's id, a base version
@@ -680,6 +682,12 @@ def test_hostile_uploads_from_a_valid_unit_are_rejected_and_honest_rounds_go_on(
     job, honest = "hostile", 12
     units = [Identity("learner", job, unit=u) for u in range(3)]
     secure = SecureNats(tmp_path / "secure", [Identity("outer", job), *units])
+
+    def stop() -> None:  # the services first, so that none waits for the server at its end
+        services.stop_all()
+        secure.server.stop()
+
+    request.addfinalizer(stop)
     url, admin = secure.url, secure.path(Identity("admin"))
     publish_uploads(url, job, honest, secure=secure)  # units 0-2, rounds 0-3, "usual" norm
     outer = start_outer(services, url, job, "outer", 3, env=secure.env(Identity("outer", job)))

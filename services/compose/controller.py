@@ -31,8 +31,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from services.compose.docker_api import (
+    LIVENESS_VARIABLE,
+    Container,
     ContainerLauncher,
     DockerApi,
+    DockerError,
     Template,
     container_name,
     remove_children,
@@ -42,7 +45,7 @@ from services.local import commands, reconcile
 from services.local.children import Child, log_path_of
 from services.local.registry import Registry, read_registry
 from services.local.supervisor import RestartPolicy, State, Supervisor
-from shared import kv, nats_auth, retry, subjects, transport
+from shared import kv, liveness, nats_auth, retry, subjects, transport
 from shared.settings import NatsSettings
 
 log = logging.getLogger("diloco.controller")
@@ -51,7 +54,7 @@ READ_TIMEOUT_S = 5.0
 USER_WAIT_S = 30.0  # how long a new user may take to be accepted by the broker
 STOP_GRACE_S = 35.0  # per group at shutdown (the containers' own stop timeout is 30 s)
 LINK_PORT = 4222  # a link container listens here, like nats-server
-HEARTBEAT_FILE = Path("/tmp/diloco-controller.alive")  # the container's health check reads it
+JOB_LIVENESS_FILE = "/tmp/diloco.alive"  # in an outer's or learner's container
 NATS_ERRORS = (*retry.NATS_ERRORS, kv.KvError, transport.TransportError)
 
 
@@ -89,6 +92,8 @@ class Controller:
             folder = path.parent.stat()
             os.chown(path, folder.st_uid, folder.st_gid)
         env = {"DILOCO_NATS_CREDENTIALS": str(path)}
+        if who.role in ("outer", "learner"):
+            env[LIVENESS_VARIABLE] = JOB_LIVENESS_FILE  # a health check on their heartbeat
         if self.settings.nats_ca_file is not None:
             env["DILOCO_NATS_CA_FILE"] = self.settings.nats_ca_file
         if new:
@@ -101,7 +106,7 @@ class Controller:
         child = Child.start(name, args, env, self.logs, self.launch)
         self.children[name] = child
         self.supervisor.add(name, time.monotonic(), may_finish=may_finish)
-        log.info("started %s (container %s)", name, child.process.name)
+        log.info("started %s (container %s)", name, _container(child).name)
 
     async def reconcile(self, registry: Registry) -> None:
         """Start and stop containers to match ``registry`` (``services.local.reconcile``)."""
@@ -152,12 +157,17 @@ class Controller:
         return f"nats://{host}:{LINK_PORT}"
 
     def heal(self) -> None:
-        """Notice containers that stopped; start again those whose backoff is over. A learner
-        that is done takes its link with it."""
+        """Notice containers that stopped; kill those whose health check fails (a hung
+        process: its stacks go to its log first); start again those whose backoff is over. A
+        learner that is done takes its link with it."""
         now = time.monotonic()
         for name in self.supervisor.running():
-            code = self.children[name].exit_code()
+            child = self.children[name]
+            code = child.exit_code()
             if code is None:
+                if _container(child).unhealthy():
+                    log.warning("%s is unhealthy (no heartbeat): killing it", name)
+                    child.kill_with_stacks()
                 continue
             decision = self.supervisor.exited(name, code, now)
             if decision.state is State.FINISHED:
@@ -192,7 +202,13 @@ class Controller:
                     log.warning("%s did not stop in %.0f s: killing it", child.name, STOP_GRACE_S)
                     child.process.kill()
         for child in self.children.values():
-            self.launch.api.remove(child.process.name)
+            self.launch.api.remove(_container(child).name)
+
+
+def _container(child: Child) -> Container:
+    """The container a child of the controller runs in."""
+    assert isinstance(child.process, Container), child.process
+    return child.process
 
 
 async def wait_until_accepted(settings: NatsSettings) -> None:
@@ -248,8 +264,13 @@ async def run_controller(settings: ControllerSettings, stop: asyncio.Event) -> i
                 await controller.reconcile(registry)
             except NATS_ERRORS as err:
                 log.warning("registry not read (%s): %s", type(err).__name__, err)
-            controller.heal()
-            HEARTBEAT_FILE.touch()
+            except DockerError as err:  # tried again at the next tick
+                log.warning("a container was not started: %s", err)
+            try:
+                controller.heal()
+            except DockerError as err:
+                log.warning("a container was not checked or started again: %s", err)
+            liveness.mark(settings.liveness_file)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=TICK_S)
     finally:

@@ -16,6 +16,7 @@ only: no job container sees another's password or the secrets volume.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -39,6 +40,13 @@ HOME = "/home/diloco"  # the image's user's home: the copied files go below it
 USER_ID = 10001  # the image's user (Dockerfile)
 STOP_TIMEOUT_S = 30  # docker stop's grace before SIGKILL: learners upload what they have
 POLL_EVERY_S = 0.5  # how often a state read may ask the engine (the supervisor polls often)
+#: A job container whose environment names a liveness file (``shared.liveness``) gets a health
+#: check on it: unhealthy once the file is older than HEALTH_MAX_AGE_S (after a start period
+#: for imports and compilation).
+LIVENESS_VARIABLE = "DILOCO_LIVENESS_FILE"
+HEALTH_MAX_AGE_S = 30
+HEALTH_START_S = 180
+NANOSECONDS = 1_000_000_000
 PROJECT_LABEL = "com.docker.compose.project"
 CHILD_LABEL = "io.decoupled-diloco.child"  # the child's name (``<job>/learner-1``)
 
@@ -152,6 +160,7 @@ class Container:
     name: str
     pid: int
     returncode: int | None = None
+    health: str | None = None  # Docker's health status, for a container with a health check
     _polled: float = 0.0
 
     def poll(self) -> int | None:
@@ -167,10 +176,15 @@ class Container:
                 return None  # the engine is busy: ask again later
             self.returncode = 137
             return self.returncode
+        self.health = (state.get("Health") or {}).get("Status")
         if state["Running"] or state["Status"] in ("created", "restarting"):
             return None
         self.returncode = int(state["ExitCode"])
         return self.returncode
+
+    def unhealthy(self) -> bool:
+        """Whether it runs but its health check fails (as of the last poll)."""
+        return self.returncode is None and self.health == "unhealthy"
 
     def send_signal(self, sig: int) -> None:
         """Signal the container's main process."""
@@ -211,7 +225,7 @@ class ContainerLauncher:
                 files[target] = Path(environment[variable]).read_bytes()
                 environment[variable] = f"{HOME}/{target}"
         self.api.remove(name)
-        body = {
+        body: dict[str, Any] = {
             "Image": self.template.image,
             "Cmd": list(args),
             "Env": [f"{key}={value}" for key, value in environment.items()],
@@ -224,6 +238,15 @@ class ContainerLauncher:
             },
             "NetworkingConfig": {"EndpointsConfig": {self.template.network: {"Aliases": [name]}}},
         }
+        if LIVENESS_VARIABLE in environment:
+            check = ["python", "-m", "shared.liveness", environment[LIVENESS_VARIABLE]]
+            body["Healthcheck"] = {
+                "Test": ["CMD", *check, str(HEALTH_MAX_AGE_S)],
+                "Interval": 5 * NANOSECONDS,
+                "Timeout": 5 * NANOSECONDS,
+                "Retries": 3,
+                "StartPeriod": HEALTH_START_S * NANOSECONDS,
+            }
         self.api.request("POST", "/containers/create", params={"name": name}, json=body)
         if files:
             self.api.request(
@@ -241,11 +264,17 @@ class ContainerLauncher:
 
 
 def remove_children(api: DockerApi, project: str) -> list[str]:
-    """Remove every job container of ``project`` (left by a controller that was killed);
-    returns their names."""
+    """Stop (SIGTERM: learners upload what they have, within :data:`STOP_TIMEOUT_S`) and
+    remove every job container of ``project``, left by a controller that was killed; returns
+    their names."""
     filters = json.dumps({"label": [f"{PROJECT_LABEL}={project}", CHILD_LABEL]})
     found = api.request("GET", "/containers/json", params={"all": "true", "filters": filters})
-    names = [c["Names"][0].lstrip("/") for c in found]
-    for name in names:
-        api.remove(name)
-    return names
+    left = [Container(api, c["Names"][0].lstrip("/"), 0) for c in found]
+    for container in left:
+        container.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for container in left:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # then removed by force
+            container.wait(max(0.0, deadline - time.monotonic()))
+        api.remove(container.name)
+    return [container.name for container in left]

@@ -8,7 +8,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.link_spec import parse_link
-from shared.settings import ENV_PREFIX, NatsSettings
+from shared.settings import ENV_PREFIX, LivenessSettings, NatsSettings
 
 #: Inside the ``secrets`` volume: one credentials file per NATS user, the TLS files, the token.
 CREDENTIALS_DIR = "credentials"
@@ -46,7 +46,7 @@ class BrokerSettings(BaseSettings):
         return [name.strip() for name in self.server_names.split(",") if name.strip()]
 
 
-class ControllerSettings(NatsSettings):
+class ControllerSettings(NatsSettings, LivenessSettings):
     """Options of ``diloco controller``: start a container for each outer, learner (and shaped
     link) of the jobs created through the REST API, restart crashed ones, retire finished jobs;
     connects to NATS as the admin (``DILOCO_NATS_CREDENTIALS``)."""

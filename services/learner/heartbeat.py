@@ -22,7 +22,7 @@ from services.learner.sender import Sender
 from services.learner.settings import LearnerSettings
 from services.learner.unit_control import UnitControl
 from services.learner.unit_state import UnitState
-from shared import kv, records, subjects
+from shared import kv, liveness, records, subjects
 from shared.records import UnitStatus
 from shared.retry import NATS_ERRORS
 
@@ -109,10 +109,12 @@ class Heartbeat:
         await kv.put(status_kv, key, self.record())
 
     async def run(self, status_kv: Any) -> None:
-        """Write the record every ``status_interval_s`` (forever)."""
+        """Write the record every ``status_interval_s`` (forever), and touch the liveness
+        file, if any, each time (also while NATS is unreachable: the process is alive)."""
         while True:
             try:
                 await self.put(status_kv)
             except NATS_ERRORS as err:
                 log.info("heartbeat: %r", err)
+            liveness.mark(self.settings.liveness_file)
             await asyncio.sleep(self.settings.status_interval_s)

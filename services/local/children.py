@@ -16,11 +16,29 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from services.local import broker
 
+
+class Process(Protocol):
+    """What the supervision needs of a child: ``subprocess.Popen``'s, or a container's
+    (``services.compose.docker_api.Container``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
 #: Starts ``diloco <args>`` with extra environment ``env``, appending its output to a log file.
-Launch = Callable[[list[str], dict[str, str], Path], subprocess.Popen[bytes]]
+Launch = Callable[[list[str], dict[str, str], Path], Process]
 KILL_WAIT_S = 10.0  # how long a killed child may take to be reaped
 STACK_DUMP_WAIT_S = 0.5  # time a hung child gets to write its threads' stacks before the kill
 
@@ -51,7 +69,7 @@ class Child:
     """A supervised service process; ``args`` and ``env`` start it again after a crash."""
 
     name: str
-    process: subprocess.Popen[bytes]
+    process: Process
     log_path: Path
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)

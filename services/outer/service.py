@@ -42,7 +42,7 @@ from services.outer.publishing import DeadLetters, publish_fragment
 from services.outer.settings import OuterSettings
 from services.outer.status import Progress, leader_status, standby_status, status_key
 from services.outer.validation import UploadRules
-from shared import codec, data, evaluation, kv, model, pytree, subjects, transport, wire
+from shared import codec, data, evaluation, kv, liveness, model, pytree, subjects, transport, wire
 from shared.records import (
     CheckpointInfo,
     EvalRecord,
@@ -525,6 +525,7 @@ class OuterService:
                 await kv.put(status_kv, self._status_key(), self.status_record())
             except NATS_ERRORS as err:
                 log.info("heartbeat: %r", err)
+            liveness.mark(self.settings.liveness_file)
             await asyncio.sleep(self.settings.status_interval_s)
 
 
