@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.local.broker import free_port
-from tests.helpers import GATEWAY_TOKEN, REPO, read_status, wait_for
+from tests.helpers import AUTH, GATEWAY_TOKEN, REPO, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -286,6 +286,21 @@ def test_dashboard_pauses_a_unit_in_headless_chromium(nats_server, services, tmp
         assert driver.find_element(By.CSS_SELECTOR, '[data-unit="0"] .state').text == "running"
         stored = driver.execute_script("return sessionStorage.getItem('diloco-token')")
         assert stored == GATEWAY_TOKEN
+        # A gateway of no job (compose's): its page shows the newest job of the registry.
+        port = free_port()
+        flags = ("--nats-url", nats_server.url, "--job", "", "--port", str(port))
+        services.start("gateway-no-job", "gateway", *flags)
+        other = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10)
+        wait_for(lambda: get_json(other, "/readyz"), 60, "the second gateway to be ready")
+        driver.get(f"http://127.0.0.1:{port}/")
+        wait_for(
+            lambda: "no job yet" in driver.find_element(By.ID, "outer-state").text,
+            10,
+            "the page to say there is no job",
+        )
+        assert other.post("/jobs", json={"job": "newest", "units": 1}).status_code == 201
+        driver.get(f"http://127.0.0.1:{port}/")
+        wait_for(lambda: driver.current_url.endswith("/?job=newest"), 10, "the newest job shown")
     except Exception:
         print(services.logs())
         raise

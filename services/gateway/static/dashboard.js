@@ -215,7 +215,32 @@ function drawBytes(metrics) {
 
 // ---- polling ------------------------------------------------------------------------------
 
+// A gateway of no job (compose's) serves the page without one: show the newest job, if any.
+async function pickJob() {
+  const bearer = sessionStorage.getItem(TOKEN_KEY);
+  const response = await fetch("/jobs", {
+    headers: bearer ? { Authorization: `Bearer ${bearer}` } : {},
+  });
+  if (!response.ok) {
+    $("#outer-state").textContent = response.status === 401
+      ? "enter a token to see the jobs (read-only or API)"
+      : `no jobs (${response.status})`;
+    return;
+  }
+  const jobs = await response.json();
+  if (jobs.length === 0) {
+    $("#outer-state").textContent = "no job yet: create one with POST /jobs";
+    return;
+  }
+  jobs.sort((a, b) => (a.created || 0) - (b.created || 0));
+  window.location.replace(`/?job=${encodeURIComponent(jobs[jobs.length - 1].job)}`);
+}
+
 async function poll() {
+  if (!JOB) {
+    await pickJob().catch(() => { $("#outer-state").textContent = "gateway unreachable"; });
+    return;
+  }
   let metrics;
   try {
     // A gateway with a read-only token answers reads only with a token (that one or the API's).
