@@ -215,12 +215,15 @@ function drawBytes(metrics) {
 
 // ---- polling ------------------------------------------------------------------------------
 
+// A gateway with a read-only token answers reads only with a token (that one or the API's).
+function readHeaders() {
+  const bearer = sessionStorage.getItem(TOKEN_KEY);
+  return bearer ? { Authorization: `Bearer ${bearer}` } : {};
+}
+
 // A gateway of no job (compose's) serves the page without one: show the newest job, if any.
 async function pickJob() {
-  const bearer = sessionStorage.getItem(TOKEN_KEY);
-  const response = await fetch("/jobs", {
-    headers: bearer ? { Authorization: `Bearer ${bearer}` } : {},
-  });
+  const response = await fetch("/jobs", { headers: readHeaders() });
   if (!response.ok) {
     $("#outer-state").textContent = response.status === 401
       ? "enter a token to see the jobs (read-only or API)"
@@ -243,10 +246,8 @@ async function poll() {
   }
   let metrics;
   try {
-    // A gateway with a read-only token answers reads only with a token (that one or the API's).
-    const bearer = sessionStorage.getItem(TOKEN_KEY);
     const response = await fetch(`/jobs/${encodeURIComponent(JOB)}/metrics`, {
-      headers: bearer ? { Authorization: `Bearer ${bearer}` } : {},
+      headers: readHeaders(),
     });
     if (!response.ok) {
       $("#outer-state").textContent = response.status === 401
