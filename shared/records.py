@@ -676,9 +676,11 @@ NATS_USER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
 class NatsCredentials(Record):
     """A credentials file (``shared.nats_auth``): the NATS user a service connects as.
 
-    Written, readable by its owner only, by ``diloco up``; read by the service it names
-    (``--nats-credentials`` or ``DILOCO_NATS_CREDENTIALS``). The server's configuration holds
-    only the password's bcrypt hash.
+    Written, readable by its owner only, by ``diloco up`` (or, in a compose cluster, by the
+    broker and the controller); read by the service it names (``--nats-credentials`` or
+    ``DILOCO_NATS_CREDENTIALS``) and by whoever builds the server's configuration, which holds
+    only the password's bcrypt hash. The role, job, unit and link name the identity, so the
+    user's permissions can be rebuilt from the file alone.
     """
 
     user: str = Field(pattern=NATS_USER_PATTERN)

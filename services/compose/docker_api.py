@@ -47,12 +47,18 @@ LIVENESS_VARIABLE = "DILOCO_LIVENESS_FILE"
 HEALTH_MAX_AGE_S = 30
 HEALTH_START_S = 180
 NANOSECONDS = 1_000_000_000
+NOT_FOUND, CONFLICT = 404, 409
 PROJECT_LABEL = "com.docker.compose.project"
 CHILD_LABEL = "io.decoupled-diloco.child"  # the child's name (``<job>/learner-1``)
 
 
 class DockerError(RuntimeError):
-    """The Docker Engine API refused a request or cannot be reached."""
+    """The Docker Engine API refused a request (``status``: its HTTP status) or cannot be
+    reached (``status`` None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -76,7 +82,10 @@ class DockerApi:
         except httpx.HTTPError as err:
             raise DockerError(f"{method} {path}: {err}") from err
         if response.status_code >= 400:
-            raise DockerError(f"{method} {path}: {response.status_code} {response.text.strip()}")
+            raise DockerError(
+                f"{method} {path}: {response.status_code} {response.text.strip()}",
+                response.status_code,
+            )
         return response.json() if response.content else None
 
     def inspect(self, container: str) -> dict[str, Any]:
@@ -88,7 +97,7 @@ class DockerApi:
         try:
             self.request("DELETE", f"/containers/{container}", params={"force": "true"})
         except DockerError as err:
-            if " 404 " not in str(err):
+            if err.status != NOT_FOUND:
                 raise
 
     def signal(self, container: str, sig: int) -> None:
@@ -98,7 +107,7 @@ class DockerApi:
                 "POST", f"/containers/{container}/kill", params={"signal": signal.Signals(sig).name}
             )
         except DockerError as err:
-            if " 409 " not in str(err) and " 404 " not in str(err):
+            if err.status not in (NOT_FOUND, CONFLICT):  # gone, or not running
                 raise
 
 
@@ -125,7 +134,7 @@ class Template:
             if m["Type"] == "volume" and m["Destination"] not in skip_targets
         )
         project = info["Config"]["Labels"].get(PROJECT_LABEL, "diloco")
-        return cls(project, info["Config"]["Image"], networks[0], mounts)
+        return cls(project, info["Image"], networks[0], mounts)  # the very image, by id
 
 
 def container_name(project: str, log_path: Path) -> str:
@@ -172,7 +181,7 @@ class Container:
         try:
             state = self.api.inspect(self.name)["State"]
         except DockerError as err:
-            if " 404 " not in str(err):
+            if err.status != NOT_FOUND:
                 return None  # the engine is busy: ask again later
             self.returncode = 137
             return self.returncode
@@ -236,7 +245,6 @@ class ContainerLauncher:
                 "NetworkMode": self.template.network,
                 "Init": True,
             },
-            "NetworkingConfig": {"EndpointsConfig": {self.template.network: {"Aliases": [name]}}},
         }
         if LIVENESS_VARIABLE in environment:
             check = ["python", "-m", "shared.liveness", environment[LIVENESS_VARIABLE]]
