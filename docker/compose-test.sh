@@ -74,6 +74,7 @@ cp /usr/local/share/ca-certificates/*.crt docker/ca-certificates/ 2>/dev/null ||
 
 setup_s=$SECONDS
 status=0
-"$PYTHON" -m pytest -p no:cacheprovider -m compose tests/test_compose.py ${PYTEST_ARGS:-} || status=$?
+# -rP: the tests print what they measured (versions, loss, link bytes).
+"$PYTHON" -m pytest -p no:cacheprovider -rP -m compose tests/test_compose.py ${PYTEST_ARGS:-} || status=$?
 echo "compose-test: ${setup_s} s of set-up, $((SECONDS - setup_s)) s of tests (the image build included)"
 exit $status

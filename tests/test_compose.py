@@ -252,6 +252,11 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
     balanced = wait_for(books, 120, "the books to balance", interval_s=2)
     assert balanced["published"] >= 10
     view = job_view(client, job)
+    print(
+        f"compose job {job}: version {view['version']}, applied {view['applied']}, eval "
+        f"{view['eval_init_nats_per_byte']} -> {view['eval_nats_per_byte']} nats/byte, "
+        f"books {balanced}"
+    )
     assert view["eval_nats_per_byte"] < view["eval_init_nats_per_byte"] - 1.0, view
     assert view["version"] >= 10
     stop(cluster)
@@ -278,7 +283,8 @@ def test_with_shaped_links_each_units_link_bytes_are_in_the_metrics(new_cluster)
 
     # The job trains through its links; each unit's link reports both directions.
     wait_for(lambda: (job_view(client, job)["version"] or 0) >= 2, 300, "training")
-    wait_for(link_bytes, 60, "both units' link bytes in /metrics", interval_s=2)
+    found = wait_for(link_bytes, 60, "both units' link bytes in /metrics", interval_s=2)
+    print(f"link bytes in /metrics (link, direction): {found}")
     links = {u["unit"]: u.get("link") for u in job_view(client, job)["units"]}
     assert all(link is not None for link in links.values()), links
     stop(compose)
