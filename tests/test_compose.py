@@ -163,7 +163,7 @@ def new_cluster(compose_env: dict[str, str]) -> Iterator[Callable[..., Compose]]
     for compose in made:
         if compose.leftovers():
             print(compose("logs", "--no-color", "--tail", "60", check=False))
-            compose("down", "-v", "--timeout", "10", check=False)
+            compose("down", "-v", "--remove-orphans", "--timeout", "10", check=False)
 
 
 def health(container: str) -> str:
