@@ -55,6 +55,7 @@ USER_WAIT_S = 30.0  # how long a new user may take to be accepted by the broker
 STOP_GRACE_S = 35.0  # per group at shutdown (the containers' own stop timeout is 30 s)
 LINK_PORT = 4222  # a link container listens here, like nats-server
 JOB_LIVENESS_FILE = "/tmp/diloco.alive"  # in an outer's or learner's container
+LOGS_DIR = Path("/tmp/diloco-controller/logs")  # one line per job container: its name
 NATS_ERRORS = (*retry.NATS_ERRORS, kv.KvError, transport.TransportError)
 
 
@@ -71,7 +72,8 @@ class Controller:
     launch: ContainerLauncher
     logs: Path
     supervisor: Supervisor = field(default_factory=lambda: Supervisor(RestartPolicy()))
-    children: dict[str, Child] = field(default_factory=dict)  # by child name
+    children: dict[str, Child] = field(default_factory=dict)  # every one, by child name
+    links: dict[str, Child] = field(default_factory=dict)  # the shaped links, by learner name
     credentials: nats_auth.Credentials = field(init=False)
 
     def __post_init__(self) -> None:
@@ -79,8 +81,12 @@ class Controller:
 
     def _plan_states(self) -> dict[str, State]:
         """The supervisor's states of the outers and learners (links are not the plan's)."""
+        links = self._link_names()
         states = self.supervisor.states()
-        return {n: s for n, s in states.items() if n in self.children and "/link-" not in n}
+        return {n: s for n, s in states.items() if n in self.children and n not in links}
+
+    def _link_names(self) -> set[str]:
+        return {link.name for link in self.links.values()}
 
     async def _user_env(self, who: nats_auth.Identity) -> dict[str, str]:
         """The environment that makes a container connect as ``who``; a new user is waited
@@ -102,11 +108,12 @@ class Controller:
             )
         return env
 
-    def _start(self, name: str, args: list[str], env: dict[str, str], may_finish: bool) -> None:
+    def _start(self, name: str, args: list[str], env: dict[str, str], may_finish: bool) -> Child:
         child = Child.start(name, args, env, self.logs, self.launch)
         self.children[name] = child
         self.supervisor.add(name, time.monotonic(), may_finish=may_finish)
         log.info("started %s (container %s)", name, _container(child).name)
+        return child
 
     async def reconcile(self, registry: Registry) -> None:
         """Start and stop containers to match ``registry`` (``services.local.reconcile``)."""
@@ -132,7 +139,7 @@ class Controller:
                 env.update(commands.threads_env(self.settings.learner_threads))
                 assert action.unit is not None
                 if self.settings.link:
-                    url = await self._start_link(action.job, action.unit)
+                    url = await self._start_link(action.name, action.job, action.unit)
                     server = urlsplit(self.settings.nats_url).hostname or ""
                     env["DILOCO_NATS_TLS_HOSTNAME"] = server  # the certificate's name
             self._start(
@@ -142,8 +149,9 @@ class Controller:
                 may_finish=action.role == "learner",
             )
 
-    async def _start_link(self, job: str, unit: int) -> str:
-        """Start the shaped link in front of a learner; returns the URL its learner uses."""
+    async def _start_link(self, learner: str, job: str, unit: int) -> str:
+        """Start the shaped link in front of the learner ``learner`` (its child name); returns
+        the URL the learner connects to."""
         name = link_name(job, unit)
         env = await self._user_env(nats_auth.Identity("link", job, link=str(unit)))
         args = [
@@ -152,7 +160,7 @@ class Controller:
             *("--link", self.settings.link, "--listen-host", "0.0.0.0"),
             *("--listen-port", str(LINK_PORT)),
         ]
-        self._start(name, args, env, may_finish=False)
+        self.links[learner] = self._start(name, args, env, may_finish=False)
         host = container_name(self.launch.template.project, log_path_of(self.logs, name))
         return f"nats://{host}:{LINK_PORT}"
 
@@ -174,12 +182,14 @@ class Controller:
                 log.info("%s exited with code %d (done)", name, code)
             else:
                 log.warning("%s", decision.line())
-            job, _, rest = name.partition("/")
-            if decision.state in reconcile.DONE and rest.startswith("learner-"):
-                link = link_name(job, int(rest.removeprefix("learner-")))
-                if link in self.children and self.supervisor.state(link) is State.RUNNING:
-                    self.supervisor.retire(link)
-                    self.children[link].terminate()
+            link = self.links.get(name)
+            if (
+                decision.state in reconcile.DONE
+                and link is not None
+                and self.supervisor.state(link.name) is State.RUNNING
+            ):
+                self.supervisor.retire(link.name)
+                link.terminate()
         for name in self.supervisor.due(now):
             number = self.supervisor.restarts()[name] + 1
             self.children[name].restart(number)
@@ -188,13 +198,13 @@ class Controller:
 
     def stop(self) -> None:
         """Stop the learners, then the outers, then the links; remove every job container."""
-        groups: dict[str, list[Child]] = {"learner": [], "outer": [], "link": []}
-        for name, child in self.children.items():
-            kind = name.partition("/")[2].split("-")[0]
-            groups[kind].append(child)
-        for group in groups.values():
+        links = list(self.links.values())
+        rest = [c for c in self.children.values() if c.name not in self._link_names()]
+        learners = [c for c in rest if not reconcile.is_outer(c.name)]
+        outers = [c for c in rest if reconcile.is_outer(c.name)]
+        for group in (learners, outers, links):
             for child in group:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(DockerError):  # gone already: nothing to stop
                     child.terminate()
             deadline = time.monotonic() + STOP_GRACE_S
             for child in group:
@@ -243,8 +253,7 @@ async def run_controller(settings: ControllerSettings, stop: asyncio.Event) -> i
     template = Template.of(api, own, skip_targets={str(settings.secrets_dir)})
     for name in remove_children(api, template.project):
         log.info("removed %s, left by an earlier controller", name)
-    logs = Path("/tmp/diloco-controller/logs")
-    controller = Controller(settings, ContainerLauncher(api, template), logs)
+    controller = Controller(settings, ContainerLauncher(api, template), LOGS_DIR)
     nc = await transport.connect(settings, "diloco-controller")
     try:
         js = nc.jetstream()

@@ -216,11 +216,11 @@ class Cluster:
 
     def job_learners(self) -> list[Child]:
         """The learner processes of registry jobs."""
-        return [c for c in self.job_children if not _is_job_outer(c.name)]
+        return [c for c in self.job_children if not reconcile.is_outer(c.name)]
 
     def job_outers(self) -> list[Child]:
         """The outer processes of registry jobs."""
-        return [c for c in self.job_children if _is_job_outer(c.name)]
+        return [c for c in self.job_children if reconcile.is_outer(c.name)]
 
     def children(self) -> list[Child]:
         """Every service process (learners first), not nats-server."""
@@ -417,9 +417,3 @@ class Cluster:
             self.server.stop()
         with contextlib.suppress(OSError):
             self.write_pids()  # no live PIDs any more: a chaos script must not kill reused ones
-
-
-def _is_job_outer(name: str) -> bool:
-    """Whether ``name`` is the child name of a registry job's outer."""
-    job = reconcile.job_of(name)
-    return job is not None and name == reconcile.outer_name(job)

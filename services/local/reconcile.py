@@ -82,6 +82,12 @@ def job_of(name: str) -> str | None:
     return name.split("/", 1)[0] if "/" in name else None
 
 
+def is_outer(name: str) -> bool:
+    """Whether ``name`` is the child name of a registry job's outer."""
+    job = job_of(name)
+    return job is not None and name == outer_name(job)
+
+
 def unit_max_steps(spec: JobSpec, units: int) -> int:
     """Inner steps of each learner: ``max_steps``, or the token budget shared by ``units``
     learners of the default batch size and the model's context length."""
