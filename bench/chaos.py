@@ -33,11 +33,11 @@ from typing import NamedTuple
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from report import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
+from report import write_section
 
-from services.local import files  # noqa: E402
-from shared.ledger import RoundSet  # noqa: E402
-from shared.records import Books, LedgerRecord, RunSummary  # noqa: E402
+from services.orchestration.local import files
+from shared.ledger import RoundSet
+from shared.records import Books, LedgerRecord, RunSummary
 
 SECTION = "## Reliability: chaos run of `diloco up`"
 DATA_DIR = REPO / "bench" / ".cache" / "chaos"

@@ -32,9 +32,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from report import write_section  # noqa: E402  (bench/ is on sys.path when run as a script)
+from report import write_section
 
-from shared import codec  # noqa: E402
+from shared import codec
 
 SECTION = "## Pseudo-gradient codec"
 COMMAND = ".venv/bin/python bench/codec.py --write"

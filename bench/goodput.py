@@ -52,7 +52,7 @@ from report import shown_command, write_section
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shared.records import GoodputRun, RunSummary  # noqa: E402
+from shared.records import GoodputRun, RunSummary
 
 SECTION = "## Goodput under failures"
 PLOT = REPO / "bench" / "goodput.png"

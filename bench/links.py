@@ -37,8 +37,8 @@ from report import shown_command, write_section
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shared.bandwidth import unit_data_parallel_bytes_per_token  # noqa: E402
-from shared.records import RunSummary, UnitStatus  # noqa: E402
+from shared.bandwidth import unit_data_parallel_bytes_per_token
+from shared.records import RunSummary, UnitStatus
 
 SECTION = "## Throttled links"
 PLOT = REPO / "bench" / "links.png"

@@ -3,7 +3,7 @@
 Protocol (as in the DiLoCo papers): every method starts from the same briefly pretrained
 checkpoint (single-unit steps on unit 0's shard), then trains the same model on the same corpus
 with K units and the same total token budget. Methods run on a simulated clock in one process
-(``services/simulation.py``, driving the very ``LearnerCore``/``OuterCore`` the services run),
+(``sim/training.py``, driving the very ``LearnerCore``/``OuterCore`` the services run),
 with unit speeds homogeneous or heterogeneous (slowdowns 1, 1, 2, 4). Headline rows are repeated
 over several data-order seeds and reported as mean ± standard deviation.
 
@@ -37,17 +37,17 @@ import jax
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from report import shown_command, write_section  # noqa: E402  (bench/ is on sys.path as a script)
+from report import shown_command, write_section
 
-from services import simulation as sim  # noqa: E402
-from services.learner.core import SyncSchedule  # noqa: E402
-from services.learner.settings import InnerSettings  # noqa: E402
-from services.outer.core import OuterAlgorithm  # noqa: E402
-from services.outer.settings import OuterAlgorithmSettings  # noqa: E402
-from services.outer.staleness import StalenessRule  # noqa: E402
-from shared import data, evaluation, model  # noqa: E402
-from shared.codec import BITS, CodecConfig  # noqa: E402
-from shared.runtime import configure_jax  # noqa: E402
+from services.learner.core import SyncSchedule
+from services.learner.settings import InnerSettings
+from services.outer.core import OuterAlgorithm
+from services.outer.settings import OuterAlgorithmSettings
+from services.outer.staleness import StalenessRule
+from shared import data, evaluation, model
+from shared.codec import BITS, CodecConfig
+from shared.runtime import configure_jax
+from sim import training as sim
 
 SECTION = "## Quality: asynchronous merging vs synchronous DiLoCo"
 CODEC_SECTION = "## Quality: upload codecs"

@@ -33,17 +33,11 @@ from report import shown_command, write_section
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.clustersim import scenarios  # noqa: E402
-from services.clustersim.engine import simulate  # noqa: E402
-from services.clustersim.scenarios import (  # noqa: E402
-    CHIP_COUNTS,
-    PAPER_GOODPUT,
-    Calibration,
-    ChipScale,
-    TwelveB,
-)
-from shared.model_config import get_config  # noqa: E402
-from shared.records import GoodputRun  # noqa: E402
+from shared.model_config import get_config
+from shared.records import GoodputRun
+from sim.cluster import scenarios
+from sim.cluster.engine import simulate
+from sim.cluster.scenarios import CHIP_COUNTS, PAPER_GOODPUT, Calibration, ChipScale, TwelveB
 
 SECTION = "## Scaling (simulated)"
 PLOT = REPO / "bench" / "scaling.png"

@@ -42,12 +42,12 @@ CLIENT_COMMANDS = ("jobs", "job", "unit", "units")  # services/gateway/client.py
 
 def _settings(cls, args: argparse.Namespace):
     """Settings of one command from its flags, the environment and the config file."""
-    from services.compose.settings import BrokerSettings, ControllerSettings
     from services.gateway.settings import GatewaySettings
     from services.learner.settings import LearnerSettings
     from services.link.settings import LinkSettings
     from services.loadtest.settings import LoadtestSettings
-    from services.local.settings import UpSettings
+    from services.orchestration.compose.settings import BrokerSettings, ControllerSettings
+    from services.orchestration.local.settings import UpSettings
     from services.outer.settings import OuterSettings
 
     known = set()
@@ -67,8 +67,8 @@ def _settings(cls, args: argparse.Namespace):
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from services.local.run import run_up
-    from services.local.settings import UpSettings
+    from services.orchestration.local.run import run_up
+    from services.orchestration.local.settings import UpSettings
 
     return run_up(_settings(UpSettings, args))
 
@@ -122,8 +122,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
 
 
 def _cmd_broker(args: argparse.Namespace) -> int:
-    from services.compose.broker import run_broker
-    from services.compose.settings import BrokerSettings
+    from services.orchestration.compose.broker import run_broker
+    from services.orchestration.compose.settings import BrokerSettings
 
     settings = _settings(BrokerSettings, args)
     setup_logging(args.log_level, "broker")
@@ -134,8 +134,8 @@ def _cmd_broker(args: argparse.Namespace) -> int:
 
 
 def _cmd_controller(args: argparse.Namespace) -> int:
-    from services.compose.controller import run_controller
-    from services.compose.settings import ControllerSettings
+    from services.orchestration.compose.controller import run_controller
+    from services.orchestration.compose.settings import ControllerSettings
 
     settings = _settings(ControllerSettings, args)
     setup_logging(args.log_level, "controller")
@@ -172,7 +172,7 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
     from services.loadtest.run import run_loadtest
     from services.loadtest.settings import LoadtestSettings
     from services.loadtest.stage import StageError
-    from services.local.broker import BrokerError
+    from services.orchestration.nats_server import BrokerError
 
     settings = _settings(LoadtestSettings, args)
     setup_logging(args.log_level, "loadtest")
@@ -186,12 +186,12 @@ def _cmd_loadtest(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``diloco`` argument parser with one subcommand per service."""
-    from services.compose.settings import BrokerSettings, ControllerSettings
     from services.gateway.settings import GatewaySettings
     from services.learner.settings import LearnerSettings
     from services.link.settings import LinkSettings
     from services.loadtest.settings import LoadtestSettings
-    from services.local.settings import UpSettings
+    from services.orchestration.compose.settings import BrokerSettings, ControllerSettings
+    from services.orchestration.local.settings import UpSettings
     from services.outer.settings import OuterSettings
 
     parser = argparse.ArgumentParser(

@@ -743,7 +743,8 @@ CHAOS_KINDS: tuple[str, ...] = get_args(ChaosKind)
 
 
 class ChaosEvent(Record):
-    """One injected failure of ``diloco up --chaos-mtbf-s`` (``services/local/chaos.py``)."""
+    """One injected failure of ``diloco up --chaos-mtbf-s``
+    (``services/orchestration/local/chaos.py``)."""
 
     at_s: NonNegativeFloat = Field(description="when it starts, seconds after the learners")
     target: str = Field(max_length=100, description="learner-<u>, outer or nats-server")

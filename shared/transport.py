@@ -63,7 +63,8 @@ DEAD_MAX_BYTES = 1 << 30
 DEAD_MAX_PER_JOB = 1000  # dead letters kept per job: one job's junk cannot evict another's
 DEAD_MAX_AGE_S = 7 * 24 * 3600.0
 #: What the limits above reserve of JetStream's file store in all (nats-server refuses a stream
-#: whose limit does not fit its store; ``services.local.broker`` sizes the store from this).
+#: whose limit does not fit its store; ``services.orchestration.nats_server`` sizes the store from
+#: this).
 STORE_BYTES = (
     GRADS_MAX_BYTES
     + PARAMS_MAX_BYTES

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.local.broker import NatsServer, start_nats_server
+from services.orchestration.nats_server import NatsServer, start_nats_server
 from shared.runtime import configure_jax
 from tests.helpers import ServiceProcesses
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from services.local import files
+from services.orchestration.local import files
 from shared import transport
 from shared.job_status import JobStatus, read_job_status
 from shared.kv import KvError
@@ -305,7 +305,7 @@ class SecureNats:
     having created the streams."""
 
     def __init__(self, root: Path, identities: list[Identity]) -> None:
-        from services.local.broker import start_nats_server
+        from services.orchestration.nats_server import start_nats_server
         from shared.nats_auth import Credentials
 
         self.credentials = Credentials(root / "credentials")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.clustersim.engine import simulate
-from services.clustersim.model import Cluster, Failure, Link, Method, Unit
-from services.clustersim.scenarios import ChipScale, TwelveB, chip_scale, twelve_b
+from sim.cluster.engine import simulate
+from sim.cluster.model import Cluster, Failure, Link, Method, Unit
+from sim.cluster.scenarios import ChipScale, TwelveB, chip_scale, twelve_b
 
 UNIT = Unit(step_s=1.0, tokens_per_step=10)
 LOOPBACK = Link()

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.local.broker import free_port
+from services.orchestration.nats_server import free_port
 from tests.helpers import answers_http, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.compose]

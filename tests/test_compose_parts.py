@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from services.compose import docker_api
-from services.compose.broker import make_secrets
-from services.compose.settings import BrokerSettings, ControllerSettings
+from services.orchestration.compose import docker_api
+from services.orchestration.compose.broker import make_secrets
+from services.orchestration.compose.settings import BrokerSettings, ControllerSettings
 from shared import liveness, nats_auth
 from shared.nats_auth import Credentials, CredentialsError, Identity
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.local.broker import NatsServer, start_nats_server
+from services.orchestration.nats_server import NatsServer, start_nats_server
 from shared import codec, records, subjects, transport, wire
 from shared.ledger import balance
 from shared.nats_auth import Identity
@@ -455,7 +455,7 @@ def test_paused_unit_stays_paused_through_restarts_of_gateway_outer_and_itself(
     needs an operator action and never resumes the unit."""
     import httpx
 
-    from services.local.broker import free_port
+    from services.orchestration.nats_server import free_port
 
     job, units = "keeppaused", 2
     ckpt = tmp_path / "units"

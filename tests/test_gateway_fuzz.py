@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from services.local.broker import free_port
+from services.orchestration.nats_server import free_port
 from shared import kv, subjects, transport
 from shared.records import OuterStatus
 from shared.settings import NatsSettings

@@ -8,7 +8,7 @@ import signal
 import httpx
 import pytest
 
-from services.local.broker import free_port
+from services.orchestration.nats_server import free_port
 from tests.helpers import AUTH, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)

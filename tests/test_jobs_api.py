@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from services.cli import main
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
-from services.local.broker import NatsServer, free_port
+from services.orchestration.nats_server import NatsServer, free_port
 from shared import kv, subjects
 from shared.records import DesiredRecord, UnitStatus
 from tests.helpers import AUTH, GATEWAY_TOKEN, wait_for

@@ -6,10 +6,10 @@ import statistics
 
 import pytest
 
-from services.local import files
-from services.local.chaos import ChaosClock, link_outages, plan_chaos
-from services.local.settings import UpSettings
-from services.local.supervisor import RestartPolicy, State, Supervisor
+from services.orchestration.local import files
+from services.orchestration.local.chaos import ChaosClock, link_outages, plan_chaos
+from services.orchestration.local.settings import UpSettings
+from services.orchestration.supervisor import RestartPolicy, State, Supervisor
 from shared.link_spec import parse_outages
 from shared.records import ChaosEvent
 from tests.helpers import start_up

@@ -1,5 +1,5 @@
-"""The files ``diloco up`` leaves in its data folder (``services.local.files``): written
-atomically through the models of ``shared.records``, read back without ever raising."""
+"""The files ``diloco up`` leaves in its data folder (``services.orchestration.local.files``):
+written atomically through the models of ``shared.records``, read back without ever raising."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 
-from services.local import files
+from services.orchestration.local import files
 from shared import atomic
 from shared.ledger import balance
 from shared.records import OuterStatus, PidsFile, RunSummary, UnitStatus

@@ -1,9 +1,14 @@
-"""What ``diloco up`` shows the user (``services.local.progress``): the live progress line, the
-training throughput and the summary, from typed status records. No NATS, no processes."""
+"""What ``diloco up`` shows the user (``services.orchestration.local.progress``): the live progress
+line, the training throughput and the summary, from typed status records. No NATS, no processes."""
 
 from __future__ import annotations
 
-from services.local.progress import Throughput, progress_line, staleness_summary, summary_lines
+from services.orchestration.local.progress import (
+    Throughput,
+    progress_line,
+    staleness_summary,
+    summary_lines,
+)
 from shared.ledger import balance
 from shared.link_spec import parse_link
 from shared.records import (

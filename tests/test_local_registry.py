@@ -1,4 +1,4 @@
-"""What ``diloco up`` reads of the registry (``services.local.registry``) from a real
+"""What ``diloco up`` reads of the registry (``services.orchestration.registry``) from a real
 nats-server: the jobs but its own, and the desired states of those not stopped; malformed
 records read as missing."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.local.registry import Registry, read_registry
+from services.orchestration.registry import Registry, read_registry
 from shared import kv, subjects, transport
 from shared.records import DesiredRecord, JobRecord, JobSpec
 from shared.settings import NatsSettings

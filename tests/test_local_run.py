@@ -1,10 +1,11 @@
-"""When a ``diloco up`` run is complete (``services.local.run.job_is_complete``) and when its
-units are ready to start together (``services.local.release.all_ready``). No NATS."""
+"""When a ``diloco up`` run is complete (``services.orchestration.local.run.job_is_complete``) and
+when its units are ready to start together (``services.orchestration.local.release.all_ready``). No
+NATS."""
 
 from __future__ import annotations
 
-from services.local.release import READY_TIMEOUT_S, all_ready
-from services.local.run import job_is_complete
+from services.orchestration.local.release import READY_TIMEOUT_S, all_ready
+from services.orchestration.local.run import job_is_complete
 from shared.records import EvalRecord, EvaluationRecord, OuterStatus, UnitStatus
 
 UNITS = {0: UnitStatus(unit=0, state="finished", published_rounds=[(0, 3)])}

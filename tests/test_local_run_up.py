@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from services.local import files
-from services.local.children import Launch
-from services.local.run import run_up
-from services.local.settings import UpSettings
+from services.orchestration.children import Launch
+from services.orchestration.local import files
+from services.orchestration.local.run import run_up
+from services.orchestration.local.settings import UpSettings
 
 # Each stand-in says it is ready and runs until SIGTERM (then exits 0, as a service that stopped
 # cleanly); an outer that ``crash``es exits 3 at once.

@@ -1,6 +1,7 @@
-"""The loop of ``diloco up`` (``services.local.run.supervise``) against a real nats-server, with
-stand-in children and status records written by the test: it releases the units together, shows
-progress, notices an unreachable NATS, and ends the run once the books balance. No JAX."""
+"""The loop of ``diloco up`` (``services.orchestration.local.run.supervise``) against a real
+nats-server, with stand-in children and status records written by the test: it releases the units
+together, shows progress, notices an unreachable NATS, and ends the run once the books balance. No
+JAX."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.local import files, release
-from services.local.cluster import Cluster
-from services.local.run import supervise
-from services.local.settings import UpSettings
+from services.orchestration.local import files, release
+from services.orchestration.local.cluster import Cluster
+from services.orchestration.local.run import supervise
+from services.orchestration.local.settings import UpSettings
 from shared import kv, subjects, transport
 from shared.records import (
     DesiredRecord,

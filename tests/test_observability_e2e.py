@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.local.broker import free_port
+from services.orchestration.nats_server import free_port
 from tests.helpers import AUTH, GATEWAY_TOKEN, REPO, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)

@@ -12,7 +12,7 @@ from services.gateway.app import create_app
 from services.gateway.collector import StatusCollector
 from services.gateway.settings import GatewaySettings
 from services.gateway.views import job_metrics, job_view, unit_view, version_lag
-from services.local.broker import free_port
+from services.orchestration.nats_server import free_port
 from shared.job_status import JobStatus
 from shared.link_spec import parse_link
 from shared.records import (

@@ -1,6 +1,7 @@
-"""How ``diloco up`` matches the registry's jobs with processes (``services.local.reconcile``), the
-retirement of a child in ``services.local.supervisor``, and ``Cluster.reconcile`` acting on it with
-stand-in children. No NATS, no JAX."""
+"""How ``diloco up`` matches the registry's jobs with processes
+(``services.orchestration.reconcile``), the retirement of a child in
+``services.orchestration.supervisor``, and ``Cluster.reconcile`` acting on it with stand-in
+children. No NATS, no JAX."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.local import files, reconcile
-from services.local.cluster import Cluster
-from services.local.reconcile import Retire, Spawn, plan
-from services.local.registry import Registry
-from services.local.settings import UpSettings
-from services.local.supervisor import RestartPolicy, State, Supervisor
+from services.orchestration import reconcile
+from services.orchestration.local import files
+from services.orchestration.local.cluster import Cluster
+from services.orchestration.local.settings import UpSettings
+from services.orchestration.reconcile import Retire, Spawn, plan
+from services.orchestration.registry import Registry
+from services.orchestration.supervisor import RestartPolicy, State, Supervisor
 from shared import nats_auth
 from shared.records import JobRecord, JobSpec
 

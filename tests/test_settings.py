@@ -9,7 +9,7 @@ import pytest
 from services.cli import build_parser
 from services.learner.settings import LearnerSettings
 from services.link.settings import LinkSettings
-from services.local.settings import UpSettings
+from services.orchestration.local.settings import UpSettings
 from shared.settings import SettingsError, add_settings_arguments, settings_from_args
 
 
@@ -159,7 +159,7 @@ def test_invalid_learner_sync_options_are_named(argv, fragment):
 
 
 def test_up_shares_the_budget_by_speed_and_validates_slowdowns():
-    from services.local.settings import UpSettings
+    from services.orchestration.local.settings import UpSettings
 
     up = parse(UpSettings, ["--learners", "4", "--max-steps", "110", "--slowdowns", "1,1,2,4"])
     assert up.unit_steps() == [160, 160, 80, 40]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 import pytest
 
-from services import simulation as sim
 from services.learner.core import SyncSchedule
 from services.outer.core import OuterAlgorithm
 from services.outer.staleness import StalenessRule
 from shared import data, evaluation, model
+from sim import training as sim
 
 SETUP = sim.SimSetup(model="tiny", num_units=2, steps_per_unit=12, h_steps=4, evals=2)
 

@@ -1,5 +1,5 @@
-"""The restart policy of ``diloco up`` (``services.local.supervisor``) and how a ``Cluster`` heals
-itself with it: backoff, learners that finish, max-restarts, pids.json. No JAX: the children
+"""The restart policy of ``diloco up`` (``services.orchestration.supervisor``) and how a ``Cluster``
+heals itself with it: backoff, learners that finish, max-restarts, pids.json. No JAX: the children
 here are tiny Python processes, and one test restarts a real nats-server."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from services.local import broker, files
-from services.local.cluster import NATS, Cluster
-from services.local.settings import UpSettings
-from services.local.supervisor import Decision, RestartPolicy, State, Supervisor
+from services.orchestration import nats_server
+from services.orchestration.local import files
+from services.orchestration.local.cluster import NATS, Cluster
+from services.orchestration.local.settings import UpSettings
+from services.orchestration.supervisor import Decision, RestartPolicy, State, Supervisor
 
 
 def test_backoff_starts_at_one_second_doubles_to_ten_and_resets_after_a_long_run():
@@ -184,7 +185,7 @@ def test_a_killed_nats_server_restarts_on_its_port_with_its_jetstream_store(tmp_
         finally:
             await nc.close()
 
-    server = broker.start_nats_server(tmp_path / "nats")
+    server = nats_server.start_nats_server(tmp_path / "nats")
     try:
         url, pid = server.url, server.pid
         assert asyncio.run(publish_then_read(url, publish=True)) == 1
@@ -194,7 +195,7 @@ def test_a_killed_nats_server_restarts_on_its_port_with_its_jetstream_store(tmp_
         assert (server.url, server.alive(), server.ready()) == (url, True, True)
         assert server.pid != pid
         assert asyncio.run(publish_then_read(url, publish=False)) == 1
-        with pytest.raises(broker.BrokerError, match="still running"):
+        with pytest.raises(nats_server.BrokerError, match="still running"):
             server.restart()
     finally:
         server.stop()

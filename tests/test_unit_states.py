@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from services.local.broker import free_port
+from services.orchestration.nats_server import free_port
 from shared.records import UnitStatus
 from tests.helpers import AUTH, read_status, wait_for
 

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from services.local import files
+from services.orchestration.local import files
 from tests.helpers import answers_http, cluster_processes, live_pids, start_up, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.local import files
+from services.orchestration.local import files
 from tests.helpers import cluster_processes, job_status, start_up, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)

@@ -36,8 +36,8 @@ from services.loadtest.payloads import PayloadPool
 from services.loadtest.report import StageNumbers, judge
 from services.loadtest.settings import LoadtestSettings
 from services.loadtest.unit import SyntheticUnit, UnitPlan
-from services.local import broker
-from services.local.children import popen
+from services.orchestration import nats_server
+from services.orchestration.children import popen
 from shared import kv, subjects, transport
 from shared.latency import Latencies
 from shared.ledger import balance
@@ -88,7 +88,7 @@ class Stage:
         self.pool = pool
         self.say = say
         self.folder = Path(settings.data_dir) / f"{units}-units"
-        self.server: broker.NatsServer | None = None
+        self.server: nats_server.NatsServer | None = None
         self.outer: subprocess.Popen[bytes] | None = None
         self.links: list[LinkProxy] = []
         self.units: list[SyntheticUnit] = []
@@ -99,7 +99,7 @@ class Stage:
         if self.folder.exists():
             shutil.rmtree(self.folder)
         self.folder.mkdir(parents=True)
-        self.server = broker.start_nats_server(self.folder / "nats", die_with_parent=True)
+        self.server = nats_server.start_nats_server(self.folder / "nats", die_with_parent=True)
         nc = None
         stop = asyncio.Event()
         tasks: list[asyncio.Task[None]] = []

@@ -1,6 +1,6 @@
 """The outer optimizer's protocol core, free of I/O: per-fragment global params, buffering,
 merging and outer steps. The NATS service (``service.py``) and the quality benchmark's
-simulator (``services/simulation.py``) both drive this class, one on the wall clock and one on
+simulator (``sim/training.py``) both drive this class, one on the wall clock and one on
 a simulated clock, so what the benchmark measures is what the service does.
 
 For each fragment p it keeps the global pieces Θ_p, the outer optimizer state and a version

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from services.local import broker
+from services.orchestration import nats_server
 
 
 class Process(Protocol):
     """What the supervision needs of a child: ``subprocess.Popen``'s, or a container's
-    (``services.compose.docker_api.Container``)."""
+    (``services.orchestration.compose.docker_api.Container``)."""
 
     @property
     def pid(self) -> int: ...
@@ -54,7 +54,7 @@ def popen(args: list[str], env: dict[str, str], log_path: Path) -> subprocess.Po
             stdin=subprocess.DEVNULL,
             env={**os.environ, **env},
             start_new_session=True,
-            preexec_fn=broker.terminate_with_parent,
+            preexec_fn=nats_server.terminate_with_parent,
         )
 
 

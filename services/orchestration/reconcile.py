@@ -2,7 +2,8 @@
 
 The gateway only writes records (KV ``diloco_jobs``: spec, state, unit count) and desired unit
 states (KV ``diloco_desired``). About once a second ``diloco up`` reads both and asks
-:func:`plan` what to do; ``services.local.cluster`` then starts or stops the processes. No I/O here.
+:func:`plan` what to do; ``services.orchestration.local.cluster`` then starts or stops the
+processes. No I/O here.
 
 Rules, for every registered job other than ``diloco up``'s own job:
 
@@ -10,9 +11,9 @@ Rules, for every registered job other than ``diloco up``'s own job:
   (``<job>/outer``) and one learner process (``<job>/learner-<u>``) per unit index below its unit
   count whose desired state is not ``stopped``. Learners obey their desired state themselves:
   ``idle``/``paused`` wait, ``running`` trains, ``stopped`` uploads what it has and exits 0.
-* A process is started once; afterwards the restart policy (``services.local.supervisor``) decides:
-  a learner that exited 0 (stopped or finished its steps) stays down, a crashed one comes back.
-  Scaling up therefore starts learners for the new indexes only; scaling down needs no action
+* A process is started once; afterwards the restart policy (``services.orchestration.supervisor``)
+  decides: a learner that exited 0 (stopped or finished its steps) stays down, a crashed one comes
+  back. Scaling up therefore starts learners for the new indexes only; scaling down needs no action
   (the gateway sets the removed units to ``stopped`` and they exit by themselves).
 * A job that is ``stopped`` or deleted gets nothing new. Once none of its learners runs any more
   (each finished or was left dead), its outer is retired: SIGTERM, and not restarted.
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from services.learner.settings import InnerSettings
-from services.local.supervisor import State
+from services.orchestration.supervisor import State
 from services.outer.settings import OuterAlgorithmSettings
 from shared.model_config import SIZES
 from shared.records import JobRecord, JobSpec

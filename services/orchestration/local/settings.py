@@ -11,8 +11,8 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.learner.settings import InnerSettings, check_sync_overlap
-from services.local.chaos import SERVICE_TARGETS, plan_chaos
-from services.local.supervisor import DEFAULT_MAX_RESTARTS
+from services.orchestration.local.chaos import SERVICE_TARGETS, plan_chaos
+from services.orchestration.supervisor import DEFAULT_MAX_RESTARTS
 from services.outer.settings import OuterAlgorithmSettings
 from shared.link_spec import LinkSpec, parse_link, parse_links, parse_outages
 from shared.records import CHAOS_KINDS, ChaosEvent, ChaosKind
@@ -94,7 +94,7 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
         0.0,
         ge=0,
         description="inject failures: mean seconds between two failures of each unit (and "
-        "each of --chaos-services); 0: none (services/local/chaos.py)",
+        "each of --chaos-services); 0: none (services/orchestration/local/chaos.py)",
     )
     chaos_mttr_s: float = Field(10.0, gt=0, description="mean seconds a failure lasts")
     chaos_kinds: str = Field(

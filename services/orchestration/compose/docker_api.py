@@ -1,10 +1,10 @@
 """Containers as the controller's children: the Docker Engine API over its Unix socket.
 
-:class:`ContainerLauncher` is a ``services.local.children.Launch``: where ``diloco up`` starts a
-``diloco <service>`` process, the controller starts a container of the same image with that
-command line. The container it returns answers what the supervisor asks of a process
-(``poll``, ``send_signal``, ``kill``, ``wait``, ``pid``), so ``Child``, ``Supervisor`` and
-``reconcile`` work on containers unchanged.
+:class:`ContainerLauncher` is a ``services.orchestration.children.Launch``: where ``diloco up``
+starts a ``diloco <service>`` process, the controller starts a container of the same image with that
+command line. The container it returns answers what the supervisor asks of a process (``poll``,
+``send_signal``, ``kill``, ``wait``, ``pid``), so ``Child``, ``Supervisor`` and ``reconcile`` work
+on containers unchanged.
 
 Each job container is made like the controller's own (its image, networks and the volumes it
 mounts, but the secrets volume), named ``<project>-<child>`` and labelled with the compose
@@ -218,7 +218,8 @@ class Container:
 
 @dataclass
 class ContainerLauncher:
-    """Starts ``diloco <args>`` as a job container (a ``services.local.children.Launch``)."""
+    """Starts ``diloco <args>`` as a job container (a
+    ``services.orchestration.children.Launch``)."""
 
     api: DockerApi
     template: Template

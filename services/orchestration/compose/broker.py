@@ -17,8 +17,13 @@ import secrets
 import threading
 from pathlib import Path
 
-from services.compose.settings import CREDENTIALS_DIR, TLS_DIR, TOKEN_FILE, BrokerSettings
-from services.local import broker
+from services.orchestration import nats_server
+from services.orchestration.compose.settings import (
+    CREDENTIALS_DIR,
+    TLS_DIR,
+    TOKEN_FILE,
+    BrokerSettings,
+)
 from shared import atomic, nats_auth, tls
 
 log = logging.getLogger("diloco.broker")
@@ -71,7 +76,7 @@ def run_broker(settings: BrokerSettings, stop: threading.Event) -> int:
     """Run nats-server until ``stop`` is set (then stop it gracefully: exit 0) or it exits by
     itself (returns its exit code)."""
     credentials, files = make_secrets(settings)
-    server = broker.start_nats_server(
+    server = nats_server.start_nats_server(
         settings.store_dir,
         host=settings.listen_host,
         port=settings.port,

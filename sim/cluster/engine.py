@@ -24,7 +24,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from services.clustersim.model import Cluster, Failure, Outcome
+from sim.cluster.model import Cluster, Failure, Outcome
 
 _EMA = 0.5  # the outer's smoothing of a unit's upload interval (services/outer/policy.py)
 

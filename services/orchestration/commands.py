@@ -2,7 +2,7 @@
 
 Every service gets the same ``diloco <service>`` command line that docker-compose runs: the job
 definition (``CommonJobSettings``) and the NATS URL, plus its own options taken from
-``UpSettings``. The learners of registry jobs get theirs from ``services.local.reconcile``.
+``UpSettings``. The learners of registry jobs get theirs from ``services.orchestration.reconcile``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.learner.settings import InnerSettings
-from services.local.settings import UpSettings
+from services.orchestration.local.settings import UpSettings
 from services.outer.settings import OuterAlgorithmSettings
 from shared.link_spec import LinkSpec
 from shared.settings import CommonJobSettings, to_flags

@@ -2,11 +2,11 @@
 
 nats-server, the own job's outer, gateway and learners, and the outer and learners of the
 registry's jobs: each is started with the command ``diloco <service>``
-(``services.local.children``), started again after a crash when ``services.local.supervisor``
-says so (nats-server on the same port and JetStream store), matched with the registry as
-``services.local.reconcile`` plans, and stopped in a safe order: learners first (they upload
-what they have), then the outers and the gateway, then nats-server. The live children's PIDs
-are kept in ``<data-dir>/pids.json``.
+(``services.orchestration.children``), started again after a crash when
+``services.orchestration.supervisor`` says so (nats-server on the same port and JetStream store),
+matched with the registry as ``services.orchestration.reconcile`` plans, and stopped in a safe
+order: learners first (they upload what they have), then the outers and the gateway, then
+nats-server. The live children's PIDs are kept in ``<data-dir>/pids.json``.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from services.local import broker, commands, files, reconcile
-from services.local.chaos import ChaosClock, link_outages
-from services.local.children import Child, Launch, popen
-from services.local.registry import Registry
-from services.local.settings import UpSettings
-from services.local.supervisor import RestartPolicy, State, Supervisor
+from services.orchestration import commands, nats_server, reconcile
+from services.orchestration.children import Child, Launch, popen
+from services.orchestration.local import files
+from services.orchestration.local.chaos import ChaosClock, link_outages
+from services.orchestration.local.settings import UpSettings
+from services.orchestration.registry import Registry
+from services.orchestration.supervisor import RestartPolicy, State, Supervisor
 from shared import nats_auth, tls
 from shared.link_spec import LinkSpec
 from shared.records import ChaosEvent, PidsFile
@@ -54,7 +55,7 @@ class Cluster:
     settings: UpSettings
     out: TextIO = sys.stdout
     launch: Launch = popen
-    server: broker.NatsServer | None = None
+    server: nats_server.NatsServer | None = None
     learners: list[Child] = field(default_factory=list)
     services: list[Child] = field(default_factory=list)
     links: list[Child] = field(default_factory=list)  # shaped links in front of nats-server
@@ -148,7 +149,7 @@ class Cluster:
         ):
             self.credentials.ensure(who)
         self.tls_files = tls.make_server_files(tls_dir, TLS_HOSTS) if s.tls else None
-        self.server = broker.start_nats_server(
+        self.server = nats_server.start_nats_server(
             store,
             port=s.nats_port,
             authorization=self.credentials.authorization_block(),
@@ -165,7 +166,7 @@ class Cluster:
         outer = commands.outer_args(s, outer_url)
         [outer_user] = self.identity_env(nats_auth.Identity("outer", s.job))
         self.services.append(self.spawn("outer", outer, {**commands.cache_env(s), **outer_user}))
-        port = s.gateway_port or broker.free_port()
+        port = s.gateway_port or nats_server.free_port()
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.token = s.token or secrets.token_urlsafe(24)
         token_path = files.write_token(self.data_dir, self.token)
@@ -182,7 +183,7 @@ class Cluster:
     def start_link(self, name: str, spec: LinkSpec, outages: str) -> str:
         """Start the shaped link ``link-<name>`` in front of nats-server; returns the NATS URL
         its client connects to."""
-        port = broker.free_port()
+        port = nats_server.free_port()
         args = commands.link_args(self.settings, self.nats_url, name, spec, port, outages)
         [user] = self.identity_env(nats_auth.Identity("link", self.settings.job, link=name))
         self.links.append(self.spawn(f"link-{name}", args, user))
@@ -238,7 +239,7 @@ class Cluster:
 
     def reconcile(self, registry: Registry) -> None:
         """Start and stop the processes of registry jobs to match ``registry`` (just read from
-        KV); see ``services.local.reconcile``."""
+        KV); see ``services.orchestration.reconcile``."""
         actions = reconcile.plan(
             registry.records,
             registry.desired,

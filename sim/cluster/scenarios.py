@@ -25,10 +25,10 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services.clustersim.engine import simulate
-from services.clustersim.model import Cluster, Failure, Link, Method, Outcome, Unit
 from shared.link_spec import parse_link
 from shared.records import GoodputRun
+from sim.cluster.engine import simulate
+from sim.cluster.model import Cluster, Failure, Link, Method, Outcome, Unit
 
 YEAR_S = 365.25 * 24 * 3600
 

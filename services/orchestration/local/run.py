@@ -1,12 +1,12 @@
 """``diloco up``: run a whole local cluster — nats-server, outer, gateway, N learners — to the end.
 
-The cluster starts (``services.local.cluster``), the units are released together
-(``services.local.release``), and then about twice a second this loop reads the job's status
-records, shows progress, heals the cluster, and about once a second matches the processes of the
-registry's jobs with the registry. The run ends by itself once every unit has finished and the
-outer has applied (and evaluated) everything they published, when the time limit passes, when
-the outer or nats-server is left dead, or on SIGINT/SIGTERM; then the cluster stops, and the
-summary is printed and written to ``<data-dir>/summary.json``.
+The cluster starts (``services.orchestration.local.cluster``), the units are released together
+(``services.orchestration.local.release``), and then about twice a second this loop reads the job's
+status records, shows progress, heals the cluster, and about once a second matches the processes of
+the registry's jobs with the registry. The run ends by itself once every unit has finished and the
+outer has applied (and evaluated) everything they published, when the time limit passes, when the
+outer or nats-server is left dead, or on SIGINT/SIGTERM; then the cluster stops, and the summary is
+printed and written to ``<data-dir>/summary.json``.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from typing import Any, TextIO
 
 import nats.errors
 
-from services.local import files, release
-from services.local.chaos import unit_of_target
-from services.local.children import Launch, popen
-from services.local.cluster import Cluster
-from services.local.progress import Throughput, progress_line, summary_lines
-from services.local.registry import read_registry
-from services.local.settings import UpSettings
+from services.orchestration.children import Launch, popen
+from services.orchestration.local import files, release
+from services.orchestration.local.chaos import unit_of_target
+from services.orchestration.local.cluster import Cluster
+from services.orchestration.local.progress import Throughput, progress_line, summary_lines
+from services.orchestration.local.settings import UpSettings
+from services.orchestration.registry import read_registry
 from shared import kv, ledger, retry, subjects, transport
 from shared.goodput import job_goodput
 from shared.job_status import JobStatus, read_job_status

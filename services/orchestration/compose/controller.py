@@ -1,12 +1,12 @@
 """``diloco controller``: the processes of REST-created jobs, as containers.
 
 Under ``diloco up`` the reconcile loop starts a process for each outer and learner a registered
-job needs (``services.local.reconcile``). In a compose cluster this controller runs the same loop
-and the same plan, but each of them is a container (``docker_api.ContainerLauncher``), started
-through the Docker Engine API and supervised like a process: a crashed or killed container
-(``docker kill``) is started again after the supervisor's backoff, and its learner resumes from
-its checkpoint in the ``units`` volume; one that exited 0 (stopped, or trained all its steps)
-stays down; a stopped job's outer goes once its learners are done.
+job needs (``services.orchestration.reconcile``). In a compose cluster this controller runs the same
+loop and the same plan, but each of them is a container (``docker_api.ContainerLauncher``), started
+through the Docker Engine API and supervised like a process: a crashed or killed container (``docker
+kill``) is started again after the supervisor's backoff, and its learner resumes from its checkpoint
+in the ``units`` volume; one that exited 0 (stopped, or trained all its steps) stays down; a stopped
+job's outer goes once its learners are done.
 
 Each container connects as its own NATS user (``shared.nats_auth``): the controller writes the
 user's credentials into the secrets volume, waits until the broker has loaded them (it polls the
@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from services.compose.docker_api import (
+from services.orchestration import commands, reconcile
+from services.orchestration.children import Child, log_path_of
+from services.orchestration.compose.docker_api import (
     LIVENESS_VARIABLE,
     Container,
     ContainerLauncher,
@@ -40,11 +42,9 @@ from services.compose.docker_api import (
     container_name,
     remove_children,
 )
-from services.compose.settings import CREDENTIALS_DIR, ControllerSettings
-from services.local import commands, reconcile
-from services.local.children import Child, log_path_of
-from services.local.registry import Registry, read_registry
-from services.local.supervisor import RestartPolicy, State, Supervisor
+from services.orchestration.compose.settings import CREDENTIALS_DIR, ControllerSettings
+from services.orchestration.registry import Registry, read_registry
+from services.orchestration.supervisor import RestartPolicy, State, Supervisor
 from shared import kv, liveness, nats_auth, retry, subjects, transport
 from shared.settings import NatsSettings
 
@@ -116,7 +116,7 @@ class Controller:
         return child
 
     async def reconcile(self, registry: Registry) -> None:
-        """Start and stop containers to match ``registry`` (``services.local.reconcile``)."""
+        """Start and stop containers to match ``registry`` (``orchestration.reconcile``)."""
         actions = reconcile.plan(
             registry.records,
             registry.desired,
