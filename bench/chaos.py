@@ -36,8 +36,9 @@ sys.path.insert(0, str(REPO))
 from report import write_section
 
 from services.orchestration.local import files
-from shared.ledger import RoundSet
-from shared.records import Books, LedgerRecord, RunSummary
+from services.orchestration.local.records import RunSummary
+from shared.ledger import Books, RoundSet
+from shared.records.outer import LedgerRecord
 
 SECTION = "## Reliability: chaos run of `diloco up`"
 DATA_DIR = REPO / "bench" / ".cache" / "chaos"

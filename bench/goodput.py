@@ -52,7 +52,8 @@ from report import shown_command, write_section
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shared.records import GoodputRun, RunSummary
+from services.orchestration.local.records import RunSummary
+from sim.cluster.model import GoodputRun
 
 SECTION = "## Goodput under failures"
 PLOT = REPO / "bench" / "goodput.png"

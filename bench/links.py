@@ -37,8 +37,9 @@ from report import shown_command, write_section
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from services.orchestration.local.records import RunSummary
 from shared.bandwidth import unit_data_parallel_bytes_per_token
-from shared.records import RunSummary, UnitStatus
+from shared.records.unit import UnitStatus
 
 SECTION = "## Throttled links"
 PLOT = REPO / "bench" / "links.png"

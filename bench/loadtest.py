@@ -21,9 +21,9 @@ from report import shown_command, write_section  # bench/ is on sys.path when ru
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from services.loadtest.records import LoadtestReport
 from services.loadtest.report import table, verdict
 from shared import records
-from shared.records import LoadtestReport
 
 SECTION = "## Load test"
 

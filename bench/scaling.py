@@ -34,9 +34,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from shared.model_config import get_config
-from shared.records import GoodputRun
 from sim.cluster import scenarios
 from sim.cluster.engine import simulate
+from sim.cluster.model import GoodputRun
 from sim.cluster.scenarios import CHIP_COUNTS, PAPER_GOODPUT, Calibration, ChipScale, TwelveB
 
 SECTION = "## Scaling (simulated)"

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.model_config import SIZES
-from shared.records import LinkStatus, UnitStatus
+from shared.records.link import LinkStatus
+from shared.records.unit import UnitStatus
 
 FP32_BYTES = 4
 

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from pydantic import Field, NonNegativeFloat
+
 from shared.job_status import JobStatus
-from shared.records import ENDED_STATES, Goodput, Stamped, UnitStatus
+from shared.records import Count, Record, Stamped
+from shared.records.unit import ENDED_STATES, UnitStatus
 
 
 def goodput(
@@ -81,3 +84,16 @@ def job_goodput(status: JobStatus) -> Goodput | None:
     reported = {u: entry.record.compute_tokens_per_s for u, entry in status.units.items()}
     up = {u: entry.record.lifetime_training_s for u, entry in status.units.items()}
     return goodput(applied, reported, windows, up)
+
+
+class Goodput(Record):
+    """Share of the units' possible work that was applied to the global model
+    (``shared.goodput``)."""
+
+    job: NonNegativeFloat | None = Field(None, description="all units together")
+    units: dict[Count, NonNegativeFloat] = Field({}, description="per unit")
+    job_up: NonNegativeFloat | None = Field(
+        None, description="share of the units' windows they spent training (up), all units"
+    )
+    up: dict[Count, NonNegativeFloat] = Field({}, description="the same per unit")
+    windows_s: dict[Count, NonNegativeFloat] = Field({}, description="each unit's window")

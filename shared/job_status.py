@@ -13,7 +13,10 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from shared import kv, records, subjects
-from shared.records import JOB_NAME_PATTERN, LinkStatus, OuterStatus, Stamped, UnitStatus
+from shared.records import JOB_NAME_PATTERN, Stamped
+from shared.records.link import LinkStatus
+from shared.records.outer import OuterStatus
+from shared.records.unit import UnitStatus
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from shared.records import LatencySummary
+from shared.records.unit import LatencySummary
 
 KEPT = 200  # the most recent durations summarised
 

@@ -12,7 +12,11 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Iterator, Mapping
 
-from shared.records import Books, LedgerRecord, OuterStatus, UnitBooks, UnitStatus
+from pydantic import Field
+
+from shared.records import Count, Record
+from shared.records.outer import LedgerRecord, OuterStatus
+from shared.records.unit import UnitStatus
 
 __all__ = ["RoundSet", "balance"]
 
@@ -149,3 +153,23 @@ def balance(outer: OuterStatus | None, units: Mapping[int, UnitStatus]) -> Books
         published=published_total,
         rejected=sum(ledger.rejected.values()),
     )
+
+
+class UnitBooks(Record):
+    """One unit's line of the ledger balance."""
+
+    published: Count = 0
+    applied: Count = 0
+    rejected: Count = 0
+    missing: list[Count] = Field([], description="published rounds neither applied nor rejected")
+
+
+class Books(Record):
+    """Whether a job's books balance (``shared.ledger.balance``)."""
+
+    balanced: bool
+    problems: list[str] = []
+    per_unit: dict[Count, UnitBooks] = {}
+    applied: Count = 0
+    published: Count = 0
+    rejected: Count = 0

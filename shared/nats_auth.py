@@ -33,7 +33,7 @@ from pathlib import Path
 import bcrypt
 
 from shared import atomic, records, subjects
-from shared.records import NatsCredentials, NatsRole
+from shared.records.credentials import NatsCredentials, NatsRole
 
 JS_API = "$JS.API"
 # The passwords are 192 random bits, so bcrypt's cost buys nothing against guessing; a low cost

@@ -21,7 +21,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared import nats_auth
 from shared.model_config import ModelSize
-from shared.records import JOB_NAME_PATTERN, NatsCredentials
+from shared.records import JOB_NAME_PATTERN
+from shared.records.credentials import NatsCredentials
 
 ENV_PREFIX = "DILOCO_"
 #: How the units of a job sync (``--mode``).

@@ -30,7 +30,7 @@ from nats.js.api import (
 )
 
 from shared import nats_auth, records, subjects
-from shared.records import ParamsHead
+from shared.records.outer import ParamsHead
 from shared.retry import QUICK, Backoff, retry
 from shared.settings import NatsSettings
 from shared.wire import (

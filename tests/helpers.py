@@ -22,7 +22,8 @@ from shared import transport
 from shared.job_status import JobStatus, read_job_status
 from shared.kv import KvError
 from shared.nats_auth import Identity
-from shared.records import OuterStatus, UnitStatus
+from shared.records.outer import OuterStatus
+from shared.records.unit import UnitStatus
 from shared.settings import NatsSettings
 
 REPO = Path(__file__).resolve().parents[1]

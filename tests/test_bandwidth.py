@@ -9,7 +9,7 @@ from shared.bandwidth import (
     times_less,
     unit_data_parallel_bytes_per_token,
 )
-from shared.records import UnitStatus
+from shared.records.unit import UnitStatus
 
 
 def test_data_parallel_counts_a_ring_all_reduce_of_fp32_gradients_each_way():

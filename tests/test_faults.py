@@ -25,9 +25,10 @@ import pytest
 
 from services.orchestration.nats_server import NatsServer, start_nats_server
 from shared import codec, records, subjects, transport, wire
-from shared.ledger import balance
+from shared.ledger import Books, balance
 from shared.nats_auth import Identity
-from shared.records import Books, OuterStatus, ParamsHead, UnitStatus
+from shared.records.outer import OuterStatus, ParamsHead, UnitLedger
+from shared.records.unit import UnitStatus
 from shared.settings import NatsSettings
 from tests.helpers import (
     SecureNats,
@@ -386,7 +387,7 @@ def test_killed_unit_does_not_stop_the_others_and_rejoins_within_30s(
     ]
     victim = 2
 
-    def victim_ledger() -> records.UnitLedger | None:
+    def victim_ledger() -> UnitLedger | None:
         status = outer_status(nats_server.url, job)
         return status.unit_ledger(victim) if status is not None else None
 

@@ -19,14 +19,10 @@ from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 from services.orchestration.nats_server import NatsServer, free_port
 from shared import records, subjects
-from shared.records import (
-    DesiredRecord,
-    JobRecord,
-    JobSpec,
-    OuterStatus,
-    Record,
-    UnitStatus,
-)
+from shared.records import Record
+from shared.records.jobs import DesiredRecord, JobRecord, JobSpec
+from shared.records.outer import OuterStatus
+from shared.records.unit import UnitStatus
 from tests.helpers import AUTH, GATEWAY_TOKEN, wait_for
 from tests.strategies import json_values
 

@@ -13,7 +13,7 @@ import pytest
 
 from services.orchestration.nats_server import free_port
 from shared import kv, subjects, transport
-from shared.records import OuterStatus
+from shared.records.outer import OuterStatus
 from shared.settings import NatsSettings
 from tests.helpers import AUTH, wait_for
 

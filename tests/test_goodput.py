@@ -6,7 +6,9 @@ import pytest
 
 from shared.goodput import goodput, job_goodput, window_s
 from shared.job_status import JobStatus
-from shared.records import OuterStatus, Stamped, UnitLedger, UnitStatus
+from shared.records import Stamped
+from shared.records.outer import OuterStatus, UnitLedger
+from shared.records.unit import UnitStatus
 
 
 def test_goodput_per_unit_and_for_the_job():

@@ -19,7 +19,8 @@ from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 from services.orchestration.nats_server import NatsServer, free_port
 from shared import kv, subjects
-from shared.records import DesiredRecord, UnitStatus
+from shared.records.jobs import DesiredRecord
+from shared.records.unit import UnitStatus
 from tests.helpers import AUTH, GATEWAY_TOKEN, wait_for
 
 SPEC = {"job": "j1", "model": "tiny", "units": 3, "h_steps": 10, "codec": "int4", "seed": 7}

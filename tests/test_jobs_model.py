@@ -15,7 +15,7 @@ from services.gateway.jobs import (
     job_transition,
     unit_transition,
 )
-from shared.records import JobSpec
+from shared.records.jobs import JobSpec
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 
 from shared import kv, records, subjects, transport
 from shared.job_status import jobs_with_status, read_job_status
-from shared.records import DesiredRecord, OuterStatus, UnitStatus
+from shared.records.jobs import DesiredRecord
+from shared.records.outer import OuterStatus
+from shared.records.unit import UnitStatus
 
 
 async def _connect(url: str):

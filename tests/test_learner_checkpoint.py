@@ -19,13 +19,14 @@ from services.learner.checkpoint import (
 )
 from services.learner.core import LearnerCore, SyncSchedule
 from services.learner.link import LearnerLink
+from services.learner.records import UnitIdentity, UnitStateFile
 from services.learner.service import hand_off
 from services.learner.settings import LearnerSettings
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from services.learner.unit_state import STATE_FILE, UnitState
 from shared import model, pytree, records
 from shared.atomic import temp_file
-from shared.records import OuterStatus, UnitIdentity, UnitLedger, UnitStateFile
+from shared.records.outer import OuterStatus, UnitLedger
 
 CFG = model.get_config("tiny")
 TOKENS = 4 * CFG.seq_len

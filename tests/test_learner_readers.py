@@ -18,21 +18,15 @@ from hypothesis import strategies as st
 from services.learner.checkpoint import load_checkpoint, save_checkpoint, take_snapshot
 from services.learner.core import LearnerCore, SyncSchedule
 from services.learner.link import LearnerLink
+from services.learner.records import LearnerCheckpointMeta, UnitIdentity, UnitStateFile
 from services.learner.settings import LearnerSettings
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from services.learner.unit_control import UnitControl
 from services.learner.unit_state import STATE_FILE, UnitState
 from shared import model, records, subjects
-from shared.records import (
-    DESIRED_STATES,
-    DesiredRecord,
-    LearnerCheckpointMeta,
-    OuterStatus,
-    UnitIdentity,
-    UnitLedger,
-    UnitStateFile,
-    UnitStatus,
-)
+from shared.records.jobs import DESIRED_STATES, DesiredRecord
+from shared.records.outer import OuterStatus, UnitLedger
+from shared.records.unit import UnitStatus
 from tests.strategies import record_bytes
 
 SETTINGS = LearnerSettings(job="t", model="tiny", unit=1, num_units=3)

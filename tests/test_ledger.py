@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shared.ledger import RoundSet, balance
-from shared.records import OuterStatus, UnitStatus
+from shared.records.outer import OuterStatus
+from shared.records.unit import UnitStatus
 
 ops = st.lists(
     st.one_of(

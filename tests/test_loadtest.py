@@ -8,10 +8,12 @@ import sys
 
 import pytest
 
+from services.loadtest.records import LoadtestReport, LoadtestStage
 from services.loadtest.report import StageNumbers, judge, saturation_units, table, verdict
 from services.loadtest.settings import LoadtestSettings
 from shared import records
-from shared.records import Books, LatencySummary, LoadtestReport, LoadtestStage
+from shared.ledger import Books
+from shared.records.unit import LatencySummary
 
 
 def numbers(**changes) -> StageNumbers:

@@ -8,10 +8,10 @@ import pytest
 
 from services.orchestration.local import files
 from services.orchestration.local.chaos import ChaosClock, link_outages, plan_chaos
+from services.orchestration.local.records import ChaosEvent
 from services.orchestration.local.settings import UpSettings
 from services.orchestration.supervisor import RestartPolicy, State, Supervisor
 from shared.link_spec import parse_outages
-from shared.records import ChaosEvent
 from tests.helpers import start_up
 
 

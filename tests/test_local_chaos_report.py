@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from services.orchestration.local.records import RunSummary
 from shared.ledger import balance
-from shared.records import OuterStatus, RunSummary, UnitStatus
+from shared.records.outer import OuterStatus
+from shared.records.unit import UnitStatus
 from tests.helpers import REPO
 
 ARGS = argparse.Namespace(minutes=1.0, seed=0, learners=1, min_gap_s=5.0, max_gap_s=15.0)

@@ -9,9 +9,11 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 
 from services.orchestration.local import files
+from services.orchestration.local.records import PidsFile, RunSummary
 from shared import atomic
 from shared.ledger import balance
-from shared.records import OuterStatus, PidsFile, RunSummary, UnitStatus
+from shared.records.outer import OuterStatus
+from shared.records.unit import UnitStatus
 from tests.strategies import record_bytes
 
 

@@ -9,18 +9,13 @@ from services.orchestration.local.progress import (
     staleness_summary,
     summary_lines,
 )
+from services.orchestration.local.records import RunSummary
+from shared.goodput import Goodput
 from shared.ledger import balance
 from shared.link_spec import parse_link
-from shared.records import (
-    EvalRecord,
-    EvaluationRecord,
-    Goodput,
-    LatencySummary,
-    LinkStatus,
-    OuterStatus,
-    RunSummary,
-    UnitStatus,
-)
+from shared.records.link import LinkStatus
+from shared.records.outer import EvalRecord, EvaluationRecord, OuterStatus
+from shared.records.unit import LatencySummary, UnitStatus
 
 OUTER = OuterStatus(
     state="running",

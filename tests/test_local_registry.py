@@ -8,7 +8,7 @@ import asyncio
 
 from services.orchestration.registry import Registry, read_registry
 from shared import kv, subjects, transport
-from shared.records import DesiredRecord, JobRecord, JobSpec
+from shared.records.jobs import DesiredRecord, JobRecord, JobSpec
 from shared.settings import NatsSettings
 
 

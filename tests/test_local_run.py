@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from services.orchestration.local.release import READY_TIMEOUT_S, all_ready
 from services.orchestration.local.run import job_is_complete
-from shared.records import EvalRecord, EvaluationRecord, OuterStatus, UnitStatus
+from shared.records.outer import EvalRecord, EvaluationRecord, OuterStatus
+from shared.records.unit import UnitStatus
 
 UNITS = {0: UnitStatus(unit=0, state="finished", published_rounds=[(0, 3)])}
 

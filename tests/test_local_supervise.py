@@ -13,17 +13,13 @@ from pathlib import Path
 
 from services.orchestration.local import files, release
 from services.orchestration.local.cluster import Cluster
+from services.orchestration.local.records import RunSummary
 from services.orchestration.local.run import supervise
 from services.orchestration.local.settings import UpSettings
 from shared import kv, subjects, transport
-from shared.records import (
-    DesiredRecord,
-    EvalRecord,
-    EvaluationRecord,
-    OuterStatus,
-    RunSummary,
-    UnitStatus,
-)
+from shared.records.jobs import DesiredRecord
+from shared.records.outer import EvalRecord, EvaluationRecord, OuterStatus
+from shared.records.unit import UnitStatus
 from shared.settings import NatsSettings
 
 JOB = "own"

@@ -19,7 +19,8 @@ import pytest
 
 from shared import kv, nats_auth, subjects, transport
 from shared.nats_auth import Credentials, CredentialsError, Identity
-from shared.records import DesiredRecord, NatsCredentials
+from shared.records.credentials import NatsCredentials
+from shared.records.jobs import DesiredRecord
 from shared.settings import NatsSettings, SettingsError, settings_from_args
 from tests.helpers import SecureNats
 

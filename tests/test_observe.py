@@ -15,18 +15,17 @@ from services.gateway.views import job_metrics, job_view, unit_view, version_lag
 from services.orchestration.nats_server import free_port
 from shared.job_status import JobStatus
 from shared.link_spec import parse_link
-from shared.records import (
+from shared.records import Stamped
+from shared.records.link import LinkStatus
+from shared.records.outer import (
     EvalPoint,
     EvalRecord,
     EvaluationRecord,
-    LatencySummary,
-    LinkStatus,
     OuterStatus,
-    Stamped,
     TrainPoint,
     UnitLedger,
-    UnitStatus,
 )
+from shared.records.unit import LatencySummary, UnitStatus
 from tests.helpers import GATEWAY_TOKEN
 
 SERVER_TIME = 1_800_000_000.0

@@ -17,7 +17,13 @@ from services.outer.policy import Arrival
 from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
 from shared import model, pytree, subjects, transport
-from shared.records import CheckpointPointer, EvalPoint, EvaluationRecord, LedgerRecord, UnitLedger
+from shared.records.outer import (
+    CheckpointPointer,
+    EvalPoint,
+    EvaluationRecord,
+    LedgerRecord,
+    UnitLedger,
+)
 from shared.settings import NatsSettings
 
 

@@ -16,15 +16,15 @@ from services.outer.status import (
 )
 from shared import records, subjects
 from shared.ledger import balance
-from shared.records import (
+from shared.records.outer import (
     CheckpointInfo,
     EvalRecord,
     LedgerRecord,
     OuterStatus,
     RestoredFrom,
     StandbyStatus,
-    UnitStatus,
 )
+from shared.records.unit import UnitStatus
 
 
 def arrival(unit: int, round_: int, tokens: int = 100, train_loss: float | None = 3.0) -> Arrival:

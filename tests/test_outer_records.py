@@ -14,7 +14,7 @@ from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
 from shared import records, subjects, transport
 from shared.job_status import read_job_status
-from shared.records import CheckpointPointer, LeaseRecord, OuterStatus
+from shared.records.outer import CheckpointPointer, LeaseRecord, OuterStatus
 
 GARBAGE = (b"{not json", b'{"holder": 7}', b"[]", b'{"holder": "x", "epoch": -1, "beat": 0}')
 

@@ -22,7 +22,7 @@ from services.orchestration.reconcile import Retire, Spawn, plan
 from services.orchestration.registry import Registry
 from services.orchestration.supervisor import RestartPolicy, State, Supervisor
 from shared import nats_auth
-from shared.records import JobRecord, JobSpec
+from shared.records.jobs import JobRecord, JobSpec
 
 CKPT = "/data/units"
 

@@ -1,4 +1,5 @@
-"""shared.records: every record's model, malformed input, the rejection counter, the lost rule."""
+"""Every record's model (shared.records and the services' own records), malformed input, the
+rejection counter, the lost rule."""
 
 from __future__ import annotations
 
@@ -6,23 +7,44 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import records
-from shared.records import (
-    DesiredRecord,
-    JobRecord,
-    JobSpec,
+from services.learner import records as learner_records
+from services.loadtest import records as loadtest_records
+from services.orchestration.local import records as run_records
+from shared import goodput, ledger, records
+from shared.records import Stamped, credentials, jobs, link, outer, unit
+from shared.records.jobs import DesiredRecord, JobRecord, JobSpec
+from shared.records.outer import (
+    CheckpointPointer,
+    EvalRecord,
+    EvaluationRecord,
     LeaseRecord,
     OuterStatus,
     ParamsHead,
-    Stamped,
-    UnitStatus,
+    UnitLedger,
+    outer_liveness,
 )
+from shared.records.unit import UnitStatus, unit_liveness
 from tests.strategies import near_objects
 
+RECORD_MODULES = [
+    unit,
+    outer,
+    jobs,
+    link,
+    credentials,
+    ledger,
+    goodput,
+    learner_records,
+    run_records,
+    loadtest_records,
+]
 MODELS = [
     model
-    for model in vars(records).values()
-    if isinstance(model, type) and issubclass(model, records.Record) and model is not records.Record
+    for module in RECORD_MODULES
+    for model in vars(module).values()
+    if isinstance(model, type)
+    and issubclass(model, records.Record)
+    and model.__module__ == module.__name__
 ]
 
 
@@ -37,6 +59,7 @@ def test_every_model_is_covered() -> None:
     names = {model.__name__ for model in MODELS}
     assert {"UnitStatus", "OuterStatus", "StandbyStatus", "DesiredRecord", "JobRecord"} <= names
     assert {"LeaseRecord", "ParamsHead", "PidsFile", "RunSummary", "UnitStateFile"} <= names
+    assert {"LinkStatus", "NatsCredentials", "Books", "Goodput", "LoadtestReport"} <= names
 
 
 @settings(max_examples=150, deadline=None)
@@ -83,17 +106,17 @@ def test_records_round_trip() -> None:
             state="running",
             model="tiny",
             holder="h:1:x",
-            units={0: records.UnitLedger(applied=2, last_round=1)},
+            units={0: UnitLedger(applied=2, last_round=1)},
             applied_rounds={0: [(0, 1)]},
-            evaluation=records.EvaluationRecord(
-                init=records.EvalRecord(version=0, tokens=0, nats_per_byte=5.5, bits_per_byte=8.0)
+            evaluation=EvaluationRecord(
+                init=EvalRecord(version=0, tokens=0, nats_per_byte=5.5, bits_per_byte=8.0)
             ),
         ),
         LeaseRecord(
             holder="h",
             epoch=2,
             beat=9,
-            pointer=records.CheckpointPointer(
+            pointer=CheckpointPointer(
                 id="J.e2.s1", epoch=2, slot=1, chunks=3, size=100, crc=7, versions=[4]
             ),
         ),
@@ -132,20 +155,20 @@ def _stamped(record, age_s: float):
 
 def test_the_lost_rule() -> None:
     running = UnitStatus(unit=0, state="running")
-    assert records.unit_liveness(None, 10) == "absent"
-    assert records.unit_liveness(_stamped(running, 9.9), 10) == "running"
-    assert records.unit_liveness(_stamped(running, 10.1), 10) == "lost"
+    assert unit_liveness(None, 10) == "absent"
+    assert unit_liveness(_stamped(running, 9.9), 10) == "running"
+    assert unit_liveness(_stamped(running, 10.1), 10) == "lost"
     finished = UnitStatus(unit=0, state="finished")
-    assert records.unit_liveness(_stamped(finished, 1e6), 10) == "finished"
+    assert unit_liveness(_stamped(finished, 1e6), 10) == "finished"
     outer = OuterStatus(state="stopped", model="tiny", holder="h")
-    assert records.outer_liveness(None, 10) == "absent"
-    assert records.outer_liveness(_stamped(outer, 3), 10) == "stopped"
-    assert records.outer_liveness(_stamped(outer, 11), 10) == "lost"
+    assert outer_liveness(None, 10) == "absent"
+    assert outer_liveness(_stamped(outer, 3), 10) == "stopped"
+    assert outer_liveness(_stamped(outer, 11), 10) == "lost"
 
 
 def test_outer_status_answers_for_a_unit() -> None:
     outer = OuterStatus(
-        state="running", model="tiny", holder="h", units={1: records.UnitLedger(last_round=41)}
+        state="running", model="tiny", holder="h", units={1: UnitLedger(last_round=41)}
     )
     assert outer.next_round(1) == 42 and outer.next_round(0) == 0
     assert outer.unit_ledger(1) is not None and outer.unit_ledger(5) is None

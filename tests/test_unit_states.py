@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from services.orchestration.nats_server import free_port
-from shared.records import UnitStatus
+from shared.records.unit import UnitStatus
 from tests.helpers import AUTH, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)

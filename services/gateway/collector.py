@@ -21,15 +21,9 @@ from prometheus_client.registry import Collector
 from services.gateway.views import version_lag
 from shared.goodput import job_goodput
 from shared.job_status import JobStatus
-from shared.records import (
-    UNIT_STATES,
-    LatencySummary,
-    LinkStatus,
-    OuterStatus,
-    UnitStatus,
-    outer_liveness,
-    unit_liveness,
-)
+from shared.records.link import LinkStatus
+from shared.records.outer import OuterStatus, outer_liveness
+from shared.records.unit import UNIT_STATES, LatencySummary, UnitStatus, unit_liveness
 
 #: States the ``diloco_unit_state`` gauge always reports (1 for the current one).
 SHOWN_UNIT_STATES = (*UNIT_STATES, "lost")

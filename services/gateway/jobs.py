@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from shared.records import DesiredState, JobState
+from shared.records.jobs import DesiredState, JobState
 
 Action = Literal["start", "pause", "resume", "stop"]
 

@@ -18,7 +18,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.kv import KeyValue
 
 from shared import kv, records, subjects
-from shared.records import DesiredRecord, DesiredState, JobRecord, JobSpec
+from shared.records.jobs import DesiredRecord, DesiredState, JobRecord, JobSpec
 
 
 class Conflict(RuntimeError):

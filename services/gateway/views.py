@@ -18,24 +18,18 @@ from pydantic import BaseModel, Field
 from shared.bandwidth import link_usage
 from shared.goodput import job_goodput
 from shared.job_status import JobStatus
-from shared.records import (
-    DesiredState,
+from shared.records import Stamped
+from shared.records.jobs import DesiredState, JobRecord, JobSpec, JobState
+from shared.records.link import LinkStatus
+from shared.records.outer import (
     EvalPoint,
-    JobRecord,
-    JobSpec,
-    JobState,
-    LatencySummary,
     LedgerRecord,
-    LinkStatus,
     OuterState,
     OuterStatus,
-    Stamped,
     TrainPoint,
-    UnitState,
-    UnitStatus,
     outer_liveness,
-    unit_liveness,
 )
+from shared.records.unit import LatencySummary, UnitState, UnitStatus, unit_liveness
 
 #: What a unit does when no desired state was ever written for it, and it never reported one.
 DEFAULT_DESIRED: DesiredState = "running"

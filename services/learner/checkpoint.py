@@ -44,10 +44,10 @@ import jax
 import numpy as np
 
 from services.learner.core import FragmentSync, LearnerCore
+from services.learner.records import FragmentSyncRecord, LearnerCheckpointMeta, UnitIdentity
 from services.learner.trainer import InnerState
 from shared import pytree, records
 from shared.atomic import atomic_write
-from shared.records import FragmentSyncRecord, LearnerCheckpointMeta, UnitIdentity
 
 log = logging.getLogger(__name__)
 

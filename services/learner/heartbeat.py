@@ -23,7 +23,7 @@ from services.learner.settings import LearnerSettings
 from services.learner.unit_control import UnitControl
 from services.learner.unit_state import UnitState
 from shared import kv, liveness, records, subjects
-from shared.records import UnitStatus
+from shared.records.unit import UnitStatus
 from shared.retry import NATS_ERRORS
 
 log = logging.getLogger(__name__)

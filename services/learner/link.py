@@ -42,7 +42,7 @@ from services.learner.unit_control import UnitControl
 from services.learner.unit_state import UnitState
 from shared import subjects, transport
 from shared.latency import TimeSpent
-from shared.records import DesiredState
+from shared.records.jobs import DesiredState
 from shared.retry import NATS_ERRORS, retry
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from services.learner.counters import Counters
 from services.learner.settings import LearnerSettings
 from shared import codec, records, subjects, transport, wire
 from shared.latency import Latencies, SyncLatency
-from shared.records import ParamsHead
+from shared.records.outer import ParamsHead
 from shared.retry import NATS_ERRORS, retry
 from shared.transport import TransportError
 

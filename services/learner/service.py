@@ -32,11 +32,11 @@ from services.learner.checkpoint import (
 )
 from services.learner.core import LearnerCore, SyncSchedule, Upload, dynamic_h
 from services.learner.link import LearnerLink
+from services.learner.records import UnitIdentity
 from services.learner.settings import LearnerSettings
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from services.learner.unit_state import UnitState, unit_dir
 from shared import data, model
-from shared.records import UnitIdentity
 from shared.runtime import configure_jax
 
 log = logging.getLogger(__name__)

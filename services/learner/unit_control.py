@@ -23,7 +23,9 @@ from typing import Any
 from services.learner.settings import LearnerSettings
 from services.learner.unit_state import UnitState
 from shared import kv, subjects
-from shared.records import DesiredRecord, DesiredState, OuterStatus, UnitStatus
+from shared.records.jobs import DesiredRecord, DesiredState
+from shared.records.outer import OuterStatus
+from shared.records.unit import UnitStatus
 from shared.retry import NATS_ERRORS
 
 log = logging.getLogger(__name__)

@@ -28,10 +28,11 @@ import logging
 import threading
 from pathlib import Path
 
+from services.learner.records import UnitStateFile
 from shared import records
 from shared.atomic import atomic_write_bytes
 from shared.ledger import RoundSet
-from shared.records import DESIRED_STATES, DesiredState, UnitStateFile
+from shared.records.jobs import DESIRED_STATES, DesiredState
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from typing import Any
 from services.link.proxy import LinkCounters, LinkProxy
 from services.link.settings import LinkSettings
 from shared import kv, subjects, transport
-from shared.records import LinkStatus
+from shared.records.link import LinkStatus
 from shared.retry import NATS_ERRORS, retry
 
 log = logging.getLogger(__name__)

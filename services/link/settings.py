@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 from pydantic import Field, field_validator
 
 from shared.link_spec import LinkSpec, Outage, parse_link, parse_outages
-from shared.records import LINK_NAME_PATTERN
+from shared.records.link import LINK_NAME_PATTERN
 from shared.settings import NatsSettings
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.records import LoadtestReport, LoadtestStage
+from services.loadtest.records import LoadtestReport, LoadtestStage
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TextIO
 
 from services.loadtest.payloads import PayloadPool
+from services.loadtest.records import LoadtestReport
 from services.loadtest.report import saturation_units, table, verdict
 from services.loadtest.settings import LoadtestSettings
 from services.loadtest.stage import Stage
@@ -15,7 +16,6 @@ from shared import records
 from shared.atomic import atomic_write_bytes
 from shared.codec_config import CodecConfig
 from shared.model_config import get_config
-from shared.records import LoadtestReport
 
 POOL_SIZE = 4  # different synthetic pseudo-gradients, sent in turn
 REPORT_FILE = "loadtest.json"

@@ -33,6 +33,7 @@ from typing import Any
 
 from services.link.proxy import LinkProxy
 from services.loadtest.payloads import PayloadPool
+from services.loadtest.records import LoadtestStage
 from services.loadtest.report import StageNumbers, judge
 from services.loadtest.settings import LoadtestSettings
 from services.loadtest.unit import SyntheticUnit, UnitPlan
@@ -41,7 +42,8 @@ from services.orchestration.children import popen
 from shared import kv, subjects, transport
 from shared.latency import Latencies
 from shared.ledger import balance
-from shared.records import LoadtestStage, OuterStatus, UnitStatus
+from shared.records.outer import OuterStatus
+from shared.records.unit import UnitStatus
 from shared.retry import NATS_ERRORS
 from shared.settings import NatsSettings
 

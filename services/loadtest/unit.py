@@ -26,7 +26,7 @@ from services.loadtest.payloads import PayloadPool
 from shared import records, subjects, transport, wire
 from shared.latency import SyncLatency
 from shared.ledger import RoundSet
-from shared.records import ParamsHead
+from shared.records.outer import ParamsHead
 from shared.retry import NATS_ERRORS, retry
 from shared.settings import NatsSettings
 from shared.transport import TransportError

@@ -48,7 +48,7 @@ from services.learner.settings import InnerSettings
 from services.orchestration.supervisor import State
 from services.outer.settings import OuterAlgorithmSettings
 from shared.model_config import SIZES
-from shared.records import JobRecord, JobSpec
+from shared.records.jobs import JobRecord, JobSpec
 from shared.settings import CommonJobSettings, to_flags
 
 DONE = (State.FINISHED, State.GAVE_UP)

@@ -13,7 +13,7 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 
 from shared import kv, subjects
-from shared.records import DesiredRecord, DesiredState, JobRecord
+from shared.records.jobs import DesiredRecord, DesiredState, JobRecord
 
 
 @dataclass(frozen=True)

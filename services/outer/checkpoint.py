@@ -33,7 +33,8 @@ import numpy as np
 from pydantic import ValidationError
 
 from shared import subjects
-from shared.records import CheckpointPointer, EvaluationRecord, LedgerRecord, R
+from shared.records import R
+from shared.records.outer import CheckpointPointer, EvaluationRecord, LedgerRecord
 from shared.transport import TransportError, publish_blob
 from shared.wire import Reassembler, WireError, parse_chunk_headers
 

@@ -43,7 +43,7 @@ import nats.js.errors
 
 from shared import records
 from shared.kv import get_with_revision
-from shared.records import CheckpointPointer, LeaseRecord
+from shared.records.outer import CheckpointPointer, LeaseRecord
 from shared.retry import QUICK, retry
 
 log = logging.getLogger(__name__)

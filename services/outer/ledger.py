@@ -18,7 +18,7 @@ from typing import Literal
 
 from services.outer.policy import Arrival
 from shared.ledger import RoundSet
-from shared.records import LedgerRecord, UnitLedger
+from shared.records.outer import LedgerRecord, UnitLedger
 
 Done = Literal["applied", "rejected"]
 

@@ -43,7 +43,7 @@ from services.outer.settings import OuterSettings
 from services.outer.status import Progress, leader_status, standby_status, status_key
 from services.outer.validation import UploadRules
 from shared import codec, data, evaluation, kv, liveness, model, pytree, subjects, transport, wire
-from shared.records import (
+from shared.records.outer import (
     CheckpointInfo,
     EvalRecord,
     OuterState,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from services.outer.ledger import OuterLedger
 from shared import subjects
-from shared.records import (
+from shared.records.outer import (
     CheckpointInfo,
     EvalPoint,
     EvalRecord,

@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pydantic import Field, NonNegativeFloat, PositiveFloat
+
+from services.orchestration.local.records import ChaosEvent
+from shared.records import Count, Record
+
 FailureKind = Literal["kill", "pause", "cut"]
 Mode = Literal["decoupled", "sync"]
 
@@ -109,3 +114,41 @@ class Outcome:
     lost_steps: int = 0
     dropped_uploads: int = 0
     merges: list[float] = field(default_factory=list)  # the time of each published global
+
+
+GoodputMethod = Literal["decoupled", "sync", "dp-like"]
+
+
+class GoodputRun(Record):
+    """One run of ``bench/goodput.py`` (``bench/results/goodput.json``), which
+    ``bench/scaling.py`` calibrates and checks its simulator against. Times are seconds from
+    the units' start; unit indexes are strings (JSON keys)."""
+
+    key: str = Field(max_length=200, description="method / failure rate / link")
+    method: GoodputMethod
+    mtbf_s: PositiveFloat | None = Field(description="mean seconds between a unit's failures")
+    link: str | None = Field(None, max_length=100, description="every unit's link (None: none)")
+    reason: str = Field(max_length=200, description="why the run ended")
+    elapsed_s: NonNegativeFloat
+    goodput: NonNegativeFloat | None
+    up: NonNegativeFloat | None = Field(description="share of the windows the units were up")
+    unit_goodput: dict[str, NonNegativeFloat]
+    unit_up: dict[str, NonNegativeFloat]
+    speeds: dict[str, NonNegativeFloat] = Field(description="each unit's healthy tokens/s")
+    unit_applied: dict[str, Count] = Field(description="tokens of each unit the outer applied")
+    windows: dict[str, NonNegativeFloat] = Field(description="each unit's goodput window, s")
+    restarts: dict[str, Count] = Field(description="restarts of each process")
+    tokens_per_step: Count
+    h_steps: Count
+    steps: Count = Field(description="inner steps each unit trained (the token budget)")
+    applied: Count
+    versions: Count
+    upload_bytes: NonNegativeFloat = Field(description="mean accepted upload payload")
+    end_s: NonNegativeFloat = Field(description="the last evaluation's time")
+    seconds_per_version: NonNegativeFloat | None
+    final_eval: float | None
+    curve: list[tuple[float, float]] = Field([], description="(seconds, eval nats/byte)")
+    chaos: list[ChaosEvent] = Field([], description="the failures injected")
+    chaos_offset_s: float | None = Field(
+        None, description="how far the failure schedule had run at the units' start"
+    )

@@ -26,9 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shared.link_spec import parse_link
-from shared.records import GoodputRun
 from sim.cluster.engine import simulate
-from sim.cluster.model import Cluster, Failure, Link, Method, Outcome, Unit
+from sim.cluster.model import Cluster, Failure, GoodputRun, Link, Method, Outcome, Unit
 
 YEAR_S = 365.25 * 24 * 3600
 

@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 from services.gateway.deps import NatsDep, SettingsDep
 from services.gateway.views import ErrorView
 from shared.job_status import read_job_status
-from shared.records import outer_liveness
+from shared.records.outer import outer_liveness
 
 router = APIRouter(tags=["health"])
 READY_FLUSH_TIMEOUT_S = 2.0

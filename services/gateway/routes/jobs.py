@@ -28,7 +28,8 @@ from services.gateway.views import (
 )
 from shared import data
 from shared.job_status import read_job_status
-from shared.records import MAX_UNITS, JobRecord, JobSpec
+from shared.records import MAX_UNITS
+from shared.records.jobs import JobRecord, JobSpec
 
 router = APIRouter(tags=["jobs"])
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from shared.records import ChaosEvent, ChaosKind
+from services.orchestration.local.records import ChaosEvent, ChaosKind
 
 SERVICE_TARGETS = ("outer", "nats-server")
 

@@ -26,12 +26,12 @@ from services.orchestration import commands, nats_server, reconcile
 from services.orchestration.children import Child, Launch, popen
 from services.orchestration.local import files
 from services.orchestration.local.chaos import ChaosClock, link_outages
+from services.orchestration.local.records import ChaosEvent, PidsFile
 from services.orchestration.local.settings import UpSettings
 from services.orchestration.registry import Registry
 from services.orchestration.supervisor import RestartPolicy, State, Supervisor
 from shared import nats_auth, tls
 from shared.link_spec import LinkSpec
-from shared.records import ChaosEvent, PidsFile
 from shared.settings import NatsSettings
 
 STOP_GRACE_S = 30.0

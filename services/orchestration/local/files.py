@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from services.orchestration.local.records import PidsFile, RunSummary
 from shared import atomic, records
-from shared.records import PidsFile, R, RunSummary
+from shared.records import R
 
 TOKEN_FILE = "token"
 PIDS_FILE = "pids.json"

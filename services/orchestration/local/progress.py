@@ -8,16 +8,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from services.orchestration.local.records import RunSummary
 from shared.bandwidth import link_usage
-from shared.records import (
-    EvaluationRecord,
-    LatencySummary,
-    LedgerRecord,
-    LinkStatus,
-    OuterStatus,
-    RunSummary,
-    UnitStatus,
-)
+from shared.records.link import LinkStatus
+from shared.records.outer import EvaluationRecord, LedgerRecord, OuterStatus
+from shared.records.unit import LatencySummary, UnitStatus
 
 SMALL_HISTOGRAM = 6  # a staleness histogram with at most this many values is shown whole
 

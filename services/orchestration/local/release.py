@@ -12,7 +12,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from shared import kv, subjects, transport
-from shared.records import DesiredRecord, DesiredState, UnitStatus
+from shared.records.jobs import DesiredRecord, DesiredState
+from shared.records.unit import UnitStatus
 from shared.settings import NatsSettings
 
 READY_TIMEOUT_S = 300.0

@@ -27,20 +27,16 @@ from services.orchestration.local import files, release
 from services.orchestration.local.chaos import unit_of_target
 from services.orchestration.local.cluster import Cluster
 from services.orchestration.local.progress import Throughput, progress_line, summary_lines
+from services.orchestration.local.records import RunSummary
 from services.orchestration.local.settings import UpSettings
 from services.orchestration.registry import read_registry
 from shared import kv, ledger, retry, subjects, transport
-from shared.goodput import job_goodput
+from shared.goodput import Goodput, job_goodput
 from shared.job_status import JobStatus, read_job_status
-from shared.records import (
-    DesiredRecord,
-    DesiredState,
-    Goodput,
-    LinkStatus,
-    OuterStatus,
-    RunSummary,
-    UnitStatus,
-)
+from shared.records.jobs import DesiredRecord, DesiredState
+from shared.records.link import LinkStatus
+from shared.records.outer import OuterStatus
+from shared.records.unit import UnitStatus
 
 STATUS_READ_TIMEOUT_S = 3.0  # bounds a status read while NATS is down, so healing goes on
 RECONCILE_EVERY_S = 1.0  # how often the registry's jobs are read and their processes matched

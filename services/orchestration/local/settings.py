@@ -12,10 +12,10 @@ from pydantic_settings import SettingsConfigDict
 
 from services.learner.settings import InnerSettings, check_sync_overlap
 from services.orchestration.local.chaos import SERVICE_TARGETS, plan_chaos
+from services.orchestration.local.records import CHAOS_KINDS, ChaosEvent, ChaosKind
 from services.orchestration.supervisor import DEFAULT_MAX_RESTARTS
 from services.outer.settings import OuterAlgorithmSettings
 from shared.link_spec import LinkSpec, parse_link, parse_links, parse_outages
-from shared.records import CHAOS_KINDS, ChaosEvent, ChaosKind
 from shared.settings import ENV_PREFIX, SECRET, CommonJobSettings
 
 
