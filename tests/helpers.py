@@ -18,13 +18,15 @@ from pathlib import Path
 from typing import TypeVar
 
 from services.orchestration.local import files
-from shared import transport
 from shared.job_status import JobStatus, read_job_status
 from shared.kv import KvError
 from shared.nats_auth import Identity
 from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
 from shared.settings import NatsSettings
+from shared.transport.blobs import chunk_size_for, publish_blob
+from shared.transport.connection import connect
+from shared.transport.streams import ensure_streams, prepare_streams
 
 REPO = Path(__file__).resolve().parents[1]
 GATEWAY_TOKEN = "test-token-0123456789"  # every gateway a test starts has it (DILOCO_TOKEN)
@@ -50,7 +52,7 @@ def job_status(nats_url: str, job: str, credentials: str | None = None) -> JobSt
 
     async def read() -> JobStatus:
         settings = NatsSettings(nats_url=nats_url, nats_credentials=credentials)
-        nc = await transport.connect(settings, "test-reader")
+        nc = await connect(settings, "test-reader")
         try:
             return await read_job_status(nc, nc.jetstream(), job)
         except KvError:  # no service has created the status bucket yet
@@ -278,8 +280,8 @@ def publish_uploads(
                 if secure is None
                 else secure.settings(Identity("learner", job, unit=unit))
             )
-            nc = await transport.connect(settings, f"upload-publisher-{unit}")
-            await transport.prepare_streams(nc.jetstream(), settings)
+            nc = await connect(settings, f"upload-publisher-{unit}")
+            await prepare_streams(nc.jetstream(), settings)
             connections[unit] = nc
         for k in uploads:  # in order: the stream holds them as numbered
             unit, round_ = k % 3, k // 3
@@ -288,12 +290,12 @@ def publish_uploads(
             # a base version 40 behind the upload's position is always one it has reached.
             scale = (scales or {}).get(k, 1e-3)
             blob = upload_blob(job, unit, round_, base=max(0, k - 40), seed=k, scale=scale)
-            await transport.publish_blob(
+            await publish_blob(
                 nc.jetstream(),
                 subjects.grads_subject(job, unit),
                 blob,
                 wire.upload_id(job, unit, round_, 0),
-                transport.chunk_size_for(nc),
+                chunk_size_for(nc),
             )
         for nc in connections.values():
             await nc.close()
@@ -317,8 +319,8 @@ class SecureNats:
         )
 
         async def create_streams() -> None:
-            nc = await transport.connect(self.settings(Identity("admin")), "admin")
-            await transport.ensure_streams(nc.jetstream())
+            nc = await connect(self.settings(Identity("admin")), "admin")
+            await ensure_streams(nc.jetstream())
             await nc.close()
 
         asyncio.run(create_streams())

@@ -24,12 +24,15 @@ import numpy as np
 import pytest
 
 from services.orchestration.nats_server import NatsServer, start_nats_server
-from shared import codec, records, subjects, transport, wire
+from shared import codec, records, subjects, wire
 from shared.ledger import Books, balance
 from shared.nats_auth import Identity
 from shared.records.outer import OuterStatus, ParamsHead, UnitLedger
 from shared.records.unit import UnitStatus
 from shared.settings import NatsSettings
+from shared.transport.blobs import chunk_size_for, publish_blob
+from shared.transport.connection import connect
+from shared.transport.params import publish_params, read_latest_params
 from tests.helpers import (
     SecureNats,
     job_status,
@@ -143,7 +146,7 @@ class HeadRecorder:
         assert self._ready.wait(20), "head recorder could not connect"
 
     async def _run(self) -> None:
-        nc = await transport.connect(NatsSettings(nats_url=self.url), "head-recorder")
+        nc = await connect(NatsSettings(nats_url=self.url), "head-recorder")
 
         async def on_head(msg) -> None:
             head = records.decode(ParamsHead, msg.data, msg.subject)
@@ -266,9 +269,9 @@ def test_outer_killed_at_random_moments_loses_and_duplicates_nothing(
 
 def _final_params(url: str, job: str) -> dict[str, np.ndarray]:
     async def read() -> dict[str, np.ndarray]:
-        nc = await transport.connect(NatsSettings(nats_url=url), "replay-reader")
+        nc = await connect(NatsSettings(nats_url=url), "replay-reader")
         try:
-            fetched = await transport.read_latest_params(nc.jetstream(), job, 0, 1 << 30)
+            fetched = await read_latest_params(nc.jetstream(), job, 0, 1 << 30)
             assert fetched is not None
             envelope = wire.unpack_envelope(fetched[1], max_size=1 << 30)
             return codec.decode_tensors(envelope.payload, envelope.codec)
@@ -538,12 +541,12 @@ def _publish_params(url: str, job: str, version: int, params: dict[str, np.ndarr
     from services.outer.publishing import params_envelope
 
     async def publish() -> None:
-        nc = await transport.connect(NatsSettings(nats_url=url), "test-params")
+        nc = await connect(NatsSettings(nats_url=url), "test-params")
         try:
             js = nc.jetstream()
             blob, checksum = params_envelope(job, "tiny", 0, version, 0, params, "fp32")
-            chunk = transport.chunk_size_for(nc)
-            await transport.publish_params(js, job, 0, version, blob, chunk, checksum)
+            chunk = chunk_size_for(nc)
+            await publish_params(js, job, 0, version, blob, chunk, checksum)
         finally:
             await nc.close()
 
@@ -579,7 +582,7 @@ def test_a_learner_fed_malformed_heads_wrong_shapes_and_huge_versions_adopts_the
     name = sorted(genuine)[0]
 
     async def junk_head(data: bytes) -> None:
-        nc = await transport.connect(NatsSettings(nats_url=url), "test-junk")
+        nc = await connect(NatsSettings(nats_url=url), "test-junk")
         await nc.jetstream().publish(subjects.params_head_subject(job, 0), data, timeout=5)
         await nc.close()
 
@@ -610,9 +613,9 @@ def test_poison_upload_is_dead_lettered_once_and_the_outer_goes_on(nats_server, 
     wait_for(lambda: outer_running(nats_server.url, job), 120, "outer")
 
     async def publish(blob: bytes, unit: int, round_: int) -> None:
-        nc = await transport.connect(NatsSettings(nats_url=nats_server.url), "poisoner")
+        nc = await connect(NatsSettings(nats_url=nats_server.url), "poisoner")
         js = nc.jetstream()
-        await transport.publish_blob(
+        await publish_blob(
             js, subjects.grads_subject(job, unit), blob, wire.upload_id(job, unit, round_, 0), 4096
         )
         await nc.close()
@@ -630,7 +633,7 @@ def test_poison_upload_is_dead_lettered_once_and_the_outer_goes_on(nats_server, 
     wait_for(lambda: outer_applied(nats_server.url, job) == 1, 60, "a good upload")
 
     async def dead_letters() -> tuple[list, int]:
-        nc = await transport.connect(NatsSettings(nats_url=nats_server.url), "dead-reader")
+        nc = await connect(NatsSettings(nats_url=nats_server.url), "dead-reader")
         js = nc.jetstream()
         sub = await js.pull_subscribe(subjects.dead_letter_subject(job), durable=None)
         msgs = []
@@ -710,14 +713,14 @@ def test_hostile_uploads_from_a_valid_unit_are_rejected_and_honest_rounds_go_on(
     ]
 
     async def send() -> None:
-        nc = await transport.connect(secure.settings(units[0]), "hostile-unit-0")
+        nc = await connect(secure.settings(units[0]), "hostile-unit-0")
         js = nc.jetstream()
         subject = subjects.grads_subject(job, 0)
         for blob, upload in hostile:
-            await transport.publish_blob(js, subject, blob, upload, 4096)
+            await publish_blob(js, subject, blob, upload, 4096)
         await js.publish(subject, b"not a chunk", timeout=5)  # no chunk headers
         garbage = b"\x93junk" * 100  # chunk headers of round 9, a body that is no envelope
-        await transport.publish_blob(js, subject, garbage, wire.upload_id(job, 0, 9, 0), 4096)
+        await publish_blob(js, subject, garbage, wire.upload_id(job, 0, 9, 0), 4096)
         await nc.close()
 
     asyncio.run(send())

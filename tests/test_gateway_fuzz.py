@@ -12,9 +12,11 @@ import httpx
 import pytest
 
 from services.orchestration.nats_server import free_port
-from shared import kv, subjects, transport
+from shared import kv, subjects
 from shared.records.outer import OuterStatus
 from shared.settings import NatsSettings
+from shared.transport.connection import connect
+from shared.transport.streams import ensure_streams
 from tests.helpers import AUTH, wait_for
 
 schemathesis = pytest.importorskip("schemathesis")
@@ -31,10 +33,10 @@ def outer_heartbeat(nats_url: str) -> None:
     """One running outer's status record for the gateway's job."""
 
     async def write() -> None:
-        nc = await transport.connect(NatsSettings(nats_url=nats_url), "test-outer")
+        nc = await connect(NatsSettings(nats_url=nats_url), "test-outer")
         try:
             js = nc.jetstream()
-            await transport.ensure_streams(js)
+            await ensure_streams(js)
             bucket = await js.key_value(subjects.STATUS_BUCKET)
             record = OuterStatus(state="running", model="tiny", holder="test")
             await kv.put(bucket, subjects.outer_status_key(JOB), record)

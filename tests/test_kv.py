@@ -11,17 +11,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shared import kv, records, subjects, transport
+from shared import kv, records, subjects
 from shared.job_status import jobs_with_status, read_job_status
 from shared.records.jobs import DesiredRecord
 from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
+from shared.transport.streams import ensure_streams
 
 
 async def _connect(url: str):
     nc = await nats.connect(url)
     js = nc.jetstream()
-    await transport.ensure_streams(js)
+    await ensure_streams(js)
     return nc, js
 
 

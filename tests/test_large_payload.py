@@ -9,7 +9,10 @@ import pytest
 
 from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
-from shared import codec, model, pytree, subjects, transport, wire
+from shared import codec, model, pytree, subjects, wire
+from shared.transport.blobs import chunk_size_for, publish_blob
+from shared.transport.connection import connect
+from shared.transport.streams import ensure_streams
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -57,19 +60,19 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
     )
 
     async def scenario():
-        nc = await transport.connect(settings, "test")
+        nc = await connect(settings, "test")
         js = nc.jetstream()
-        await transport.ensure_streams(js)
+        await ensure_streams(js)
         max_payload = nc.max_payload
-        chunk_size = transport.chunk_size_for(nc)
-        sequences = await transport.publish_blob(
+        chunk_size = chunk_size_for(nc)
+        sequences = await publish_blob(
             js, subjects.grads_subject("big", 0), blob, wire.upload_id("big", 0, 0, 0), chunk_size
         )
         sent = len(sequences)
         assert sent == -(-len(blob) // chunk_size) and sent >= 10
         # Retrying the same upload is deduplicated by Nats-Msg-Id: the stream holds one copy,
         # and the retry is told where each chunk already is.
-        again = await transport.publish_blob(
+        again = await publish_blob(
             js, subjects.grads_subject("big", 0), blob, wire.upload_id("big", 0, 0, 0), chunk_size
         )
         assert again == sequences

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 
 from services.orchestration.registry import Registry, read_registry
-from shared import kv, subjects, transport
+from shared import kv, subjects
 from shared.records.jobs import DesiredRecord, JobRecord, JobSpec
 from shared.settings import NatsSettings
+from shared.transport.connection import connect
+from shared.transport.streams import ensure_streams
 
 
 def record(job: str, state: str = "running", units: int = 2) -> JobRecord:
@@ -23,10 +25,10 @@ def record(job: str, state: str = "running", units: int = 2) -> JobRecord:
 
 
 async def write_and_read(url: str) -> Registry:
-    nc = await transport.connect(NatsSettings(nats_url=url), "test-registry")
+    nc = await connect(NatsSettings(nats_url=url), "test-registry")
     try:
         js = nc.jetstream()
-        await transport.ensure_streams(js)
+        await ensure_streams(js)
         jobs_kv = await js.key_value(subjects.JOBS_BUCKET)
         desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
         for job in (record("own"), record("a"), record("done", state="stopped")):

@@ -16,11 +16,12 @@ from services.orchestration.local.cluster import Cluster
 from services.orchestration.local.records import RunSummary
 from services.orchestration.local.run import supervise
 from services.orchestration.local.settings import UpSettings
-from shared import kv, subjects, transport
+from shared import kv, subjects
 from shared.records.jobs import DesiredRecord
 from shared.records.outer import EvalRecord, EvaluationRecord, OuterStatus
 from shared.records.unit import UnitStatus
 from shared.settings import NatsSettings
+from shared.transport.connection import connect
 
 JOB = "own"
 # Says it is ready, runs until SIGTERM, then exits 0 as a learner that uploaded what it had.
@@ -65,7 +66,7 @@ def test_supervise_releases_the_units_together_and_finishes_when_the_books_balan
 
     async def scenario() -> RunSummary:
         await release.hold_units(NatsSettings(nats_url=nats_server.url), JOB, 2)
-        nc = await transport.connect(NatsSettings(nats_url=nats_server.url), "test")
+        nc = await connect(NatsSettings(nats_url=nats_server.url), "test")
         js = nc.jetstream()
         status_kv = await js.key_value(subjects.STATUS_BUCKET)
         desired_kv = await js.key_value(subjects.DESIRED_BUCKET)

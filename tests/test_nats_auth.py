@@ -22,6 +22,8 @@ from shared.nats_auth import Credentials, CredentialsError, Identity
 from shared.records.credentials import NatsCredentials
 from shared.records.jobs import DesiredRecord
 from shared.settings import NatsSettings, SettingsError, settings_from_args
+from shared.transport.connection import connect
+from shared.transport.streams import prepare_streams
 from tests.helpers import SecureNats
 
 pytestmark = pytest.mark.nats
@@ -41,7 +43,7 @@ class _Client:
         async def on_error(err: Exception) -> None:
             self.errors.append(str(err))
 
-        self.nc = await transport.connect(settings, name, error_cb=on_error)
+        self.nc = await connect(settings, name, error_cb=on_error)
         return self
 
     async def refused(self, subject: str, data: bytes = b"x") -> None:
@@ -93,15 +95,13 @@ async def _stream_messages(admin: _Client, stream: str) -> int:
 
 async def test_an_anonymous_client_or_a_wrong_password_is_refused(cluster: SecureNats) -> None:
     with pytest.raises(transport.TransportError, match="[Aa]uthorization"):
-        await transport.connect(
-            NatsSettings(nats_url=cluster.server.url, connect_timeout_s=2), "anonymous"
-        )
+        await connect(NatsSettings(nats_url=cluster.server.url, connect_timeout_s=2), "anonymous")
     forged = cluster.credentials.folder / "forged.json"
     nats_auth.write_credentials(
         forged, NatsCredentials(user="learner-secure-0", password="x" * 32, role="learner")
     )
     with pytest.raises(transport.TransportError, match="[Aa]uthorization"):
-        await transport.connect(
+        await connect(
             NatsSettings(nats_url=cluster.server.url, nats_credentials=str(forged)), "forged"
         )
 
@@ -114,7 +114,7 @@ async def test_a_learner_may_do_its_own_work_and_nothing_else(
     try:
         # Its own work: the streams it uses exist, it uploads on its subject, writes its status
         # and reads its desired state.
-        await transport.prepare_streams(js, cluster.settings(Identity("learner", JOB, unit=0)))
+        await prepare_streams(js, cluster.settings(Identity("learner", JOB, unit=0)))
         await js.publish(subjects.grads_subject(JOB, 0), b"upload", timeout=5)
         status_kv = await js.key_value(subjects.STATUS_BUCKET)
         await status_kv.put(subjects.unit_status_key(JOB, 0), b"{}")
@@ -196,9 +196,9 @@ async def test_new_users_are_added_by_a_reload_or_at_the_next_restart(cluster: S
     assert new
     settings = NatsSettings(nats_url=cluster.server.url, nats_credentials=str(path))
     with pytest.raises(transport.TransportError, match="[Aa]uthorization"):
-        await transport.connect(settings, "too-early")
+        await connect(settings, "too-early")
     cluster.server.reload(cluster.credentials.authorization_block())
-    nc = await transport.connect(settings, "after-reload")
+    nc = await connect(settings, "after-reload")
     await nc.close()
     # A server that is down when users are added finds them when it is restarted.
     late = Identity("learner", "later", unit=4)
@@ -207,7 +207,7 @@ async def test_new_users_are_added_by_a_reload_or_at_the_next_restart(cluster: S
     cluster.server.reload(cluster.credentials.authorization_block())
     cluster.server.restart()
     late_settings = NatsSettings(nats_url=cluster.server.url, nats_credentials=str(path))
-    nc = await transport.connect(late_settings, "after-restart")
+    nc = await connect(late_settings, "after-restart")
     await nc.close()
 
 

@@ -16,7 +16,7 @@ from services.outer.lease import Lease, LeaseLost
 from services.outer.policy import Arrival
 from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
-from shared import model, pytree, subjects, transport
+from shared import model, pytree, subjects
 from shared.records.outer import (
     CheckpointPointer,
     EvalPoint,
@@ -25,6 +25,8 @@ from shared.records.outer import (
     UnitLedger,
 )
 from shared.settings import NatsSettings
+from shared.transport.connection import connect
+from shared.transport.streams import ensure_streams
 
 
 def _core(seed: int = 0, fragments: int = 1) -> OuterCore:
@@ -128,9 +130,9 @@ def test_a_checkpoint_with_malformed_books_is_refused() -> None:
 
 
 async def _connect(url: str):
-    nc = await transport.connect(NatsSettings(nats_url=url), "test")
+    nc = await connect(NatsSettings(nats_url=url), "test")
     js = nc.jetstream()
-    await transport.ensure_streams(js)
+    await ensure_streams(js)
     return nc, js
 
 

@@ -12,9 +12,12 @@ import pytest
 from services.outer.lease import UNREADABLE, Lease, LeaseLost
 from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
-from shared import records, subjects, transport
+from shared import records, subjects
 from shared.job_status import read_job_status
 from shared.records.outer import CheckpointPointer, LeaseRecord, OuterStatus
+from shared.transport.connection import connect
+from shared.transport.params import read_params_head
+from shared.transport.streams import ensure_streams
 
 GARBAGE = (b"{not json", b'{"holder": 7}', b"[]", b'{"holder": "x", "epoch": -1, "beat": 0}')
 
@@ -127,9 +130,9 @@ def test_an_outer_starts_over_malformed_lease_status_and_params_head(nats_server
     before = {name: rejected(name) for name in ("LeaseRecord", "ParamsHead")}
 
     async def scenario() -> tuple[OuterService, OuterStatus | None]:
-        nc = await transport.connect(settings, "garbage-writer")
+        nc = await connect(settings, "garbage-writer")
         js = nc.jetstream()
-        await transport.ensure_streams(js)
+        await ensure_streams(js)
         await (await js.key_value(subjects.OUTER_BUCKET)).put(subjects.lease_key(job), b"{x")
         status_kv = await js.key_value(subjects.STATUS_BUCKET)
         await status_kv.put(subjects.outer_status_key(job), b'{"state": 5}')
@@ -147,7 +150,7 @@ def test_an_outer_starts_over_malformed_lease_status_and_params_head(nats_server
             assert time.monotonic() < deadline, f"no heartbeat of the running outer: {status}"
             await asyncio.sleep(0.1)
             status = (await read_job_status(nc, js, job)).outer_record()
-        head = await transport.read_params_head(js, job, 0)
+        head = await read_params_head(js, job, 0)
         service.stop.set()
         await run
         assert head is not None and head.version == 0

@@ -20,7 +20,7 @@ from services.outer.staleness import StalenessRule
 from services.outer.validation import UploadRules, Validated, validate
 from shared import codec, subjects, wire
 from shared.records import MAX_BATCH_SIZE, MAX_OUTER_UNITS, MAX_STEPS_PER_UPLOAD
-from shared.transport import HEADER_REASON
+from shared.transport.dead_letters import HEADER_REASON
 
 JOB, MODEL = "j", "tiny"
 SHAPES = {"a": (3,), "b": (2, 2)}

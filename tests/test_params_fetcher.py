@@ -15,8 +15,10 @@ from services.learner.params_fetcher import PARAMS_POLL_S, GlobalFragment, Param
 from services.learner.settings import LearnerSettings
 from services.link.proxy import LinkProxy
 from services.outer.publishing import params_envelope
-from shared import codec, transport, wire
+from shared import codec, wire
 from shared.link_spec import parse_link
+from shared.transport.params import PARAMS_VERSIONS_KEPT, publish_params, read_latest_params
+from shared.transport.streams import ensure_streams
 
 JOB = "fetch"
 SETTINGS = LearnerSettings(job=JOB, model="tiny", unit=0, num_units=2)
@@ -31,7 +33,7 @@ def values(version: int, size: int) -> np.ndarray:
 async def publish(js, version: int, size: int = 1000) -> None:
     params = {"w": values(version, size)}
     blob, checksum = params_envelope(JOB, "tiny", 0, version, 0, params, "fp32")
-    await transport.publish_params(js, JOB, 0, version, blob, 4096, params_checksum=checksum)
+    await publish_params(js, JOB, 0, version, blob, 4096, params_checksum=checksum)
 
 
 async def taken(fetcher: ParamsFetcher, timeout_s: float) -> list[GlobalFragment]:
@@ -50,7 +52,7 @@ async def running_fetcher(url: str, settings: LearnerSettings) -> AsyncIterator[
     """A fetcher following ``url``'s params, and the JetStream context to publish with."""
     nc = await nats.connect(url)
     js = nc.jetstream()
-    await transport.ensure_streams(js)
+    await ensure_streams(js)
     fetcher = ParamsFetcher(settings, 1 << 20, Counters())
     await fetcher.subscribe(nc)
     runner = asyncio.create_task(fetcher.run(js))
@@ -89,7 +91,7 @@ def test_a_version_above_the_newest_head_is_replaced_and_a_bad_head_is_read_once
             assert [(f.version, f.rewind) for f in await taken(fetcher, 10)] == [(4, True)]
             # Params of another model under a head: rejected once, not re-read at every poll.
             blob, _ = params_envelope(JOB, "small", 0, 5, 0, {"w": values(5, 10)}, "fp32")
-            await transport.publish_params(js, JOB, 0, 5, blob, 4096)
+            await publish_params(js, JOB, 0, 5, blob, 4096)
             assert await taken(fetcher, PARAMS_POLL_S * 2.5) == []
             assert fetcher.counters["params_rejected"] == 1
             await publish(js, 6)
@@ -133,15 +135,13 @@ def test_a_slow_read_gets_exactly_the_version_it_started_on(nats_server) -> None
     async def read_while_publishing(newer: int) -> tuple[int, bytes]:
         direct = await nats.connect(nats_server.url)
         js = direct.jetstream()
-        await transport.ensure_streams(js)
+        await ensure_streams(js)
         host, port = nats_server.url.removeprefix("nats://").split(":")
         proxy = LinkProxy(parse_link("1mbit"), host, int(port))
         slow = await nats.connect(f"nats://127.0.0.1:{await proxy.start()}")
         try:
             await publish(js, 1, size=60_000)
-            read = asyncio.create_task(
-                transport.read_latest_params(slow.jetstream(), JOB, 0, 1 << 22)
-            )
+            read = asyncio.create_task(read_latest_params(slow.jetstream(), JOB, 0, 1 << 22))
             for version in range(2, 2 + newer):
                 await asyncio.sleep(0.02)
                 await publish(js, version, size=60_000)
@@ -160,5 +160,5 @@ def test_a_slow_read_gets_exactly_the_version_it_started_on(nats_server) -> None
 
     version, blob = asyncio.run(read_while_publishing(5))
     assert version == 1 and np.array_equal(read_values(blob), values(1, 60_000))
-    version, blob = asyncio.run(read_while_publishing(transport.PARAMS_VERSIONS_KEPT + 4))
+    version, blob = asyncio.run(read_while_publishing(PARAMS_VERSIONS_KEPT + 4))
     assert version > 1 and np.array_equal(read_values(blob), values(version, 60_000))

@@ -18,9 +18,11 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from services.gateway.settings import GatewaySettings
-from shared import subjects, transport
+from shared import subjects
 from shared.retry import NATS_ERRORS, retry
 from shared.transport import TransportError
+from shared.transport.connection import connect
+from shared.transport.streams import prepare_streams
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +62,10 @@ class NatsLink:
         )
 
     async def _open(self) -> NatsHandles:
-        nc = await transport.connect(self.settings, "gateway")
+        nc = await connect(self.settings, "gateway")
         try:
             js = nc.jetstream(timeout=REQUEST_TIMEOUT_S)
-            await transport.prepare_streams(js, self.settings)
+            await prepare_streams(js, self.settings)
             jobs_kv = await js.key_value(subjects.JOBS_BUCKET)
             desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
         except BaseException:

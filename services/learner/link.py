@@ -40,10 +40,14 @@ from services.learner.sender import Sender
 from services.learner.settings import LearnerSettings
 from services.learner.unit_control import UnitControl
 from services.learner.unit_state import UnitState
-from shared import subjects, transport
+from shared import subjects
 from shared.latency import TimeSpent
 from shared.records.jobs import DesiredState
 from shared.retry import NATS_ERRORS, retry
+from shared.transport.blobs import chunk_size_for
+from shared.transport.connection import connect_with_retry
+from shared.transport.params import PARAMS_READ_TIMEOUT_S
+from shared.transport.streams import prepare_streams
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +195,7 @@ class LearnerLink:
 
     async def _main(self) -> None:
         self._reconnected = asyncio.Event()
-        nc = await transport.connect_with_retry(
+        nc = await connect_with_retry(
             self.settings,
             f"learner-{self.settings.job}-{self.settings.unit}",
             stopping=self._stopping.is_set,
@@ -202,7 +206,7 @@ class LearnerLink:
             return
         # Global params travel on a connection of their own: over a slow link a copy takes
         # seconds, and on one connection every publish acknowledgement would wait behind it.
-        params_nc = await transport.connect_with_retry(
+        params_nc = await connect_with_retry(
             self.settings,
             f"learner-{self.settings.job}-{self.settings.unit}-params",
             stopping=self._stopping.is_set,
@@ -213,7 +217,7 @@ class LearnerLink:
             return
         js = nc.jetstream()
         # The connection may drop again at any point: every set-up call is retried.
-        await self._retry(lambda: transport.prepare_streams(js, self.settings), "create streams")
+        await self._retry(lambda: prepare_streams(js, self.settings), "create streams")
         status_kv = await self._retry(
             lambda: js.key_value(subjects.STATUS_BUCKET), "open status bucket"
         )
@@ -224,10 +228,10 @@ class LearnerLink:
         # thread's start-up wait covers both.
         self.control.outer_next_round = await self.control.read_outer_next_round(status_kv)
         await self.params.subscribe(nc, on_error=self.counters.error)
-        publisher = asyncio.create_task(self.sender.run(js, transport.chunk_size_for(nc)))
+        publisher = asyncio.create_task(self.sender.run(js, chunk_size_for(nc)))
         others = [
             asyncio.create_task(
-                self.params.run(params_nc.jetstream(timeout=transport.PARAMS_READ_TIMEOUT_S))
+                self.params.run(params_nc.jetstream(timeout=PARAMS_READ_TIMEOUT_S))
             ),
             asyncio.create_task(self.control.poll_desired(desired_kv)),
             asyncio.create_task(self.heartbeat.run(status_kv)),
@@ -261,9 +265,7 @@ class LearnerLink:
         while True:
             await self._reconnected.wait()
             self._reconnected.clear()
-            await self._retry(
-                lambda: transport.prepare_streams(js, self.settings), "re-create streams"
-            )
+            await self._retry(lambda: prepare_streams(js, self.settings), "re-create streams")
 
     async def _on_reconnect(self) -> None:
         if self._reconnected is not None:

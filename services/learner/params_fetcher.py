@@ -34,11 +34,12 @@ import numpy as np
 
 from services.learner.counters import Counters
 from services.learner.settings import LearnerSettings
-from shared import codec, records, subjects, transport, wire
+from shared import codec, records, subjects, wire
 from shared.latency import Latencies, SyncLatency
 from shared.records.outer import ParamsHead
 from shared.retry import NATS_ERRORS, retry
 from shared.transport import TransportError
+from shared.transport.params import read_latest_params, read_params_head
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ class ParamsFetcher:
         if wanted is None:
             return
         job = self.settings.job
-        head = await transport.read_params_head(js, job, fragment)
+        head = await read_params_head(js, job, fragment)
         if head is None:
             return
         self._note_head(fragment, head.version)
@@ -183,7 +184,7 @@ class ParamsFetcher:
             return
         if head.upload == self._rejected[fragment]:
             return  # read and rejected already: wait for the next head
-        fetched = await transport.read_latest_params(js, job, fragment, self.max_params_bytes)
+        fetched = await read_latest_params(js, job, fragment, self.max_params_bytes)
         if fetched is None:
             return
         fetched_head, blob = fetched

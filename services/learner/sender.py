@@ -26,10 +26,11 @@ from services.learner.counters import Counters
 from services.learner.encoder import UploadEncoder, UploadKey, upload_key
 from services.learner.settings import LearnerSettings
 from services.learner.unit_state import UnitState
-from shared import codec, subjects, transport, wire
+from shared import codec, subjects, wire
 from shared.latency import Latencies, SyncLatency
 from shared.retry import retry
 from shared.transport import TransportError
+from shared.transport.blobs import publish_blob
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class Sender:
             self.settings.job, self.settings.unit, upload.round, upload.fragment
         )
         await retry(
-            lambda: transport.publish_blob(
+            lambda: publish_blob(
                 js,
                 subjects.grads_subject(self.settings.job, self.settings.unit),
                 blob,

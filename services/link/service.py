@@ -14,9 +14,11 @@ from typing import Any
 
 from services.link.proxy import LinkCounters, LinkProxy
 from services.link.settings import LinkSettings
-from shared import kv, subjects, transport
+from shared import kv, subjects
 from shared.records.link import LinkStatus
 from shared.retry import NATS_ERRORS, retry
+from shared.transport.connection import connect_with_retry
+from shared.transport.streams import prepare_streams
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ async def run_link(settings: LinkSettings, stop: asyncio.Event) -> None:
 
 
 async def _report(settings: LinkSettings, proxy: LinkProxy, stop: asyncio.Event) -> None:
-    nc = await transport.connect_with_retry(
+    nc = await connect_with_retry(
         settings, f"link-{settings.job}-{settings.name}", stopping=stop.is_set
     )
     if nc is None:
@@ -78,7 +80,7 @@ async def _report(settings: LinkSettings, proxy: LinkProxy, stop: asyncio.Event)
     bucket: Any = None
     try:
         js = nc.jetstream()
-        await retry(lambda: transport.prepare_streams(js, settings), "create streams")
+        await retry(lambda: prepare_streams(js, settings), "create streams")
         bucket = await retry(lambda: js.key_value(subjects.STATUS_BUCKET), "open status bucket")
         while True:
             try:

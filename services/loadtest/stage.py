@@ -39,13 +39,15 @@ from services.loadtest.settings import LoadtestSettings
 from services.loadtest.unit import SyntheticUnit, UnitPlan
 from services.orchestration import nats_server
 from services.orchestration.children import popen
-from shared import kv, subjects, transport
+from shared import kv, subjects
 from shared.latency import Latencies
 from shared.ledger import balance
 from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
 from shared.retry import NATS_ERRORS
 from shared.settings import NatsSettings
+from shared.transport.connection import connect
+from shared.transport.streams import ensure_streams
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +108,9 @@ class Stage:
         stop = asyncio.Event()
         tasks: list[asyncio.Task[None]] = []
         try:
-            nc = await transport.connect(NatsSettings(nats_url=self.server.url), "loadtest")
+            nc = await connect(NatsSettings(nats_url=self.server.url), "loadtest")
             js = nc.jetstream()
-            await transport.ensure_streams(js)
+            await ensure_streams(js)
             self.status_kv = await js.key_value(subjects.STATUS_BUCKET)
             self._start_outer()
             await self._wait_for_outer()

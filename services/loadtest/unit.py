@@ -23,13 +23,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.loadtest.payloads import PayloadPool
-from shared import records, subjects, transport, wire
+from shared import records, subjects, wire
 from shared.latency import SyncLatency
 from shared.ledger import RoundSet
 from shared.records.outer import ParamsHead
 from shared.retry import NATS_ERRORS, retry
 from shared.settings import NatsSettings
 from shared.transport import TransportError
+from shared.transport.blobs import chunk_size_for, publish_blob
+from shared.transport.connection import connect
+from shared.transport.params import PARAMS_READ_TIMEOUT_S, read_latest_params
 
 log = logging.getLogger(__name__)
 
@@ -105,17 +108,17 @@ class SyntheticUnit:
     async def run(self, nats_url: str, stop: asyncio.Event) -> None:
         """Upload and fetch until ``stop`` is set (after :meth:`stop_producing` and the queue
         is sent, or at once on a stop of the whole load test)."""
-        nc = await transport.connect(
+        nc = await connect(
             NatsSettings(nats_url=nats_url), f"loadtest-{self.plan.job}-{self.plan.unit}"
         )
         try:
-            js = nc.jetstream(timeout=transport.PARAMS_READ_TIMEOUT_S)
+            js = nc.jetstream(timeout=PARAMS_READ_TIMEOUT_S)
             await nc.subscribe(
                 subjects.params_head_subject(self.plan.job, FRAGMENT), cb=self._on_head
             )
             tasks = [
                 asyncio.create_task(self._produce(stop)),
-                asyncio.create_task(self._publish(js, transport.chunk_size_for(nc), stop)),
+                asyncio.create_task(self._publish(js, chunk_size_for(nc), stop)),
             ]
             if self.plan.fetch_params:
                 tasks.append(asyncio.create_task(self._fetch(js, stop)))
@@ -158,7 +161,7 @@ class SyntheticUnit:
             blob = self._envelope(round_)
             upload = wire.upload_id(self.plan.job, self.plan.unit, round_, FRAGMENT)
             await retry(
-                lambda blob=blob, upload=upload: transport.publish_blob(
+                lambda blob=blob, upload=upload: publish_blob(
                     js, subject, blob, upload, chunk_size
                 ),
                 f"publish round {round_}",
@@ -208,7 +211,7 @@ class SyntheticUnit:
             if self._newest_head <= self._fetched:
                 continue
             try:
-                fetched = await transport.read_latest_params(
+                fetched = await read_latest_params(
                     js, self.plan.job, FRAGMENT, self.plan.max_params_bytes
                 )
             except (TransportError, wire.WireError, *NATS_ERRORS) as err:

@@ -17,14 +17,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared import atomic, transport
+from shared import atomic
+from shared.transport.streams import STORE_BYTES
 
 READY_LINE = "Server is ready"
 RELOADED_LINE = "Reloaded server configuration"
 # JetStream's file store is sized to what the streams' limits reserve (twice, for two creators
 # racing), not to the free disk: each stream stays within its own limit, and a small disk does
 # not refuse the streams at their creation.
-STORE_BYTES = 2 * transport.STORE_BYTES
+STORE_BYTES = 2 * STORE_BYTES
 
 
 class BrokerError(RuntimeError):

@@ -35,7 +35,8 @@ from pydantic import ValidationError
 from shared import subjects
 from shared.records import R
 from shared.records.outer import CheckpointPointer, EvaluationRecord, LedgerRecord
-from shared.transport import TransportError, publish_blob
+from shared.transport import TransportError
+from shared.transport.blobs import publish_blob
 from shared.wire import Reassembler, WireError, parse_chunk_headers
 
 FORMAT = 1

@@ -21,9 +21,11 @@ from typing import Any
 import nats.errors
 import numpy as np
 
-from shared import codec, transport, wire
+from shared import codec, wire
 from shared.retry import NATS_ERRORS, retry
 from shared.transport import TransportError
+from shared.transport.dead_letters import dead_letter
+from shared.transport.params import publish_params
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +99,7 @@ async def publish_fragment(
     blob, checksum = params_envelope(job, model, fragment, version, tokens, params, params_codec)
     try:
         await retry(
-            lambda: transport.publish_params(
+            lambda: publish_params(
                 js,
                 job,
                 fragment,
@@ -140,7 +142,7 @@ class DeadLetters:
             messages, reason = self.waiting[0]
             for msg in messages:
                 try:
-                    await transport.dead_letter(js, self.job, reason, msg)
+                    await dead_letter(js, self.job, reason, msg)
                 except NATS_ERRORS as err:
                     log.warning("dead-letter copy failed (%r); will retry", err)
                     return

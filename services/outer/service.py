@@ -42,7 +42,7 @@ from services.outer.publishing import DeadLetters, publish_fragment
 from services.outer.settings import OuterSettings
 from services.outer.status import Progress, leader_status, standby_status, status_key
 from services.outer.validation import UploadRules
-from shared import codec, data, evaluation, kv, liveness, model, pytree, subjects, transport, wire
+from shared import codec, data, evaluation, kv, liveness, model, pytree, subjects, wire
 from shared.records.outer import (
     CheckpointInfo,
     EvalRecord,
@@ -54,6 +54,10 @@ from shared.records.outer import (
 from shared.retry import NATS_ERRORS, QUICK, retry
 from shared.runtime import configure_jax
 from shared.transport import TransportError
+from shared.transport.blobs import chunk_size_for
+from shared.transport.connection import connect_with_retry
+from shared.transport.params import read_latest_params
+from shared.transport.streams import prepare_streams
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +156,7 @@ class OuterService:
             log.info("restored checkpoint %s (versions %s)", pointer.id, pointer.versions)
             return
         for fragment in range(self.core.plan.count):
-            fetched = await transport.read_latest_params(
+            fetched = await read_latest_params(
                 js, self.settings.job, fragment, self.max_params_bytes
             )
             if fetched is None:
@@ -209,14 +213,14 @@ class OuterService:
                 restarts it as a standby).
         """
         await asyncio.get_running_loop().run_in_executor(None, self.build_math)
-        nc = await transport.connect_with_retry(
+        nc = await connect_with_retry(
             self.settings, f"outer-{self.settings.job}", stopping=self.stop.is_set
         )
         if nc is None:
             return self.status_record()
         js = nc.jetstream()
-        self.chunk_size = transport.chunk_size_for(nc)
-        await self._retry(lambda: transport.prepare_streams(js, self.settings), "create streams")
+        self.chunk_size = chunk_size_for(nc)
+        await self._retry(lambda: prepare_streams(js, self.settings), "create streams")
         status_kv = await js.key_value(subjects.STATUS_BUCKET)
         outer_kv = await js.key_value(subjects.OUTER_BUCKET)
         self.state = "standby"

@@ -47,6 +47,8 @@ from services.orchestration.registry import Registry, read_registry
 from services.orchestration.supervisor import RestartPolicy, State, Supervisor
 from shared import kv, liveness, nats_auth, retry, subjects, transport
 from shared.settings import NatsSettings
+from shared.transport.connection import connect
+from shared.transport.streams import prepare_streams
 
 log = logging.getLogger("diloco.controller")
 TICK_S = 1.0  # how often the registry is read and the containers checked
@@ -235,7 +237,7 @@ async def wait_until_accepted(settings: NatsSettings) -> None:
     deadline = time.monotonic() + USER_WAIT_S
     while True:
         try:
-            nc = await transport.connect(settings, "diloco-controller-check", error_cb=quiet)
+            nc = await connect(settings, "diloco-controller-check", error_cb=quiet)
         except transport.TransportError:
             if time.monotonic() > deadline:
                 raise
@@ -254,10 +256,10 @@ async def run_controller(settings: ControllerSettings, stop: asyncio.Event) -> i
     for name in remove_children(api, template.project):
         log.info("removed %s, left by an earlier controller", name)
     controller = Controller(settings, ContainerLauncher(api, template), LOGS_DIR)
-    nc = await transport.connect(settings, "diloco-controller")
+    nc = await connect(settings, "diloco-controller")
     try:
         js = nc.jetstream()
-        await transport.prepare_streams(js, settings)  # the admin creates them
+        await prepare_streams(js, settings)  # the admin creates them
         jobs_kv = await js.key_value(subjects.JOBS_BUCKET)
         desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
         log.info(

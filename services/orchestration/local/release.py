@@ -11,10 +11,12 @@ import asyncio
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from shared import kv, subjects, transport
+from shared import kv, subjects
 from shared.records.jobs import DesiredRecord, DesiredState
 from shared.records.unit import UnitStatus
 from shared.settings import NatsSettings
+from shared.transport.connection import connect
+from shared.transport.streams import ensure_streams
 
 READY_TIMEOUT_S = 300.0
 CLOSE_TIMEOUT_S = 5.0
@@ -33,10 +35,10 @@ async def hold_units(nats: NatsSettings, job: str, units: int) -> None:
     Raises:
         transport.TransportError, TimeoutError, nats.errors.Error: NATS unreachable.
     """
-    nc = await transport.connect(nats, "diloco-up")
+    nc = await connect(nats, "diloco-up")
     try:
         js = nc.jetstream()
-        await transport.ensure_streams(js)
+        await ensure_streams(js)
         await set_desired(await js.key_value(subjects.DESIRED_BUCKET), job, units, "paused")
     finally:
         await asyncio.wait_for(nc.close(), timeout=CLOSE_TIMEOUT_S)

@@ -37,6 +37,8 @@ from shared.records.jobs import DesiredRecord, DesiredState
 from shared.records.link import LinkStatus
 from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
+from shared.transport.connection import connect
+from shared.transport.streams import ensure_streams
 
 STATUS_READ_TIMEOUT_S = 3.0  # bounds a status read while NATS is down, so healing goes on
 RECONCILE_EVERY_S = 1.0  # how often the registry's jobs are read and their processes matched
@@ -97,9 +99,9 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
     async def quiet(_err: Exception) -> None:
         """Connection errors while nats-server is down: the loop reports the outage once."""
 
-    nc = await transport.connect(cluster.admin_settings(), "diloco-up", error_cb=quiet)
+    nc = await connect(cluster.admin_settings(), "diloco-up", error_cb=quiet)
     js = nc.jetstream()
-    await transport.ensure_streams(js)
+    await ensure_streams(js)
     desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
     jobs_kv = await js.key_value(subjects.JOBS_BUCKET)
     started = time.monotonic()
