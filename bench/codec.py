@@ -35,6 +35,8 @@ sys.path.insert(0, str(REPO))
 from report import write_section
 
 from shared import codec
+from shared.settings.algorithm import InnerAlgorithmSettings
+from shared.settings.workload import DEFAULT_UNITS, WorkloadSettings
 
 SECTION = "## Pseudo-gradient codec"
 COMMAND = ".venv/bin/python bench/codec.py --write"
@@ -47,18 +49,19 @@ CACHE = REPO / "bench" / ".cache" / "codec_real_pseudo_gradients.npz"
 
 # The capture run: model, data and inner optimizer as a learner with default settings builds
 # them (services/learner/service.py), one unit, no outer merges in between.
+_WORKLOAD, _INNER = WorkloadSettings(), InnerAlgorithmSettings()
 CAPTURE = {
-    "model": "small",
+    "model": _WORKLOAD.model,
     "rounds": 4,
-    "h_steps": 30,
-    "batch_size": 16,
-    "inner_lr": 3e-3,
-    "warmup_steps": 50,
-    "max_steps": 300,
-    "weight_decay": 0.01,
-    "seed": 0,
+    "h_steps": _INNER.h_steps,
+    "batch_size": _WORKLOAD.batch_size,
+    "inner_lr": _INNER.inner_lr,
+    "warmup_steps": _INNER.warmup_steps,
+    "max_steps": _WORKLOAD.max_steps,
+    "weight_decay": _INNER.weight_decay,
+    "seed": _WORKLOAD.seed,
     "unit": 0,
-    "num_units": 4,
+    "num_units": DEFAULT_UNITS,
 }
 
 
@@ -73,28 +76,21 @@ def capture_rounds() -> list[dict[str, np.ndarray]]:
     """Train ``small`` for a few rounds of H steps; return each round's Δ = anchor − θ."""
     import jax
 
-    from services.learner.core import LearnerCore, SyncSchedule
-    from services.learner.settings import InnerSettings
-    from services.learner.trainer import InnerTrainer, inner_optimizer
+    from services.learner.core import LearnerCore
+    from services.learner.trainer import InnerTrainer
     from shared import data, model
     from shared.runtime import configure_jax
 
     c = CAPTURE
-    differ = {
-        k: (c[k], f.default)
-        for k, f in InnerSettings.model_fields.items()
-        if k in c and c[k] != f.default
-    }
-    if differ:
-        log(f"warning: capture settings differ from the learner's defaults: {differ}")
     configure_jax()
     cfg = model.get_config(c["model"])
     corpus = data.split_corpus(data.load_corpus(None), 0.02)
     shard = data.shard_for_unit(corpus.train, c["unit"], c["num_units"])
     sampler = data.BatchSampler(shard, cfg.seq_len, c["batch_size"], c["seed"], c["unit"])
     params = model.init_params(cfg, jax.random.PRNGKey(c["seed"]))
-    optimizer = inner_optimizer(c["inner_lr"], c["warmup_steps"], c["max_steps"], c["weight_decay"])
-    core = LearnerCore(InnerTrainer(cfg, optimizer), params, SyncSchedule(c["h_steps"]), 0)
+    core = LearnerCore(
+        InnerTrainer(cfg, _INNER.optimizer(_WORKLOAD.max_steps)), params, _INNER.sync_schedule(1), 0
+    )
     rounds: list[dict[str, np.ndarray]] = []
     step = 0
     while len(rounds) < c["rounds"]:

@@ -29,8 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -39,25 +40,24 @@ sys.path.insert(0, str(REPO))
 
 from report import shown_command, write_section
 
-from services.learner.core import SyncSchedule
-from services.learner.settings import InnerSettings
-from services.outer.core import OuterAlgorithm
-from services.outer.settings import OuterAlgorithmSettings
-from services.outer.staleness import StalenessRule
 from shared import data, evaluation, model
-from shared.codec import BITS, CodecConfig
+from shared.codec_config import BITS
 from shared.runtime import configure_jax
+from shared.settings.algorithm import AlgorithmSettings
+from shared.settings.cli import to_flags
+from shared.settings.codec import CodecSettings
+from shared.settings.workload import WorkloadSettings
 from sim import training as sim
 
 SECTION = "## Quality: asynchronous merging vs synchronous DiLoCo"
 CODEC_SECTION = "## Quality: upload codecs"
 DOWNLINK_SECTION = "## Quality: downlink (how global params reach units)"
-CODECS = [
-    ("fp32", CodecConfig("fp32")),
-    ("int8 (default)", CodecConfig("int8")),
-    ("int4", CodecConfig("int4")),
-    ("int2 without error feedback", CodecConfig("int2", error_feedback=False)),
-    ("int2 with error feedback", CodecConfig("int2", error_feedback=True)),
+CODECS: list[tuple[str, dict[str, Any]]] = [
+    ("fp32", {"codec": "fp32"}),
+    ("int8 (default)", {}),
+    ("int4", {"codec": "int4"}),
+    ("int2 without error feedback", {"codec": "int2", "error_feedback": False}),
+    ("int2 with error feedback", {"codec": "int2", "error_feedback": True}),
 ]
 # Ternary int2 without error feedback delivers only part of each update along its direction
 # (its least-squares scale shrinks it): <Q(x), x> / |x|^2 measured 0.87-0.92 on the small
@@ -72,77 +72,70 @@ HOMOGENEOUS = [1.0, 1.0, 1.0, 1.0]
 
 @dataclass
 class Method:
-    """One row of the benchmark."""
+    """One row of the benchmark: a baseline, or the asynchronous algorithm with its settings
+    (the shipped ones unless a row changes them)."""
 
     name: str
     kind: str  # "dp", "sync" or "async"
     speeds: list[float] | None = None
-    algorithm: OuterAlgorithm | None = None
-    schedule: SyncSchedule | None = None
-    dynamic: bool = False
+    algorithm: AlgorithmSettings = field(default_factory=AlgorithmSettings)
+    codec: CodecSettings = field(default_factory=CodecSettings)
     headline: bool = False
-    codec: CodecConfig | None = None
-    params_codec: str = "fp32"
-    params_fetch: str = "newest"
 
 
-def default_method(speeds: list[float], units: int, h_steps: int, **changes) -> Method:
-    """The shipped defaults: what ``diloco up`` runs with no algorithm flags."""
-    inner, outer = InnerSettings(), OuterAlgorithmSettings()
-    algorithm = outer.algorithm(num_units=units, fragments=changes.pop("fragments", 1))
-    schedule = SyncSchedule(h_steps, algorithm.fragments, inner.overlap_tau, inner.mix_alpha)
-    dynamic = changes.pop("dynamic", inner.dynamic_h)
-    if "overlap_tau" in changes or "mix_alpha" in changes:
-        schedule = SyncSchedule(
-            h_steps,
-            algorithm.fragments,
-            changes.pop("overlap_tau", 0),
-            changes.pop("mix_alpha", 0.0),
-        )
-    if changes:
-        from dataclasses import replace
-
-        algorithm = replace(algorithm, **changes)
-    return Method("", "async", speeds, algorithm, schedule, dynamic)
-
-
-def methods(units: int, h: int) -> list[Method]:
-    """Every row: baselines, naive async, the alternatives, and the default."""
-    naive = OuterAlgorithm(
-        optimizer="nesterov", policy="each", num_units=units, staleness=StalenessRule("constant")
+def async_method(
+    name: str,
+    setup: sim.SimSetup,
+    speeds: list[float],
+    headline: bool = False,
+    codec: dict[str, Any] | None = None,
+    **changes: Any,
+) -> Method:
+    """The setup's algorithm and codecs (the shipped defaults) with ``changes`` to the
+    algorithm's settings and ``codec`` to the codecs'."""
+    algorithm = sim.changed(setup.algorithm, **changes)
+    return Method(
+        name, "async", speeds, algorithm, sim.changed(setup.codec, **(codec or {})), headline
     )
-    plain = SyncSchedule(h)
+
+
+def methods(setup: sim.SimSetup) -> list[Method]:
+    """Every row: baselines, naive async, the alternatives, and the default."""
+    naive = {
+        "outer_optimizer": "nesterov",
+        "merge_policy": "each",
+        "staleness_rule": "constant",
+        "dynamic_h": False,
+    }
+    naive_name = "naive async (each arrival, Nesterov)"
     rows = [
         Method("data-parallel", "dp"),
         Method("synchronous DiLoCo", "sync", headline=True),
-        Method("naive async (each arrival, Nesterov)", "async", HOMOGENEOUS, naive, plain),
-        Method(
-            "naive async (each arrival, Nesterov)",
-            "async",
-            HETEROGENEOUS,
-            naive,
-            plain,
-            headline=True,
-        ),
+        async_method(naive_name, setup, HOMOGENEOUS, **naive),
+        async_method(naive_name, setup, HETEROGENEOUS, headline=True, **naive),
     ]
-    quorum = {"optimizer": "nesterov", "policy": "quorum", "min_quorum": 1}
-    variants = [
-        ("default: Delayed Nesterov + 1/sqrt(1+s) + DyLU", HOMOGENEOUS, {}, False),
-        ("default: Delayed Nesterov + 1/sqrt(1+s) + DyLU", HETEROGENEOUS, {}, True),
-        ("default without DyLU", HETEROGENEOUS, {"dynamic": False}, False),
-        ("quorum 1 + grace window + tokens2/steps + Nesterov + DyLU", HETEROGENEOUS, quorum, False),
-        ("same with RDA", HETEROGENEOUS, {**quorum, "combine": "rda"}, False),
-        (
+    quorum = {"outer_optimizer": "nesterov", "merge_policy": "quorum", "min_quorum": 1}
+    default = "default: Delayed Nesterov + 1/sqrt(1+s) + DyLU"
+    rows += [
+        async_method(default, setup, HOMOGENEOUS),
+        async_method(default, setup, HETEROGENEOUS, headline=True),
+        async_method("default without DyLU", setup, HETEROGENEOUS, dynamic_h=False),
+        async_method(
+            "quorum 1 + grace window + tokens2/steps + Nesterov + DyLU",
+            setup,
+            HETEROGENEOUS,
+            **quorum,
+        ),
+        async_method("same with RDA", setup, HETEROGENEOUS, **quorum, combine="rda"),
+        async_method(
             "default with P=2 fragments, tau=1, alpha=0.5",
+            setup,
             HETEROGENEOUS,
-            {"fragments": 2, "overlap_tau": 1, "mix_alpha": 0.5},
-            False,
+            fragments=2,
+            overlap_tau=1,
+            mix_alpha=0.5,
         ),
     ]
-    for name, speeds, changes, headline in variants:
-        method = default_method(speeds, units, h, **changes)
-        method.name, method.headline = name, headline
-        rows.append(method)
     return rows
 
 
@@ -151,35 +144,30 @@ def run_method(method: Method, work: sim.Workload, start) -> sim.SimResult:
         return sim.data_parallel(work, start)
     if method.kind == "sync":
         return sim.sync_diloco(work, start)
-    return sim.async_run(
-        work,
-        start,
-        method.algorithm,
-        method.speeds,
-        method.schedule,
-        method.dynamic,
-        method.name,
-        method.codec,
-        method.params_codec,
-        method.params_fetch,
-    )
+    return sim.async_run(work, start, method.speeds, method.name, method.algorithm, method.codec)
 
 
-def codec_methods(units: int, h: int, momentum: float | None = None) -> list[Method]:
+def codec_methods(setup: sim.SimSetup, momentum: float | None = None) -> list[Method]:
     """The default configuration (heterogeneous speeds) once per upload codec.
 
     ``momentum`` overrides the outer momentum of every row (None: the default).
     """
-    changes = {} if momentum is None else {"momentum": momentum}
-    rows = []
-    for name, config in CODECS:
-        method = default_method(HETEROGENEOUS, units, h, **changes)
-        method.name, method.headline, method.codec = name, True, config
-        rows.append(method)
-    lr = OuterAlgorithmSettings().outer_lr * INT2_SHRINK
-    method = default_method(HETEROGENEOUS, units, h, lr=lr, **changes)
-    method.name, method.headline, method.codec = LR_CONTROL, True, CodecConfig("fp32")
-    rows.append(method)
+    changes = {} if momentum is None else {"outer_momentum": momentum}
+    rows = [
+        async_method(name, setup, HETEROGENEOUS, headline=True, codec=codec, **changes)
+        for name, codec in CODECS
+    ]
+    lr = setup.algorithm.outer_lr * INT2_SHRINK
+    rows.append(
+        async_method(
+            LR_CONTROL,
+            setup,
+            HETEROGENEOUS,
+            headline=True,
+            codec={"codec": "fp32"},
+            **{**changes, "outer_lr": lr},
+        )
+    )
     return rows
 
 
@@ -194,38 +182,36 @@ DOWNLINKS = [
 DOWNLINK_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4 / 256}
 
 
-def downlink_methods(units: int, h: int) -> list[Method]:
+def downlink_methods(setup: sim.SimSetup) -> list[Method]:
     """The default configuration (heterogeneous speeds, int8 uploads) once per downlink."""
-    rows = []
-    for name, params_codec, params_fetch in DOWNLINKS:
-        method = default_method(HETEROGENEOUS, units, h)
-        method.name, method.headline = name, True
-        method.params_codec, method.params_fetch = params_codec, params_fetch
-        rows.append(method)
-    return rows
+    return [
+        async_method(
+            name,
+            setup,
+            HETEROGENEOUS,
+            headline=True,
+            codec={"params_codec": params_codec},
+            params_fetch=params_fetch,
+        )
+        for name, params_codec, params_fetch in DOWNLINKS
+    ]
 
 
 def real_system_run(setup: sim.SimSetup, cache: Path) -> tuple[float, str]:
-    """`diloco up` with the default algorithm and heterogeneous speeds; returns its final eval."""
+    """`diloco up` with the setup's settings (the flags of what it changes from the defaults)
+    and heterogeneous speeds; returns its final eval and the command."""
+    changed = [
+        *to_flags(setup.workload, sorted(setup.workload.model_fields_set)),
+        *to_flags(setup.algorithm, sorted(setup.algorithm.model_fields_set)),
+    ]
     command = [
         sys.executable,
         "-m",
         "services.cli",
         "up",
-        "--model",
-        setup.model,
+        *changed,
         "--learners",
         str(setup.num_units),
-        "--max-steps",
-        str(setup.steps_per_unit),
-        "--h-steps",
-        str(setup.h_steps),
-        "--batch-size",
-        str(setup.batch_size),
-        "--warmup-steps",
-        str(setup.warmup_steps),
-        "--seed",
-        str(setup.seed),
         "--slowdowns",
         ",".join(str(s) for s in HETEROGENEOUS),
         "--gateway-port",
@@ -258,7 +244,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=80, help="inner steps per unit (budget)")
-    parser.add_argument("--h-steps", type=int, default=16)
+    parser.add_argument(
+        "--h-steps", type=int, default=None, help="H of every method (default: the shipped H)"
+    )
     parser.add_argument("--pretrain", type=int, default=40, help="shared pretraining steps")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the headline rows")
     parser.add_argument("--no-real", action="store_true", help="skip the real-system run")
@@ -279,11 +267,13 @@ def main() -> None:
     args = parser.parse_args()
     configure_jax()
     started = time.time()
-    setup = sim.SimSetup(model=args.model, steps_per_unit=args.steps, h_steps=args.h_steps)
+    workload = WorkloadSettings(model=args.model, max_steps=args.steps)
+    algorithm = AlgorithmSettings(**({} if args.h_steps is None else {"h_steps": args.h_steps}))
+    setup = sim.SimSetup(workload=workload, algorithm=algorithm)
     cfg = model.get_config(args.model)
     corpus = data.split_corpus(data.load_corpus(None), 0.02)
     evaluate = evaluation.make_evaluator(cfg, data.eval_batches(corpus.heldout, cfg.seq_len, 16, 8))
-    init = model.init_params(cfg, jax.random.PRNGKey(setup.seed))
+    init = model.init_params(cfg, jax.random.PRNGKey(workload.seed))
     base = sim.Workload(setup, corpus, evaluate)
     start = sim.pretrain(base, init, args.pretrain)
     print(f"pretrained {args.pretrain} steps: eval {base.eval_loss(start):.4f}", flush=True)
@@ -295,14 +285,12 @@ def main() -> None:
     else:
         make_rows = methods
     wanted = args.only.split("|")
-    rows = [
-        m for m in make_rows(setup.num_units, setup.h_steps) if any(w in m.name for w in wanted)
-    ]
+    rows = [m for m in make_rows(setup) if any(w in m.name for w in wanted)]
     results: dict[int, list[sim.SimResult]] = {}
     for index, method in enumerate(rows):
         seeds = range(args.seeds if method.headline else 1)
         for seed in seeds:
-            work = base.with_seed(setup.seed + seed)
+            work = base.with_seed(workload.seed + seed)
             t0 = time.time()
             result = run_method(method, work, start)
             results.setdefault(index, []).append(result)
@@ -327,16 +315,7 @@ def main() -> None:
         return
     twin = real = None
     if not args.no_real:
-        default_het = default_method(HETEROGENEOUS, setup.num_units, setup.h_steps)
-        twin = sim.async_run(
-            base,
-            init,
-            default_het.algorithm,
-            HETEROGENEOUS,
-            default_het.schedule,
-            default_het.dynamic,
-            "default (twin)",
-        )
+        twin = sim.async_run(base, init, HETEROGENEOUS, "default (twin)")
         print(f"simulated twin of the real run (from scratch): {twin.final_eval:.4f}", flush=True)
         real, real_command = real_system_run(setup, Path(tempfile.mkdtemp()))
         print(f"real system: {real:.4f}  ({real_command})", flush=True)
@@ -359,9 +338,9 @@ def render(args, setup, rows, results, twin, real, elapsed_s) -> str:
     lines = [
         SECTION,
         "",
-        f"`{command.strip()}` — model `{setup.model}`, K={setup.num_units} units, "
-        f"{setup.steps_per_unit} inner steps per unit of batch {setup.batch_size} "
-        f"({setup.token_budget:,} tokens in all), H={setup.h_steps}, from a checkpoint "
+        f"`{command.strip()}` — model `{setup.workload.model}`, K={setup.num_units} units, "
+        f"{setup.steps_per_unit} inner steps per unit of batch {setup.workload.batch_size} "
+        f"({setup.token_budget:,} tokens in all), H={setup.algorithm.h_steps}, from a checkpoint "
         f"pretrained for {args.pretrain} single-unit steps; simulated clock "
         f"(step {setup.step_time_s} s × slowdown, latency {setup.latency_s} s). "
         "Heterogeneous speeds = slowdowns "
@@ -415,8 +394,9 @@ def render_codecs(args, setup, rows, results, elapsed_s) -> str:
         f"DyLU; slowdowns {','.join(f'{s:g}' for s in HETEROGENEOUS)}"
         + ("" if args.outer_momentum is None else f"; outer momentum {args.outer_momentum:g}")
         + ") with model "
-        f"`{setup.model}`, K={setup.num_units}, {setup.steps_per_unit} inner steps per unit, "
-        f"H={setup.h_steps}, {args.pretrain} pretraining steps, block size 256; only the "
+        f"`{setup.workload.model}`, K={setup.num_units}, {setup.steps_per_unit} inner steps "
+        f"per unit, H={setup.algorithm.h_steps}, {args.pretrain} pretraining steps, block size "
+        "256; only the "
         "upload codec changes. Every codec runs the same seeds, so each seed's data order and "
         "arrival sequence are the same across rows; the last column is the mean over seeds of "
         "the per-seed difference to fp32. Eval: held-out nats/byte. "
@@ -438,7 +418,7 @@ def render_codecs(args, setup, rows, results, elapsed_s) -> str:
             vs = f"{statistics.mean(diffs):+.2f}%{spread}"
         else:
             vs = "-"
-        config = method.codec or CodecConfig()
+        config = method.codec
         bits = BITS[config.codec]
         if config.codec.startswith("int"):
             bits_shown = f"{bits + 32 / config.block_size:.3g}"
@@ -457,8 +437,9 @@ def render_downlink(args, setup, rows, results, elapsed_s) -> str:
         "",
         f"`{command.strip()}` — the default configuration (Delayed Nesterov, (1+s)^-0.5, "
         f"DyLU, int8 uploads; slowdowns {','.join(f'{s:g}' for s in HETEROGENEOUS)}) with "
-        f"model `{setup.model}`, K={setup.num_units}, {setup.steps_per_unit} inner steps per "
-        f"unit, H={setup.h_steps}, {args.pretrain} pretraining steps; only how the global "
+        f"model `{setup.workload.model}`, K={setup.num_units}, {setup.steps_per_unit} inner "
+        f"steps per unit, H={setup.algorithm.h_steps}, {args.pretrain} pretraining steps; only "
+        "how the global "
         "params reach the units changes: `--params-fetch newest` (every version the outer "
         "publishes: no link is slow here) or `after_upload` (the first version after each of "
         "the unit's uploads), in `--params-codec` fp32, bf16 or blockwise int8 (block 256, "
@@ -485,7 +466,7 @@ def render_downlink(args, setup, rows, results, elapsed_s) -> str:
             ]
             spread = f" ± {statistics.stdev(diffs):.2f}" if len(diffs) > 1 else ""
             vs = f"{statistics.mean(diffs):+.2f}%{spread}"
-        size = DOWNLINK_BYTES[method.params_codec]
+        size = DOWNLINK_BYTES[method.codec.params_codec]
         lines.append(f"| {method.name} | {size:.3g} | {fmt(finals)} | {vs} |")
     lines.append("")
     return "\n".join(lines)

@@ -26,12 +26,8 @@ import sys
 import threading
 
 from shared.runtime import setup_logging
-from shared.settings import (
-    SettingsError,
-    add_settings_arguments,
-    load_config_file,
-    settings_from_args,
-)
+from shared.settings import SettingsError
+from shared.settings.cli import add_settings_arguments, load_config_file, settings_from_args
 
 log = logging.getLogger("diloco")
 

@@ -9,6 +9,9 @@ data-parallel training and synchronous DiLoCo (arXiv 2311.08105, Algorithm 1).
 
 Every method starts from the same parameters (e.g. a briefly pretrained checkpoint), and every
 unit u trains on its own shard with ``BatchSampler(seed, unit=u)``, exactly as a learner does.
+The settings are the services' own models (``shared.settings``) with their defaults, so a
+simulated run of the defaults is what ``diloco up`` runs; a study changes them with
+:func:`changed`.
 """
 
 from __future__ import annotations
@@ -18,43 +21,72 @@ import heapq
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
+from pydantic import BaseModel
 
-from services.learner.core import LearnerCore, SyncSchedule, dynamic_h
-from services.learner.trainer import InnerTrainer, inner_optimizer
-from services.outer.core import OuterAlgorithm, OuterCore
+from services.learner.core import LearnerCore, dynamic_h
+from services.learner.fetch_rule import FetchRule
+from services.learner.trainer import InnerTrainer
+from services.outer.core import OuterCore
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival
 from shared import codec, data, model, pytree
 from shared.evaluation import EvalResult
+from shared.settings.algorithm import AlgorithmSettings, InnerAlgorithmSettings
+from shared.settings.codec import CodecSettings
+from shared.settings.workload import DEFAULT_UNITS, WorkloadSettings
+
+SettingsT = TypeVar("SettingsT", bound=BaseModel)
+
+
+def changed(settings: SettingsT, **changes: Any) -> SettingsT:
+    """``settings`` with ``changes``, validated (a study's variant of the shipped settings); the
+    fields it sets explicitly are those of ``settings`` and the changes."""
+    values = {name: getattr(settings, name) for name in settings.model_fields_set}
+    return type(settings).model_validate({**values, **changes})
 
 
 @dataclass(frozen=True)
 class SimSetup:
-    """Everything a simulated run shares with the other methods it is compared with."""
+    """Everything a simulated run shares with the other methods it is compared with: the
+    workload, the algorithm and the codecs (the shipped defaults unless changed), the units
+    and the simulated clock.
 
-    model: str = "small"
-    num_units: int = 4
-    batch_size: int = 16
-    steps_per_unit: int = 120  # the token budget is num_units × steps_per_unit × batch × seq
-    h_steps: int = 20
-    inner_lr: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.01
-    seed: int = 0
+    Attributes:
+        workload: model, data order, batch size and each unit's steps (``max_steps``; the
+            token budget is ``num_units × max_steps × batch × seq``).
+        algorithm: every algorithm setting (the async methods run it; the baselines take its
+            inner optimizer, H and outer step).
+        codec: the upload and params codecs.
+        step_time_s: simulated seconds of one inner step of a unit of slowdown 1.
+        latency_s: simulated seconds an upload or a published global takes to arrive.
+        evals: evaluations along the run (plus one at the start and one at the end).
+    """
+
+    workload: WorkloadSettings = field(default_factory=WorkloadSettings)
+    algorithm: AlgorithmSettings = field(default_factory=AlgorithmSettings)
+    codec: CodecSettings = field(default_factory=CodecSettings)
+    num_units: int = DEFAULT_UNITS
     step_time_s: float = 0.5
     latency_s: float = 0.25
-    evals: int = 8  # evaluations along the run (plus one at the start and one at the end)
+    evals: int = 8
+
+    @property
+    def steps_per_unit(self) -> int:
+        """Inner steps of each unit (equal speeds)."""
+        return self.workload.max_steps
 
     @property
     def tokens_per_step(self) -> int:
-        return self.batch_size * model.get_config(self.model).seq_len
+        """Tokens of one inner step of a unit."""
+        return self.workload.tokens_per_step()
 
     @property
     def token_budget(self) -> int:
+        """Tokens the whole job trains on."""
         return self.num_units * self.steps_per_unit * self.tokens_per_step
 
 
@@ -77,37 +109,39 @@ class Workload:
         self, setup: SimSetup, corpus: data.CorpusSplit, evaluate: Callable[[Any], EvalResult]
     ) -> None:
         self.setup = setup
-        self.cfg = model.get_config(setup.model)
+        self.cfg = model.get_config(setup.workload.model)
         self.evaluate = evaluate
         self.shards = [
             data.shard_for_unit(corpus.train, unit, setup.num_units)
             for unit in range(setup.num_units)
         ]
-        self.samplers = [
-            data.BatchSampler(shard, self.cfg.seq_len, setup.batch_size, setup.seed, unit)
+        self.samplers = self._samplers(setup.workload.seed)
+        self._trainers: dict[tuple[int, str], InnerTrainer] = {}
+
+    def _samplers(self, seed: int) -> list[data.BatchSampler]:
+        batch = self.setup.workload.batch_size
+        return [
+            data.BatchSampler(shard, self.cfg.seq_len, batch, seed, unit)
             for unit, shard in enumerate(self.shards)
         ]
-        self._trainers: dict[int, InnerTrainer] = {}
 
     def with_seed(self, seed: int) -> Workload:
         """The same workload with another data order (jitted trainers are shared)."""
         other = Workload.__new__(Workload)
         other.__dict__.update(self.__dict__)
-        other.setup = dataclasses.replace(self.setup, seed=seed)
-        other.samplers = [
-            data.BatchSampler(shard, self.cfg.seq_len, self.setup.batch_size, seed, unit)
-            for unit, shard in enumerate(self.shards)
-        ]
+        workload = self.setup.workload.model_copy(update={"seed": seed})
+        other.setup = dataclasses.replace(self.setup, workload=workload)
+        other.samplers = other._samplers(seed)
         return other
 
-    def trainer(self, horizon: int) -> InnerTrainer:
-        """An inner trainer whose cosine schedule spans ``horizon`` steps (cached: jit)."""
-        if horizon not in self._trainers:
-            s = self.setup
-            self._trainers[horizon] = InnerTrainer(
-                self.cfg, inner_optimizer(s.inner_lr, s.warmup_steps, horizon, s.weight_decay)
-            )
-        return self._trainers[horizon]
+    def trainer(self, horizon: int, inner: InnerAlgorithmSettings | None = None) -> InnerTrainer:
+        """An inner trainer whose cosine schedule spans ``horizon`` steps, with the inner
+        optimizer of ``inner`` (default: the setup's); cached, as each one compiles."""
+        inner = inner or self.setup.algorithm
+        key = (horizon, inner.model_dump_json(include=set(InnerAlgorithmSettings.model_fields)))
+        if key not in self._trainers:
+            self._trainers[key] = InnerTrainer(self.cfg, inner.optimizer(horizon))
+        return self._trainers[key]
 
     def eval_loss(self, params: Any) -> float:
         return float(self.evaluate(params).nats_per_byte)
@@ -117,8 +151,9 @@ def pretrain(work: Workload, params: Any, steps: int) -> Any:
     """Single-unit inner steps on unit 0's shard: the shared starting checkpoint."""
     trainer = work.trainer(max(steps, 1))
     state = trainer.init(params)
+    workload = work.setup.workload
     sampler = data.BatchSampler(
-        work.shards[0], work.cfg.seq_len, work.setup.batch_size, work.setup.seed + 10_000, 0
+        work.shards[0], work.cfg.seq_len, workload.batch_size, workload.seed + 10_000, 0
     )
     for step in range(steps):
         state, _ = trainer.step(state, sampler.batch(step))
@@ -147,19 +182,21 @@ def data_parallel(work: Workload, params: Any) -> SimResult:
     return SimResult("data-parallel", final, curve, s.steps_per_unit)
 
 
-def sync_diloco(work: Workload, params: Any, lr: float = 0.7, momentum: float = 0.9) -> SimResult:
+def sync_diloco(work: Workload, params: Any) -> SimResult:
     """DiLoCo Algorithm 1: every unit takes H steps from the same global, barrier, average,
-    outer Nesterov. Unit speeds do not change the math (only the wall-clock)."""
+    outer Nesterov with the setup's outer learning rate and momentum. Unit speeds do not change
+    the math (only the wall-clock)."""
     s = work.setup
+    algorithm = s.algorithm
     trainer = work.trainer(s.steps_per_unit)
-    optimizer = make_outer_optimizer("nesterov", lr, momentum)
+    optimizer = make_outer_optimizer("nesterov", algorithm.outer_lr, algorithm.outer_momentum)
     outer_step = make_outer_step(optimizer)
     global_params, opt_state = params, optimizer.init(params)
     states = [trainer.init(params) for _ in range(s.num_units)]
     points, curve = _eval_points(s), [(0, work.eval_loss(params))]
     step, outer_steps = 0, 0
     while step < s.steps_per_unit:
-        h = min(s.h_steps, s.steps_per_unit - step)
+        h = min(algorithm.h_steps, s.steps_per_unit - step)
         deltas = []
         for unit, state in enumerate(states):
             state = state._replace(params=global_params)
@@ -183,52 +220,50 @@ def sync_diloco(work: Workload, params: Any, lr: float = 0.7, momentum: float = 
 def async_run(
     work: Workload,
     params: Any,
-    algorithm: OuterAlgorithm,
     slowdowns: list[float],
-    schedule: SyncSchedule,
-    dynamic: bool = False,
     name: str = "async",
-    codec_config: codec.CodecConfig | None = None,
-    params_codec: str = "fp32",
-    params_fetch: str = "newest",
+    algorithm: AlgorithmSettings | None = None,
+    codec_settings: CodecSettings | None = None,
 ) -> SimResult:
     """Decoupled DiLoCo on a simulated clock: units never wait; the outer merges by policy.
 
     Units step until the job has processed the token budget (fast units take more of it); then
     every unit uploads what it has left and the outer merges everything still buffered.
-    Uploads go through ``codec_config`` (default: int8) as on the wire, each unit with its own
-    error-feedback state. Globals reach a unit as the learner fetches them
-    (``params_fetch``: ``newest``, every version, as no link is slow here; ``after_upload``,
-    the first version of a fragment published after each of the unit's uploads of it), in
-    ``params_codec``.
+    ``algorithm`` and ``codec_settings`` default to the setup's. Uploads go through the upload
+    codec as on the wire, each unit with its own error-feedback state; globals reach a unit in
+    the params codec, as the learner fetches them (``params_fetch``, decided by the learner's
+    own :class:`~services.learner.fetch_rule.FetchRule`; no link is slow here, so ``newest``
+    delivers every version).
     """
-    wire_codec = codec_config or codec.CodecConfig()
     s = work.setup
+    algorithm = algorithm or s.algorithm
+    codec_settings = codec_settings or s.codec
+    wire_codec = codec_settings.codec_config()
+    params_codec = codec_settings.params_codec
+    fragments = algorithm.fragments
     speeds = [1.0 / f for f in slowdowns]
     share = [v / sum(speeds) for v in speeds]
     total_steps = s.num_units * s.steps_per_unit
     named = pytree.flatten_named(params)
-    outer = OuterCore(named, algorithm)
+    outer = OuterCore(named, algorithm.outer_algorithm(s.num_units))
     rates = {u: speeds[u] for u in range(s.num_units)}
     # With DyLU each unit's H follows its speed from the first round on (speeds are known here).
     unit_h = [
-        dynamic_h(schedule.h_steps, rates[u], rates) if dynamic else schedule.h_steps
+        dynamic_h(algorithm.h_steps, rates[u], rates) if algorithm.dynamic_h else algorithm.h_steps
         for u in range(s.num_units)
     ]
     cores = [
         LearnerCore(
-            work.trainer(max(1, round(total_steps * share[u]))),
+            work.trainer(max(1, round(total_steps * share[u])), algorithm),
             params,
-            dataclasses.replace(schedule, h_steps=unit_h[u]),
+            algorithm.sync_schedule(fragments, unit_h[u]),
             s.tokens_per_step,
         )
         for u in range(s.num_units)
     ]
     counter = itertools.count()
     events: list[tuple[float, int, str, Any]] = []
-    # Per unit and fragment: deliver the first version newer than this (None: none wanted),
-    # as services/learner/params_fetcher.py fetches.
-    wanted: list[list[int | None]] = [[-1] * schedule.fragments for _ in range(s.num_units)]
+    fetch = [FetchRule(algorithm.params_fetch, fragments) for _ in range(s.num_units)]
 
     def push(time: float, kind: str, payload: Any) -> None:
         heapq.heappush(events, (time, next(counter), kind, payload))
@@ -245,10 +280,9 @@ def async_run(
                 payload, description = codec.encode_tensors(exact, params_codec)
                 pieces = codec.decode_tensors(payload, description)
             for unit in range(s.num_units):
-                want = wanted[unit][fragment]
-                newest = params_fetch == "newest"
-                if newest or (want is not None and result.version > want):
-                    wanted[unit][fragment] = None
+                rule = fetch[unit]
+                if rule.wants(fragment, result.version):
+                    rule.fetched(fragment, rule.wanted(fragment))
                     push(now + s.latency_s, "global", (unit, fragment, result.version, pieces))
         deadline = outer.next_deadline()
         if deadline is not None:
@@ -263,7 +297,7 @@ def async_run(
             state = codec.extend_state(wire_codec, codec_states[unit], shapes)
             payload, description, codec_states[unit] = codec.encode(up.tensors, wire_codec, state)
             received = codec.decode_tensors(payload, description)
-            wanted[unit][up.fragment] = outer.version(up.fragment)
+            fetch[unit].uploaded(up.fragment, outer.version(up.fragment))
             arrival = Arrival(
                 unit,
                 up.round,

@@ -5,6 +5,7 @@ Fixtures live in ``conftest.py``; everything a test module imports lives here.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
@@ -15,7 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from services.orchestration.local import files
 from shared.job_status import JobStatus, read_job_status
@@ -23,16 +24,24 @@ from shared.kv import KvError
 from shared.nats_auth import Identity
 from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
-from shared.settings import NatsSettings
+from shared.settings.algorithm import AlgorithmSettings
+from shared.settings.cli import add_settings_arguments, settings_from_args
+from shared.settings.nats import NatsSettings
 from shared.transport.blobs import chunk_size_for, publish_blob
 from shared.transport.connection import connect
 from shared.transport.streams import ensure_streams, prepare_streams
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from services.outer.core import OuterAlgorithm
 
 REPO = Path(__file__).resolve().parents[1]
 GATEWAY_TOKEN = "test-token-0123456789"  # every gateway a test starts has it (DILOCO_TOKEN)
 AUTH = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
 
 T = TypeVar("T")
+SettingsT = TypeVar("SettingsT", bound="BaseModel")
 
 
 def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2) -> T:
@@ -340,3 +349,17 @@ class SecureNats:
     def env(self, who: Identity) -> dict[str, str]:
         """The environment of a service process that connects as ``who``."""
         return {"DILOCO_NATS_CREDENTIALS": self.path(who)}
+
+
+def outer_algorithm(num_units: int = 1, **changes: object) -> OuterAlgorithm:
+    """The outer core's algorithm for a job of ``num_units`` units: the shipped settings with
+    ``changes`` (field names of ``AlgorithmSettings``)."""
+    return AlgorithmSettings(**changes).outer_algorithm(num_units)
+
+
+def service_settings(cls: type[SettingsT], argv: list[str]) -> SettingsT:
+    """The settings a service builds from a command line a launcher gives it
+    (``argv[0]`` is the service's name, as in ``diloco <service> ...``)."""
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, cls)
+    return settings_from_args(cls, parser.parse_args(argv[1:]))

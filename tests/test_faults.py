@@ -29,7 +29,7 @@ from shared.ledger import Books, balance
 from shared.nats_auth import Identity
 from shared.records.outer import OuterStatus, ParamsHead, UnitLedger
 from shared.records.unit import UnitStatus
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport.blobs import chunk_size_for, publish_blob
 from shared.transport.connection import connect
 from shared.transport.params import publish_params, read_latest_params

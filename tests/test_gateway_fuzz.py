@@ -14,7 +14,7 @@ import pytest
 from services.orchestration.nats_server import free_port
 from shared import kv, subjects
 from shared.records.outer import OuterStatus
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
 from shared.transport.streams import ensure_streams
 from tests.helpers import AUTH, wait_for

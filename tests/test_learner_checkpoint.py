@@ -17,7 +17,7 @@ from services.learner.checkpoint import (
     save_checkpoint,
     take_snapshot,
 )
-from services.learner.core import LearnerCore, SyncSchedule
+from services.learner.core import LearnerCore
 from services.learner.link import LearnerLink
 from services.learner.records import UnitIdentity, UnitStateFile
 from services.learner.service import hand_off
@@ -27,6 +27,7 @@ from services.learner.unit_state import STATE_FILE, UnitState
 from shared import model, pytree, records
 from shared.atomic import temp_file
 from shared.records.outer import OuterStatus, UnitLedger
+from shared.settings.algorithm import InnerAlgorithmSettings
 
 CFG = model.get_config("tiny")
 TOKENS = 4 * CFG.seq_len
@@ -41,7 +42,7 @@ def trainer() -> InnerTrainer:
 
 def make_core(trainer: InnerTrainer, params=None) -> LearnerCore:
     params = params if params is not None else model.init_params(CFG, jax.random.PRNGKey(0))
-    return LearnerCore(trainer, params, SyncSchedule(h_steps=3, fragments=2), TOKENS)
+    return LearnerCore(trainer, params, InnerAlgorithmSettings(h_steps=3).sync_schedule(2), TOKENS)
 
 
 def batch(step: int):

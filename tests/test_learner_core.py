@@ -9,6 +9,7 @@ import pytest
 from services.learner.core import STEPS_IN_FLIGHT, LearnerCore, SyncSchedule, dynamic_h
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from shared import codec, model, pytree
+from shared.settings.algorithm import InnerAlgorithmSettings
 
 CFG = model.get_config("tiny")
 TOKENS = 4 * CFG.seq_len
@@ -28,7 +29,7 @@ def named(tree):
 
 
 def test_upload_every_h_steps_carries_anchor_minus_local_and_counters():
-    core = make_core(SyncSchedule(h_steps=3))
+    core = make_core(InnerAlgorithmSettings(h_steps=3).sync_schedule(1))
     start = named(core.state.params)
     uploads = []
     for _ in range(3):
@@ -46,7 +47,7 @@ def test_upload_every_h_steps_carries_anchor_minus_local_and_counters():
 
 
 def test_adopting_a_global_keeps_exactly_the_unsent_progress():
-    core = make_core(SyncSchedule(h_steps=2))
+    core = make_core(InnerAlgorithmSettings(h_steps=2).sync_schedule(1))
     for _ in range(2):
         core.train_step(batch(core.step))
     core.due_uploads()
@@ -70,7 +71,7 @@ def test_adopting_a_global_keeps_exactly_the_unsent_progress():
 
 
 def test_a_global_that_does_not_fit_is_refused_and_a_rewind_replaces_a_higher_version():
-    core = make_core(SyncSchedule(h_steps=2))
+    core = make_core(InnerAlgorithmSettings(h_steps=2).sync_schedule(1))
     good = named(model.init_params(CFG, jax.random.PRNGKey(3)))
     name = sorted(good)[0]
     before = named(core.state.params)
@@ -92,7 +93,7 @@ def test_a_global_that_does_not_fit_is_refused_and_a_rewind_replaces_a_higher_ve
 
 
 def test_mixing_alpha_keeps_a_share_of_the_local_params():
-    core = make_core(SyncSchedule(h_steps=1, mix_alpha=0.25))
+    core = make_core(InnerAlgorithmSettings(h_steps=1, mix_alpha=0.25).sync_schedule(1))
     core.train_step(batch(0))
     core.due_uploads()  # right after an upload: params == anchor
     before = named(core.state.params)
@@ -105,7 +106,7 @@ def test_mixing_alpha_keeps_a_share_of_the_local_params():
 
 
 def test_overlap_tau_holds_a_global_until_tau_steps_after_the_upload():
-    core = make_core(SyncSchedule(h_steps=2, overlap_tau=2))
+    core = make_core(InnerAlgorithmSettings(h_steps=2, overlap_tau=2).sync_schedule(1))
     for _ in range(2):
         core.train_step(batch(core.step))
     assert len(core.due_uploads()) == 1
@@ -118,7 +119,7 @@ def test_overlap_tau_holds_a_global_until_tau_steps_after_the_upload():
 
 
 def test_fragments_are_staggered_and_partition_the_params():
-    core = make_core(SyncSchedule(h_steps=4, fragments=2))
+    core = make_core(InnerAlgorithmSettings(h_steps=4).sync_schedule(2))
     first_uploads = {}
     for _ in range(8):
         core.train_step(batch(core.step))
@@ -132,7 +133,7 @@ def test_fragments_are_staggered_and_partition_the_params():
 
 
 def test_upload_tensors_are_views_of_one_flat_buffer_the_codec_encodes_whole():
-    core = make_core(SyncSchedule(h_steps=2, fragments=2))
+    core = make_core(InnerAlgorithmSettings(h_steps=2).sync_schedule(2))
     uploads = []
     while len(uploads) < 2:
         core.train_step(batch(core.step))
@@ -153,7 +154,9 @@ def test_upload_tensors_are_views_of_one_flat_buffer_the_codec_encodes_whole():
 
 def test_one_fragment_no_overlap_no_mixing_is_the_plain_update():
     """P = 1, τ = 0, α = 0: upload Δ = θ_global − θ_local, then the global replaces local."""
-    core = make_core(SyncSchedule(h_steps=3, fragments=1, overlap_tau=0, mix_alpha=0.0))
+    core = make_core(
+        InnerAlgorithmSettings(h_steps=3, overlap_tau=0, mix_alpha=0.0).sync_schedule(1)
+    )
     start = named(core.state.params)
     for _ in range(3):
         core.train_step(batch(core.step))
@@ -213,7 +216,7 @@ class CountingTrainer:
 def test_losses_are_read_on_the_host_only_when_uploads_are_taken():
     trainer = CountingTrainer(InnerTrainer(CFG, inner_optimizer(3e-3, 2, 50, 0.0)))
     params = model.init_params(CFG, jax.random.PRNGKey(0))
-    core = LearnerCore(trainer, params, SyncSchedule(h_steps=4, fragments=2), TOKENS)
+    core = LearnerCore(trainer, params, InnerAlgorithmSettings(h_steps=4).sync_schedule(2), TOKENS)
     CountedLoss.reads = 0
     losses, uploads, boundaries = [], [], []
     for _ in range(8):  # fragment 1 uploads at steps 2 and 6, fragment 0 at steps 4 and 8
@@ -232,7 +235,7 @@ def test_losses_are_read_on_the_host_only_when_uploads_are_taken():
 
 
 def test_a_step_returns_its_loss_on_the_device():
-    core = make_core(SyncSchedule(h_steps=3))
+    core = make_core(InnerAlgorithmSettings(h_steps=3).sync_schedule(1))
     loss = core.train_step(batch(0))
     assert isinstance(loss, jax.Array) and loss.shape == ()
     core.read_losses()
@@ -242,7 +245,7 @@ def test_a_step_returns_its_loss_on_the_device():
 def test_dispatch_stays_within_steps_in_flight_of_the_device():
     """JAX would queue any number of steps; the core waits so that at most STEPS_IN_FLIGHT are
     unfinished, and the loop sees new globals, pauses and stops within a step or two."""
-    core = make_core(SyncSchedule(h_steps=1000))
+    core = make_core(InnerAlgorithmSettings(h_steps=1000).sync_schedule(1))
     most = 0
     for step in range(12):
         core.train_step(batch(step))

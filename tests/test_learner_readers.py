@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.learner.checkpoint import load_checkpoint, save_checkpoint, take_snapshot
-from services.learner.core import LearnerCore, SyncSchedule
+from services.learner.core import LearnerCore
 from services.learner.link import LearnerLink
 from services.learner.records import LearnerCheckpointMeta, UnitIdentity, UnitStateFile
 from services.learner.settings import LearnerSettings
@@ -27,6 +27,7 @@ from shared import model, records, subjects
 from shared.records.jobs import DESIRED_STATES, DesiredRecord
 from shared.records.outer import OuterStatus, UnitLedger
 from shared.records.unit import UnitStatus
+from shared.settings.algorithm import InnerAlgorithmSettings
 from tests.strategies import record_bytes
 
 SETTINGS = LearnerSettings(job="t", model="tiny", unit=1, num_units=3)
@@ -175,7 +176,9 @@ def checkpoint_arrays(tmp_path_factory) -> tuple[dict[str, np.ndarray], LearnerC
 
     def core() -> LearnerCore:
         params = model.init_params(CFG, jax.random.PRNGKey(0))
-        return LearnerCore(trainer, params, SyncSchedule(h_steps=3), 4 * CFG.seq_len)
+        return LearnerCore(
+            trainer, params, InnerAlgorithmSettings(h_steps=3).sync_schedule(1), 4 * CFG.seq_len
+        )
 
     path = tmp_path_factory.mktemp("checkpoint") / "checkpoint.npz"
     identity = UnitIdentity(job="t", unit=0, model="tiny", fragments=1)

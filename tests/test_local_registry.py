@@ -9,7 +9,7 @@ import asyncio
 from services.orchestration.registry import Registry, read_registry
 from shared import kv, subjects
 from shared.records.jobs import DesiredRecord, JobRecord, JobSpec
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
 from shared.transport.streams import ensure_streams
 

@@ -20,7 +20,7 @@ from shared import kv, subjects
 from shared.records.jobs import DesiredRecord
 from shared.records.outer import EvalRecord, EvaluationRecord, OuterStatus
 from shared.records.unit import UnitStatus
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
 
 JOB = "own"

@@ -21,7 +21,9 @@ from shared import kv, nats_auth, subjects, transport
 from shared.nats_auth import Credentials, CredentialsError, Identity
 from shared.records.credentials import NatsCredentials
 from shared.records.jobs import DesiredRecord
-from shared.settings import NatsSettings, SettingsError, settings_from_args
+from shared.settings import SettingsError
+from shared.settings.cli import settings_from_args
+from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
 from shared.transport.streams import prepare_streams
 from tests.helpers import SecureNats

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from services.outer.core import OuterAlgorithm, OuterCore
+from services.outer.core import OuterCore
 from services.outer.errors import Rejected
 from services.outer.ledger import OuterLedger
 from services.outer.norm_guard import MIN_HISTORY, WINDOW, NormGuard, update_norm
 from services.outer.policy import Arrival
+from tests.helpers import outer_algorithm
 
 
 def test_the_norm_is_the_l2_norm_over_all_pieces():
@@ -74,7 +77,7 @@ def test_bad_settings_are_refused(mode, factor):
     with pytest.raises(ValueError):
         NormGuard(1, mode, factor)
     with pytest.raises(ValueError):
-        OuterAlgorithm(norm_guard=mode, norm_guard_factor=factor)
+        dataclasses.replace(outer_algorithm(), norm_guard=mode, norm_guard_factor=factor)
 
 
 # ---------------------------------------------------------------------------- inside the core
@@ -84,7 +87,7 @@ SHAPES = {"w": (64, 8), "b": (8,)}
 
 def _core(mode: str) -> OuterCore:
     params = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
-    return OuterCore(params, OuterAlgorithm(optimizer="sgd", lr=1.0, norm_guard=mode))
+    return OuterCore(params, outer_algorithm(outer_optimizer="sgd", outer_lr=1.0, norm_guard=mode))
 
 
 def _arrival(core: OuterCore, round_: int, scale: float) -> Arrival:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from services.outer import checkpoint
-from services.outer.core import OuterAlgorithm, OuterCore
+from services.outer.core import OuterCore
 from services.outer.lease import Lease, LeaseLost
 from services.outer.policy import Arrival
 from services.outer.service import OuterService
@@ -24,18 +24,17 @@ from shared.records.outer import (
     LedgerRecord,
     UnitLedger,
 )
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
 from shared.transport.streams import ensure_streams
+from tests.helpers import outer_algorithm
 
 
 def _core(seed: int = 0, fragments: int = 1) -> OuterCore:
     named = pytree.flatten_named(
         model.init_params(model.get_config("tiny"), jax.random.PRNGKey(seed))
     )
-    algorithm = OuterAlgorithm(
-        optimizer="delayed_nesterov", num_units=2, dn_period=2, fragments=fragments
-    )
+    algorithm = outer_algorithm(2, token_weighting="uniform", fragments=fragments)
     return OuterCore(named, algorithm)
 
 

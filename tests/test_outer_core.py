@@ -10,14 +10,17 @@ import jax
 import numpy as np
 import pytest
 
-from services.outer.core import OuterAlgorithm, OuterCore
+from services.outer.core import OuterCore
 from services.outer.errors import Rejected
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival, MergePolicy
 from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
-from services.outer.staleness import StalenessRule
 from shared import fragments, model, pytree
+from tests.helpers import outer_algorithm
+
+# The plain Nesterov step with uniform weights, the algorithm these tests check by hand.
+NESTEROV = {"outer_optimizer": "nesterov", "token_weighting": "uniform"}
 
 
 def tiny_named(seed=0):
@@ -47,8 +50,8 @@ def test_fragment_sizes_of_the_small_model_are_balanced_within_10_percent():
 def test_one_fragment_reproduces_the_non_fragmented_outer_step_exactly():
     named = tiny_named()
     delta = {k: np.full_like(v, 0.01) * (i + 1) for i, (k, v) in enumerate(named.items())}
-    algorithm = OuterAlgorithm(
-        optimizer="nesterov", lr=0.7, momentum=0.9, fragments=1, staleness=StalenessRule("constant")
+    algorithm = outer_algorithm(
+        outer_optimizer="nesterov", staleness_rule="constant", token_weighting="uniform"
     )
     core = OuterCore(named, algorithm)
     core.offer(0, arrival(0, delta))
@@ -65,10 +68,10 @@ def test_fragmented_updates_add_up_to_the_whole_update():
         k: np.random.default_rng(1).standard_normal(v.shape).astype(np.float32) * 1e-2
         for k, v in named.items()
     }
-    whole = OuterCore(named, OuterAlgorithm(fragments=1, staleness=StalenessRule("constant")))
+    whole = OuterCore(named, outer_algorithm(**NESTEROV, fragments=1, staleness_rule="constant"))
     whole.offer(0, arrival(0, delta))
     whole.merge(0)
-    split = OuterCore(named, OuterAlgorithm(fragments=3, staleness=StalenessRule("constant")))
+    split = OuterCore(named, outer_algorithm(**NESTEROV, fragments=3, staleness_rule="constant"))
     for p in range(3):
         split.offer(p, arrival(0, split.plan.extract(delta, p)))
         split.merge(p)
@@ -80,7 +83,7 @@ def test_fragmented_updates_add_up_to_the_whole_update():
 def test_staleness_cut_off_and_future_versions_are_rejected_with_reasons():
     named = tiny_named()
     zero = {k: np.zeros_like(v) for k, v in named.items()}
-    core = OuterCore(named, OuterAlgorithm(staleness=StalenessRule("polynomial", 0.5, 0, 1)))
+    core = OuterCore(named, outer_algorithm(**NESTEROV, max_staleness=1))
     for version in range(3):
         core.offer(0, arrival(0, zero, base_version=version))
         core.merge(0)
@@ -97,7 +100,13 @@ def test_participation_scale_makes_one_of_k_arrivals_a_1_over_k_step():
     named = {"w": np.zeros(3, np.float32)}
     core = OuterCore(
         named,
-        OuterAlgorithm(optimizer="sgd", lr=1.0, num_units=4, staleness=StalenessRule("constant")),
+        outer_algorithm(
+            4,
+            outer_optimizer="sgd",
+            outer_lr=1.0,
+            staleness_rule="constant",
+            token_weighting="uniform",
+        ),
     )
     core.offer(0, arrival(0, {"w": np.full(3, 4.0, np.float32)}))
     core.merge(0)
@@ -105,7 +114,7 @@ def test_participation_scale_makes_one_of_k_arrivals_a_1_over_k_step():
 
 
 def test_each_policy_merges_arrivals_one_at_a_time():
-    policy = MergePolicy("each")
+    policy = MergePolicy("each", 1, 0.5, 0.0, 30.0)
     assert policy.deadline() is None
     policy.add(arrival(0, {}, at=1.0))
     policy.add(arrival(1, {}, at=1.0))
@@ -116,7 +125,7 @@ def test_each_policy_merges_arrivals_one_at_a_time():
 
 
 def test_quorum_waits_for_k_then_for_active_units_inside_the_grace_window():
-    policy = MergePolicy("quorum", min_quorum=2, grace_factor=0.5, grace_max_s=100)
+    policy = MergePolicy("quorum", min_quorum=2, grace_factor=0.5, grace_min_s=0.0, grace_max_s=100)
     for t in (0.0, 10.0):  # units 0, 1, 2 upload every 10 s
         for unit in (0, 1, 2):
             policy.add(arrival(unit, {}, at=t))
@@ -133,7 +142,7 @@ def test_quorum_waits_for_k_then_for_active_units_inside_the_grace_window():
 
 
 def test_a_silent_unit_stops_being_waited_for():
-    policy = MergePolicy("quorum", min_quorum=1, grace_factor=0.5, grace_max_s=100)
+    policy = MergePolicy("quorum", min_quorum=1, grace_factor=0.5, grace_min_s=0.0, grace_max_s=100)
     for t in (0.0, 10.0):
         for unit in (0, 1):
             policy.add(arrival(unit, {}, at=t))
@@ -149,7 +158,7 @@ def test_a_silent_unit_stops_being_waited_for():
 
 def test_sync_mode_waits_for_every_unit_in_the_first_round_then_drops_a_silent_one():
     settings = OuterSettings(mode="sync", sync_timeout_s=8.0, num_units=3)
-    algorithm = settings.algorithm(num_units=3)
+    algorithm = settings.outer_algorithm()
     assert (algorithm.policy, algorithm.min_quorum, algorithm.sync_rounds) == (
         "quorum",
         1,
@@ -178,7 +187,7 @@ def test_sync_mode_waits_for_every_unit_in_the_first_round_then_drops_a_silent_o
     assert policy.deadline() == pytest.approx(28.0) and not policy.ready(27.9)
     assert sorted(a.unit for a in policy.take()) == [0, 1]
     # The decoupled default merges every arrival alone, at once.
-    assert OuterSettings(num_units=3).algorithm(num_units=3).policy == "each"
+    assert OuterSettings(num_units=3).outer_algorithm().policy == "each"
 
 
 def test_a_stale_upload_rides_along_a_sync_round_without_starting_or_completing_it():
@@ -217,7 +226,7 @@ def test_invalid_algorithm_choices_are_refused():
         {"lr": -1.0},
     ):
         with pytest.raises(ValueError):
-            OuterAlgorithm(**kwargs)
+            dataclasses.replace(outer_algorithm(), **kwargs)
 
 
 def test_the_outer_event_loop_keeps_running_while_a_merge_is_slow(tmp_path, monkeypatch):

@@ -76,7 +76,7 @@ def _ref_weight(rule: str, a: float, b: float, s: np.ndarray) -> np.ndarray:
     ],
 )
 def test_staleness_rule_matches_its_formula(rule, a, b):
-    sr = StalenessRule(rule=rule, a=a, b=b)
+    sr = StalenessRule(rule, a, b, None)
     expected = _ref_weight(rule, a, b, STALENESS)
     scalar = np.array([float(sr.weight(int(s))) for s in STALENESS])
     np.testing.assert_allclose(scalar, expected, rtol=RTOL, atol=0)
@@ -87,7 +87,7 @@ def test_staleness_rule_matches_its_formula(rule, a, b):
 
 
 def test_hinge_boundary():
-    sr = StalenessRule(rule="hinge", a=2.0, b=3.0)
+    sr = StalenessRule("hinge", 2.0, 3.0, None)
     assert float(sr.weight(0)) == 1.0
     assert float(sr.weight(3)) == 1.0  # s == b keeps full weight
     assert float(sr.weight(4)) == pytest.approx(1.0 / 3.0, rel=1e-6)  # 1 / (2·1 + 1)
@@ -96,27 +96,27 @@ def test_hinge_boundary():
 
 @pytest.mark.parametrize("rule", ["polynomial", "exponential", "hinge"])
 def test_zero_exponent_gives_weight_one(rule):
-    sr = StalenessRule(rule=rule, a=0.0, b=0.0)
+    sr = StalenessRule(rule, 0.0, 0.0, None)
     np.testing.assert_array_equal(np.asarray(sr.weight(STALENESS)), np.ones(len(STALENESS)))
 
 
 def test_accepts_cutoff_boundary():
-    sr = StalenessRule(max_staleness=5)
+    sr = StalenessRule("polynomial", 0.5, 0.0, 5)
     assert sr.accepts(0)
     assert sr.accepts(5)
     assert not sr.accepts(6)
     assert not sr.accepts(100)
-    zero = StalenessRule(max_staleness=0)
+    zero = StalenessRule("polynomial", 0.5, 0.0, 0)
     assert zero.accepts(0)
     assert not zero.accepts(1)
-    assert StalenessRule(max_staleness=None).accepts(10**9)
+    assert StalenessRule("polynomial", 0.5, 0.0, None).accepts(10**9)
 
 
 def test_negative_staleness_raises():
     with pytest.raises(ValueError, match="staleness must be >= 0"):
-        StalenessRule().accepts(-1)
+        StalenessRule("polynomial", 0.5, 0.0, None).accepts(-1)
     with pytest.raises(ValueError):
-        StalenessRule(max_staleness=3).accepts(-1)
+        StalenessRule("polynomial", 0.5, 0.0, 3).accepts(-1)
 
 
 @pytest.mark.parametrize(
@@ -131,12 +131,12 @@ def test_negative_staleness_raises():
 )
 def test_invalid_staleness_rule_raises(kwargs):
     with pytest.raises(ValueError):
-        StalenessRule(**kwargs)
+        StalenessRule(**{"rule": "polynomial", "a": 0.5, "b": 0.0, "max_staleness": None, **kwargs})
 
 
 @pytest.mark.parametrize("rule", ["constant", "polynomial", "hinge", "exponential"])
 def test_weight_under_jit_on_int32(rule):
-    sr = StalenessRule(rule=rule, a=0.7, b=2.0)
+    sr = StalenessRule(rule, 0.7, 2.0, None)
     s = jnp.arange(21, dtype=jnp.int32)
     out = jax.jit(sr.weight)(s)
     assert out.dtype == jnp.float32

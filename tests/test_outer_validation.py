@@ -11,16 +11,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.outer.core import OuterAlgorithm, OuterCore
+from services.outer.core import OuterCore
 from services.outer.errors import Rejected
 from services.outer.intake import Intake
 from services.outer.ledger import OuterLedger
 from services.outer.publishing import DeadLetters
-from services.outer.staleness import StalenessRule
 from services.outer.validation import UploadRules, Validated, validate
 from shared import codec, subjects, wire
 from shared.records import MAX_BATCH_SIZE, MAX_OUTER_UNITS, MAX_STEPS_PER_UPLOAD
 from shared.transport.dead_letters import HEADER_REASON
+from tests.helpers import outer_algorithm
 
 JOB, MODEL = "j", "tiny"
 SHAPES = {"a": (3,), "b": (2, 2)}
@@ -202,7 +202,9 @@ def chunks(env: wire.Envelope, chunk_size: int = 100, upload: str | None = None)
 @pytest.fixture(scope="module")
 def core() -> OuterCore:
     named = {name: np.zeros(shape, np.float32) for name, shape in SHAPES.items()}
-    algorithm = OuterAlgorithm(staleness=StalenessRule("constant", max_staleness=0))
+    algorithm = outer_algorithm(
+        outer_optimizer="nesterov", staleness_rule="constant", max_staleness=0
+    )
     return OuterCore(named, algorithm)
 
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from services.learner.settings import LearnerSettings
 from services.orchestration import reconcile
 from services.orchestration.local import files
 from services.orchestration.local.cluster import Cluster
@@ -21,8 +22,10 @@ from services.orchestration.local.settings import UpSettings
 from services.orchestration.reconcile import Retire, Spawn, plan
 from services.orchestration.registry import Registry
 from services.orchestration.supervisor import RestartPolicy, State, Supervisor
+from services.outer.settings import OuterSettings
 from shared import nats_auth
 from shared.records.jobs import JobRecord, JobSpec
+from tests.helpers import service_settings
 
 CKPT = "/data/units"
 
@@ -42,33 +45,24 @@ def names(actions: list) -> list[str]:
 
 
 def test_every_spec_field_reaches_a_service_or_is_handled_explicitly():
-    mapped = set(reconcile.LEARNER_FIELDS) | set(reconcile.OUTER_FIELDS)
-    assert mapped | reconcile.SPECIAL_FIELDS == set(JobSpec.model_fields)
-    assert "h_steps" in reconcile.LEARNER_FIELDS and "codec" in reconcile.LEARNER_FIELDS
-    assert "outer_lr" in reconcile.OUTER_FIELDS and "outer_lr" not in reconcile.LEARNER_FIELDS
+    services = set(LearnerSettings.model_fields) | set(OuterSettings.model_fields)
+    assert set(JobSpec.model_fields) - services == {"units", "token_budget"}
 
 
 def test_spec_becomes_learner_and_outer_flags():
     job = record(units=3, h_steps=7, codec="int4", outer_lr=0.5, max_steps=40)
-    learner = reconcile.learner_args(job, 2, CKPT)
-    assert learner[0] == "learner"
-    flags = dict(zip(learner[1::2], learner[2::2], strict=True))
-    assert flags == {
-        "--job": "j",
-        "--model": "tiny",
-        "--h-steps": "7",
-        "--codec": "int4",
-        "--seed": "0",
-        "--unit": "2",
-        "--num-units": "3",
-        "--max-steps": "40",
-        "--checkpoint-dir": CKPT,
-    }
-    outer = reconcile.outer_args(job)
-    assert outer[0] == "outer"
-    flags = dict(zip(outer[1::2], outer[2::2], strict=True))
-    assert flags["--outer-lr"] == "0.5" and flags["--num-units"] == "3"
-    assert "--h-steps" not in flags and "--max-staleness" not in flags  # None: left out
+    learner_argv = reconcile.learner_args(job, 2, CKPT)
+    assert learner_argv[0] == "learner"
+    assert "--outer-lr" not in learner_argv  # the outer's, not the learner's
+    learner = service_settings(LearnerSettings, learner_argv)
+    assert (learner.job, learner.model, learner.h_steps, learner.codec) == ("j", "tiny", 7, "int4")
+    assert (learner.unit, learner.num_units, learner.max_steps) == (2, 3, 40)
+    assert learner.checkpoint_dir == CKPT
+    outer_argv = reconcile.outer_args(job)
+    assert outer_argv[0] == "outer"
+    assert "--h-steps" not in outer_argv and "--max-staleness" not in outer_argv  # None: left out
+    outer = service_settings(OuterSettings, outer_argv)
+    assert (outer.outer_lr, outer.num_units) == (0.5, 3)
 
 
 def test_token_budget_is_shared_by_the_units_as_max_steps():

@@ -10,7 +10,8 @@ from services.cli import build_parser
 from services.learner.settings import LearnerSettings
 from services.link.settings import LinkSettings
 from services.orchestration.local.settings import UpSettings
-from shared.settings import SettingsError, add_settings_arguments, settings_from_args
+from shared.settings import SettingsError
+from shared.settings.cli import add_settings_arguments, settings_from_args
 
 
 def parse(cls, argv):
@@ -36,7 +37,7 @@ def test_flags_override_environment_which_overrides_defaults(monkeypatch):
         (["--model", "huge"], "--model (env DILOCO_MODEL) = 'huge': Input should be 'tiny'"),
         (["--inner-lr", "-1"], "--inner-lr"),
         (["--nats-url", "http://x"], "expected nats://host:port"),
-        (["--codec", "int3"], "unknown codec 'int3'"),
+        (["--codec", "int3"], "--codec (env DILOCO_CODEC) = 'int3': Input should be 'fp32'"),
         (["--block-size", "100"], "multiple of 16"),
         (["--codec", "fp32", "--error-feedback"], "fp32 loses nothing"),
         (["--codec-threads", "-2"], "--codec-threads"),
@@ -91,7 +92,7 @@ def test_up_help_explains_every_option(capsys):
 
 def test_config_file_sets_options_and_flags_and_env_win(tmp_path, monkeypatch):
     from services.outer.settings import OuterSettings
-    from shared.settings import load_config_file
+    from shared.settings.cli import load_config_file
 
     config = tmp_path / "job.toml"
     config.write_text(
@@ -109,7 +110,7 @@ def test_config_file_sets_options_and_flags_and_env_win(tmp_path, monkeypatch):
 
 
 def test_config_file_errors_are_clear(tmp_path):
-    from shared.settings import load_config_file
+    from shared.settings.cli import load_config_file
 
     bad = tmp_path / "bad.toml"
     bad.write_text("h_step = 3\n")
@@ -171,7 +172,7 @@ def test_up_shares_the_budget_by_speed_and_validates_slowdowns():
 
 
 def test_checkpoint_dir_defaults_to_none_and_round_trips_through_flags(monkeypatch):
-    from shared.settings import to_flags
+    from shared.settings.cli import to_flags
 
     assert parse(LearnerSettings, []).checkpoint_dir is None
     assert to_flags(parse(LearnerSettings, []), ["checkpoint_dir"]) == []

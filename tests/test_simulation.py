@@ -1,17 +1,19 @@
-"""The simulated-clock engine of the quality benchmark, on the tiny model."""
+"""The simulated-clock engine of the quality benchmark: the shipped algorithm and codecs (the
+settings' defaults, as ``diloco up`` runs them) on the tiny model."""
 
 from __future__ import annotations
 
 import jax
 import pytest
 
-from services.learner.core import SyncSchedule
-from services.outer.core import OuterAlgorithm
-from services.outer.staleness import StalenessRule
 from shared import data, evaluation, model
+from shared.settings.algorithm import AlgorithmSettings
+from shared.settings.workload import WorkloadSettings
 from sim import training as sim
 
-SETUP = sim.SimSetup(model="tiny", num_units=2, steps_per_unit=12, h_steps=4, evals=2)
+# Only the workload is made small: the algorithm and the codecs are the shipped defaults.
+WORKLOAD = WorkloadSettings(model="tiny", max_steps=64)
+SETUP = sim.SimSetup(workload=WORKLOAD, num_units=2, evals=2)
 
 
 @pytest.fixture(scope="module")
@@ -28,23 +30,30 @@ def start():
     return model.init_params(model.get_config("tiny"), jax.random.PRNGKey(0))
 
 
+def test_the_setup_is_the_shipped_algorithm():
+    assert SETUP.algorithm == AlgorithmSettings()
+    assert SETUP.algorithm.outer_optimizer == "delayed_nesterov"
+    assert SETUP.codec.codec == "int8" and SETUP.codec.params_codec == "int8"
+
+
 def test_every_method_learns_and_reports_a_curve(work, start):
     results = [
         sim.data_parallel(work, start),
         sim.sync_diloco(work, start),
-        sim.async_run(work, start, OuterAlgorithm(num_units=2), [1.0, 2.0], SyncSchedule(4)),
+        sim.async_run(work, start, [1.0, 2.0]),
     ]
     for result in results:
         assert result.curve[0][0] == 0 and result.curve[-1][1] == result.final_eval
         assert result.final_eval < result.curve[0][1] - 0.3, result.method
-    assert results[1].outer_steps == 3  # 12 steps / H=4
+    h = SETUP.algorithm.h_steps
+    assert results[1].outer_steps == -(-SETUP.steps_per_unit // h)  # one per H steps
 
 
 def test_async_with_quorum_and_dylu_merges_equal_speed_units_together(work, start):
-    algorithm = OuterAlgorithm(
-        policy="quorum", min_quorum=1, num_units=2, token_weighting="tokens2_per_step"
+    quorum = sim.changed(
+        SETUP.algorithm, outer_optimizer="nesterov", merge_policy="quorum", min_quorum=1
     )
-    result = sim.async_run(work, start, algorithm, [1.0, 2.0], SyncSchedule(4), dynamic=True)
+    result = sim.async_run(work, start, [1.0, 2.0], algorithm=quorum)
     # With DyLU the slow unit does H/2 steps per round, so both arrive together: every merge
     # takes both updates and nothing is stale.
     assert result.merged_per_step == 2.0
@@ -52,7 +61,6 @@ def test_async_with_quorum_and_dylu_merges_equal_speed_units_together(work, star
 
 
 def test_simulation_is_deterministic(work, start):
-    algorithm = OuterAlgorithm(num_units=2, staleness=StalenessRule("constant"))
-    first = sim.async_run(work, start, algorithm, [1.0, 3.0], SyncSchedule(4))
-    second = sim.async_run(work, start, algorithm, [1.0, 3.0], SyncSchedule(4))
+    first = sim.async_run(work, start, [1.0, 3.0])
+    second = sim.async_run(work, start, [1.0, 3.0])
     assert first.final_eval == second.final_eval and first.staleness == second.staleness

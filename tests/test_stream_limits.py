@@ -9,7 +9,7 @@ import nats.js.errors
 import pytest
 
 from shared import subjects
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport.blobs import MAX_MESSAGE_BYTES
 from shared.transport.connection import connect
 from shared.transport.streams import (

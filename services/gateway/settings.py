@@ -6,7 +6,8 @@ from pathlib import Path
 
 from pydantic import Field, model_validator
 
-from shared.settings import SECRET, NatsSettings
+from shared.settings import SECRET
+from shared.settings.nats import NatsSettings
 
 #: The shortest API token a gateway outside ``--local`` accepts (``secrets.token_urlsafe(24)``,
 #: what ``diloco up`` makes, has 32 characters).

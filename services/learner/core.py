@@ -41,12 +41,13 @@ STEPS_IN_FLIGHT = 2
 
 @dataclass(frozen=True)
 class SyncSchedule:
-    """How a unit syncs: every H steps per fragment, overlap τ, mixing α."""
+    """How a unit syncs: every H steps per fragment, overlap τ, mixing α (built from the
+    settings, ``shared.settings.algorithm.InnerAlgorithmSettings.sync_schedule``)."""
 
-    h_steps: int = 30
-    fragments: int = 1
-    overlap_tau: int = 0
-    mix_alpha: float = 0.0
+    h_steps: int
+    fragments: int
+    overlap_tau: int
+    mix_alpha: float
 
     def __post_init__(self) -> None:
         if self.h_steps < 1 or self.fragments < 1 or self.overlap_tau < 0:

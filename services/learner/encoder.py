@@ -40,7 +40,7 @@ class UploadEncoder:
         """
         self.settings = settings
         self._counters = counters
-        self._codec = settings.codec_config()
+        self._codec = settings.codec_config(settings.codec_threads)
         self._state = codec.CodecState()
         # With checkpoints and error feedback, a copy of the residual after each encoding, for
         # the training thread's snapshots (the live one is updated in place while encoding).

@@ -14,6 +14,8 @@ merge. Two policies (``--params-fetch``):
   after that moment. One copy per sync period, not one per merge of any unit, at the cost of
   staler params.
 
+Which versions are wanted is :class:`~services.learner.fetch_rule.FetchRule`'s to say.
+
 It subscribes to the heads of its job as notifications and also looks every
 ``PARAMS_POLL_S`` (a notification may be missed while reconnecting); a fetched version waits
 until the training thread takes it at a step boundary (:meth:`ParamsFetcher.take_new`).
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from services.learner.counters import Counters
+from services.learner.fetch_rule import FetchRule
 from services.learner.settings import LearnerSettings
 from shared import codec, records, subjects, wire
 from shared.latency import Latencies, SyncLatency
@@ -83,8 +86,7 @@ class ParamsFetcher:
         self._lock = threading.Lock()
         self._newest: dict[int, GlobalFragment] = {}
         self._known_versions = [-1] * settings.fragments
-        # Per fragment: fetch the first version newer than this (None: nothing wanted).
-        self._wanted: list[int | None] = [-1] * settings.fragments
+        self.rule = FetchRule(settings.params_fetch, settings.fragments)
         self._head_versions = [-1] * settings.fragments  # the latest head seen
         self._head_seen_at = [0.0] * settings.fragments  # when that head was first seen
         # The upload id of the last head whose params were rejected (not read again).
@@ -111,9 +113,7 @@ class ParamsFetcher:
         """With ``after_upload``: fetch ``fragment`` once more, its first version published
         after now (the merge that applies the upload JetStream just accepted, or a later one).
         Call on the link's event loop."""
-        if self.settings.params_fetch == "newest":
-            return  # every newer version is wanted anyway
-        self._wanted[fragment] = self._head_versions[fragment]
+        self.rule.uploaded(fragment, self._head_versions[fragment])
         if self._head_seen is not None:
             self._head_seen.set()
 
@@ -168,7 +168,7 @@ class ParamsFetcher:
             await self._subscription.unsubscribe()
 
     async def _fetch(self, js: Any, fragment: int) -> None:
-        wanted = self._wanted[fragment]
+        wanted = self.rule.wanted(fragment)
         if wanted is None:
             return
         job = self.settings.job
@@ -212,7 +212,5 @@ class ParamsFetcher:
         with self._lock:
             self._newest[fragment] = global_fragment
             self._known_versions[fragment] = version
-        newest = self.settings.params_fetch == "newest"
-        if not newest and self._wanted[fragment] == wanted:  # no upload asked for more since
-            self._wanted[fragment] = None
+        self.rule.fetched(fragment, wanted)
         self.counters.add("params_received")

@@ -30,11 +30,11 @@ from services.learner.checkpoint import (
     load_checkpoint,
     take_snapshot,
 )
-from services.learner.core import LearnerCore, SyncSchedule, Upload, dynamic_h
+from services.learner.core import LearnerCore, Upload, dynamic_h
 from services.learner.link import LearnerLink
 from services.learner.records import UnitIdentity
 from services.learner.settings import LearnerSettings
-from services.learner.trainer import InnerTrainer, inner_optimizer
+from services.learner.trainer import InnerTrainer
 from services.learner.unit_state import UnitState, unit_dir
 from shared import data, model
 from shared.runtime import configure_jax
@@ -66,16 +66,9 @@ def build_core(settings: LearnerSettings) -> tuple[LearnerCore, data.BatchSample
     # Every unit and the outer build the same version-0 params from the job seed, so a unit can
     # start training before it has heard from the outer (no start-up barrier either).
     params = model.init_params(cfg, jax.random.PRNGKey(settings.seed))
-    trainer = InnerTrainer(
-        cfg,
-        inner_optimizer(
-            settings.inner_lr, settings.warmup_steps, settings.max_steps, settings.weight_decay
-        ),
-    )
-    schedule = SyncSchedule(
-        settings.h_steps, settings.fragments, settings.overlap_tau, settings.mix_alpha
-    )
-    core = LearnerCore(trainer, params, schedule, settings.batch_size * cfg.seq_len)
+    trainer = InnerTrainer(cfg, settings.optimizer(settings.max_steps))
+    schedule = settings.sync_schedule(settings.fragments)
+    core = LearnerCore(trainer, params, schedule, settings.tokens_per_step())
     return core, sampler, 4 * model.param_count(params)
 
 

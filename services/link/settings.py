@@ -9,7 +9,7 @@ from pydantic import Field, field_validator
 
 from shared.link_spec import LinkSpec, Outage, parse_link, parse_outages
 from shared.records.link import LINK_NAME_PATTERN
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 
 
 class LinkSettings(NatsSettings):

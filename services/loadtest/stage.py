@@ -45,7 +45,7 @@ from shared.ledger import balance
 from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
 from shared.retry import NATS_ERRORS
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
 from shared.transport.streams import ensure_streams
 

@@ -28,7 +28,7 @@ from shared.latency import SyncLatency
 from shared.ledger import RoundSet
 from shared.records.outer import ParamsHead
 from shared.retry import NATS_ERRORS, retry
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport import TransportError
 from shared.transport.blobs import chunk_size_for, publish_blob
 from shared.transport.connection import connect

@@ -1,19 +1,24 @@
 """The command lines and environments of the services of ``diloco up``'s own job.
 
-Every service gets the same ``diloco <service>`` command line that docker-compose runs: the job
-definition (``CommonJobSettings``) and the NATS URL, plus its own options taken from
-``UpSettings``. The learners of registry jobs get theirs from ``services.orchestration.reconcile``.
+Every service gets the same ``diloco <service>`` command line that docker-compose runs: the NATS
+URL and every option of the service that ``UpSettings`` holds (the same settings models: job,
+workload, algorithm, codec, resources), plus what differs per process. The learners of registry jobs
+get theirs from ``services.orchestration.reconcile``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from services.learner.settings import InnerSettings
+from services.learner.settings import LearnerSettings
 from services.orchestration.local.settings import UpSettings
-from services.outer.settings import OuterAlgorithmSettings
+from services.outer.settings import OuterSettings
 from shared.link_spec import LinkSpec
-from shared.settings import CommonJobSettings, to_flags
+from shared.settings.cli import flags_for
+
+#: Options a launcher sets per process instead of passing them on as they are.
+LEARNER_OWN = frozenset({"unit", "num_units", "max_steps", "slowdown", "checkpoint_dir"})
+OUTER_OWN = frozenset({"num_units"})
 
 JAX_CACHE_DIR = "jax-cache"
 UNITS_DIR = "units"
@@ -47,21 +52,15 @@ def learner_env(settings: UpSettings) -> dict[str, str]:
     return {**cache_env(settings), **threads_env(settings.learner_threads)}
 
 
-def job_flags(settings: UpSettings, nats_url: str) -> list[str]:
-    """Flags every service of the job gets: NATS URL and the job definition."""
-    return ["--nats-url", nats_url, *to_flags(settings, CommonJobSettings.model_fields)]
-
-
 def outer_args(settings: UpSettings, nats_url: str) -> list[str]:
     """``diloco outer`` arguments of the job."""
     return [
         "outer",
-        *job_flags(settings, nats_url),
+        "--nats-url",
+        nats_url,
+        *flags_for(settings, OuterSettings, OUTER_OWN),
         "--num-units",
         str(settings.learners),
-        *to_flags(settings, OuterAlgorithmSettings.model_fields),
-        "--eval-every-s",
-        str(settings.eval_every_s),
     ]
 
 
@@ -106,21 +105,19 @@ def link_args(
 
 def learner_args(settings: UpSettings, nats_url: str, unit: int) -> list[str]:
     """``diloco learner`` arguments of one unit: its slowdown and its share of the budget."""
-    inner_flags = to_flags(settings, [n for n in InnerSettings.model_fields if n != "max_steps"])
-    slowdown = settings.unit_slowdowns()[unit]
-    steps = settings.unit_steps()[unit]
     return [
         "learner",
-        *job_flags(settings, nats_url),
+        "--nats-url",
+        nats_url,
+        *flags_for(settings, LearnerSettings, LEARNER_OWN),
         "--unit",
         str(unit),
         "--num-units",
         str(settings.learners),
         "--slowdown",
-        str(slowdown),
+        str(settings.unit_slowdowns()[unit]),
         "--max-steps",
-        str(steps),
-        *inner_flags,
+        str(settings.unit_steps()[unit]),
         "--checkpoint-dir",
         str(checkpoint_dir(settings)),
     ]

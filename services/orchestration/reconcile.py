@@ -18,23 +18,19 @@ Rules, for every registered job other than ``diloco up``'s own job:
 * A job that is ``stopped`` or deleted gets nothing new. Once none of its learners runs any more
   (each finished or was left dead), its outer is retired: SIGTERM, and not restarted.
 
-How a spec becomes flags (the gateway's ``JobSpec`` names its fields after the services'
-options, so ``shared.settings.to_flags`` renders them):
+How a spec becomes flags: the spec holds the same settings models as the services (workload,
+algorithm, codec; ``shared.settings``), so every option of a service that the spec holds is
+passed on as it is (``shared.settings.cli.flags_for``), plus, per process:
 
-* to both services: the fields shared with ``shared.settings.CommonJobSettings`` (job, model,
-  seed, corpus);
-* to learners: those of ``InnerSettings`` (h_steps, codec), plus ``--max-steps``, ``--unit <u>``,
-  ``--num-units <units>`` and ``--checkpoint-dir <data-dir>/units``;
-* to the outer: those of ``OuterAlgorithmSettings`` (outer_optimizer, outer_lr, outer_momentum,
-  merge_policy, min_quorum, staleness_rule, max_staleness), plus ``--num-units <units>``;
+* to learners: ``--unit <u>``, ``--num-units <units>``, ``--max-steps`` and
+  ``--checkpoint-dir <data-dir>/units``; to the outer: ``--num-units <units>``;
 * ``units`` is the job's *current* unit count when the process starts (a running outer keeps the
   count it started with; it only weights participation and the Delayed Nesterov period);
 * ``max_steps`` goes to learners as it is; ``token_budget`` becomes
-  ``max_steps = ceil(token_budget / (units · batch_size · seq_len))`` with the learners' default
-  batch size and the model's context length, ``units`` again the count when the learner starts.
+  ``max_steps = ceil(token_budget / (units · batch_size · seq_len))`` with the spec's batch size
+  and the model's context length, ``units`` again the count when the learner starts.
 
-Every other service option (batch size, learning rate, fragments, corpus_max_bytes, ...) keeps
-the service's default: the spec does not carry it.
+Options that are not the job's (threads, status intervals, timeouts) keep the service's default.
 """
 
 from __future__ import annotations
@@ -44,28 +40,14 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass
 from typing import Literal
 
-from services.learner.settings import InnerSettings
+from services.learner.settings import LearnerSettings
+from services.orchestration.commands import LEARNER_OWN, OUTER_OWN
 from services.orchestration.supervisor import State
-from services.outer.settings import OuterAlgorithmSettings
-from shared.model_config import SIZES
+from services.outer.settings import OuterSettings
 from shared.records.jobs import JobRecord, JobSpec
-from shared.settings import CommonJobSettings, to_flags
+from shared.settings.cli import flags_for
 
 DONE = (State.FINISHED, State.GAVE_UP)
-# Spec fields rendered by to_flags, per service (``units`` and the step budget are special).
-SPECIAL_FIELDS = frozenset({"units", "max_steps", "token_budget"})
-LEARNER_FIELDS = tuple(
-    name
-    for name in JobSpec.model_fields
-    if name not in SPECIAL_FIELDS
-    and (name in CommonJobSettings.model_fields or name in InnerSettings.model_fields)
-)
-OUTER_FIELDS = tuple(
-    name
-    for name in JobSpec.model_fields
-    if name not in SPECIAL_FIELDS
-    and (name in CommonJobSettings.model_fields or name in OuterAlgorithmSettings.model_fields)
-)
 
 
 def outer_name(job: str) -> str:
@@ -91,13 +73,11 @@ def is_outer(name: str) -> bool:
 
 def unit_max_steps(spec: JobSpec, units: int) -> int:
     """Inner steps of each learner: ``max_steps``, or the token budget shared by ``units``
-    learners of the default batch size and the model's context length."""
+    learners of the spec's batch size and the model's context length."""
     if spec.token_budget is None:
         assert spec.max_steps is not None  # the spec's validator sets one of the two
         return spec.max_steps
-    batch_size = InnerSettings.model_fields["batch_size"].default
-    per_step = units * batch_size * SIZES[spec.model].seq_len
-    return max(1, math.ceil(spec.token_budget / per_step))
+    return max(1, math.ceil(spec.token_budget / (units * spec.tokens_per_step())))
 
 
 def learner_args(record: JobRecord, unit: int, checkpoint_dir: str) -> list[str]:
@@ -105,7 +85,7 @@ def learner_args(record: JobRecord, unit: int, checkpoint_dir: str) -> list[str]
     spec = record.spec
     return [
         "learner",
-        *to_flags(spec, LEARNER_FIELDS),
+        *flags_for(spec, LearnerSettings, LEARNER_OWN),
         "--unit",
         str(unit),
         "--num-units",
@@ -119,7 +99,12 @@ def learner_args(record: JobRecord, unit: int, checkpoint_dir: str) -> list[str]
 
 def outer_args(record: JobRecord) -> list[str]:
     """``diloco outer`` arguments (without ``--nats-url``) of a registry job."""
-    return ["outer", *to_flags(record.spec, OUTER_FIELDS), "--num-units", str(record.units)]
+    return [
+        "outer",
+        *flags_for(record.spec, OuterSettings, OUTER_OWN),
+        "--num-units",
+        str(record.units),
+    ]
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -34,26 +34,28 @@ from shared.fragments import FragmentPlan, plan_fragments
 
 @dataclass(frozen=True)
 class OuterAlgorithm:
-    """Every choice the outer makes; see docs/ALGORITHMS.md for each one's source."""
+    """Every choice the outer makes; see docs/ALGORITHMS.md for each one's source. Built from
+    the settings (``shared.settings.algorithm.OuterAlgorithmSettings.algorithm``), which hold
+    the defaults."""
 
-    optimizer: str = "nesterov"
-    lr: float = 0.7
-    momentum: float = 0.9
-    dn_period: int = 4
-    policy: str = "each"
-    min_quorum: int = 1
-    grace_factor: float = 0.5
-    grace_min_s: float = 0.0
-    grace_max_s: float = 30.0
-    combine: str = "weighted"
-    token_weighting: str = "uniform"
-    staleness: StalenessRule = field(default_factory=StalenessRule)
-    num_units: int = 1
-    participation_scale: bool = True
-    fragments: int = 1
-    sync_rounds: bool = False  # synchronous DiLoCo's rounds (MergePolicy.sync_rounds)
-    norm_guard: str = "reject"  # reject, clip or off (norm_guard.py)
-    norm_guard_factor: float = 10.0
+    optimizer: str
+    lr: float
+    momentum: float
+    dn_period: int
+    policy: str
+    min_quorum: int
+    grace_factor: float
+    grace_min_s: float
+    grace_max_s: float
+    combine: str
+    token_weighting: str
+    staleness: StalenessRule
+    num_units: int
+    participation_scale: bool
+    fragments: int
+    sync_rounds: bool  # synchronous DiLoCo's rounds (MergePolicy.sync_rounds)
+    norm_guard: str  # reject, clip or off (norm_guard.py)
+    norm_guard_factor: float
 
     def __post_init__(self) -> None:
         # Fail at start-up, not at the first merge: build everything once to validate.

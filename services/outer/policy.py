@@ -61,20 +61,51 @@ class Arrival:
 
 
 @dataclass
+class UploadIntervals:
+    """Each unit's last upload and its upload interval, smoothed (an exponential moving
+    average): who is active, and how long a typical interval is. The merge policy's grace
+    window and the cluster simulator (``sim/cluster/engine.py``) both read it."""
+
+    last_arrival: dict[int, float] = field(default_factory=dict)
+    intervals: dict[int, float] = field(default_factory=dict)
+
+    def seen(self, unit: int, now: float) -> None:
+        """Record an upload of ``unit`` at ``now``."""
+        if unit in self.last_arrival:
+            gap = max(0.0, now - self.last_arrival[unit])
+            previous = self.intervals.get(unit)
+            self.intervals[unit] = gap if previous is None else _EMA * gap + (1 - _EMA) * previous
+        self.last_arrival[unit] = now
+
+    def median(self) -> float | None:
+        """The median of the units' intervals (None before any unit uploaded twice)."""
+        return statistics.median(self.intervals.values()) if self.intervals else None
+
+    def active(self, now: float, expected_units: int = 0) -> set[int]:
+        """Units that uploaded within ``ACTIVE_INTERVALS`` median intervals before ``now``.
+        Before any interval is known, every unit that uploaded, and units
+        ``0 .. expected_units - 1``."""
+        median = self.median()
+        if median is None:
+            return set(self.last_arrival) | set(range(expected_units))
+        silence = ACTIVE_INTERVALS * median
+        return {u for u, t in self.last_arrival.items() if t >= now - silence}
+
+
+@dataclass
 class MergePolicy:
     """Buffering rule of one fragment. ``add`` arrivals, ask ``ready``, then ``take``."""
 
-    kind: str = "each"
-    min_quorum: int = 1
-    grace_factor: float = 0.5
-    grace_min_s: float = 0.0
-    grace_max_s: float = 30.0
+    kind: str
+    min_quorum: int
+    grace_factor: float
+    grace_min_s: float
+    grace_max_s: float
     expected_units: int = 0
     sync_rounds: bool = False
     buffer: list[Arrival] = field(default_factory=list)
     fresh_units: set[int] = field(default_factory=set)
-    intervals: dict[int, float] = field(default_factory=dict)
-    last_arrival: dict[int, float] = field(default_factory=dict)
+    uploads: UploadIntervals = field(default_factory=UploadIntervals)
     quorum_at: float | None = None
 
     def __post_init__(self) -> None:
@@ -95,11 +126,7 @@ class MergePolicy:
         rounds of their own that each wait for the timeout.
         """
         unit, now = arrival.unit, arrival.arrived_at
-        if unit in self.last_arrival:
-            gap = max(0.0, now - self.last_arrival[unit])
-            previous = self.intervals.get(unit)
-            self.intervals[unit] = gap if previous is None else _EMA * gap + (1 - _EMA) * previous
-        self.last_arrival[unit] = now
+        self.uploads.seen(unit, now)
         self.buffer.append(arrival)
         if fresh or not self.sync_rounds:
             self.fresh_units.add(unit)
@@ -107,9 +134,9 @@ class MergePolicy:
             self.quorum_at = now
 
     def _window_cap(self) -> float:
-        if not self.intervals:
+        median = self.uploads.median()
+        if median is None:
             return self.grace_min_s
-        median = statistics.median(self.intervals.values())
         return min(self.grace_max_s, max(self.grace_min_s, self.grace_factor * median))
 
     def deadline(self) -> float | None:
@@ -122,25 +149,17 @@ class MergePolicy:
             # Stale uploads alone (sync rounds) wait for a round until no unit is active any
             # more, as at the end of a job: merged alone, they would make the work of every
             # unit still computing stale.
-            interval = statistics.median(self.intervals.values()) if self.intervals else 0.0
+            interval = self.uploads.median() or 0.0
             return self.buffer[0].arrived_at + ACTIVE_INTERVALS * max(self._window_cap(), interval)
         if self.active_units(self.quorum_at) <= self.fresh_units:
             return self.quorum_at
         return self.quorum_at + self._window_cap()
 
-    def _silence_s(self) -> float:
-        """How long a unit stays active after its last upload (0 before intervals are known)."""
-        if not self.intervals:
-            return 0.0
-        return ACTIVE_INTERVALS * statistics.median(self.intervals.values())
-
     def active_units(self, now: float) -> set[int]:
-        """Units that uploaded recently (within ACTIVE_INTERVALS median upload intervals).
-        Before any unit's interval is known, every unit that uploaded, and units
-        ``0 .. expected_units - 1`` (synchronous DiLoCo's first round waits for every unit)."""
-        if not self.intervals:
-            return set(self.last_arrival) | set(range(self.expected_units))
-        return {u for u, t in self.last_arrival.items() if t >= now - self._silence_s()}
+        """Units that uploaded recently (:meth:`UploadIntervals.active`); before any interval
+        is known, units ``0 .. expected_units - 1`` too (synchronous DiLoCo's first round waits
+        for every unit)."""
+        return self.uploads.active(now, self.expected_units)
 
     def ready(self, now: float) -> bool:
         """Whether the buffer should be merged now."""

@@ -100,7 +100,7 @@ class OuterService:
         self.template = model.init_params(cfg, jax.random.PRNGKey(s.seed))
         self.param_bytes = 4 * model.param_count(self.template)
         named = pytree.flatten_named(self.template)
-        self.core = OuterCore(named, s.algorithm(s.num_units, s.fragments))
+        self.core = OuterCore(named, s.outer_algorithm())
         # Compile the codec kernels beside the outer step (Numba releases the GIL).
         codec_warm_up = threading.Thread(target=codec.warm_up, name="codec-warm-up")
         codec_warm_up.start()

@@ -32,10 +32,10 @@ class StalenessRule:
         max_staleness: drop updates staler than this; None keeps every update.
     """
 
-    rule: str = "polynomial"
-    a: float = 0.5
-    b: float = 0.0
-    max_staleness: int | None = None
+    rule: str
+    a: float
+    b: float
+    max_staleness: int | None
 
     def __post_init__(self) -> None:
         if self.rule not in STALENESS_RULES:

@@ -16,14 +16,14 @@ from pydantic import (
     model_validator,
 )
 
-from shared.codec_config import CodecName
-from shared.model_config import ModelSize
-from shared.outer_choices import MergePolicyName, OuterOptimizerName, StalenessRuleName
 from shared.records import (
     MAX_UNITS,
     JobName,
     Record,
 )
+from shared.settings.algorithm import AlgorithmSettings
+from shared.settings.codec import CodecSettings
+from shared.settings.workload import DEFAULT_UNITS, MAX_STEPS, BudgetSettings, WorkloadSettings
 
 #: What the gateway may ask of a unit. ``idle``: created, not training yet; ``paused``: stopped
 #: training until resumed; ``stopped``: upload what is left and exit (final).
@@ -42,9 +42,11 @@ class DesiredRecord(Record):
     state: DesiredState
 
 
-class JobSpec(Record):
-    """Everything that defines a job. Field names are those of the services' options
-    (``diloco learner/outer --help``), so a spec maps one to one onto their flags."""
+class JobSpec(Record, WorkloadSettings, AlgorithmSettings, CodecSettings):
+    """Everything that defines a job: its name and units, and every workload, algorithm and
+    codec setting (the same models, defaults and limits ``diloco up`` and the services read).
+    Field names are those of the services' options (``diloco learner/outer --help``), so a
+    spec maps one to one onto their flags."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -58,11 +60,7 @@ class JobSpec(Record):
                     "h_steps": 30,
                     "codec": "int8",
                     "outer_optimizer": "delayed_nesterov",
-                    "outer_lr": 0.7,
-                    "outer_momentum": 0.9,
                     "merge_policy": "each",
-                    "staleness_rule": "polynomial",
-                    "seed": 0,
                     "max_steps": 300,
                 }
             ]
@@ -73,36 +71,13 @@ class JobSpec(Record):
         description="job name: 1-64 letters, digits, '_' or '-', starting alphanumeric",
         examples=["demo"],
     )
-    model: ModelSize = Field("small", description="model size")
-    corpus: str | None = Field(
-        None,
-        max_length=4096,
-        description="text file or folder to train on (default: the Python standard library)",
-    )
-    units: int = Field(4, ge=1, le=MAX_UNITS, description="number of learner units")
-    h_steps: int = Field(
-        30, ge=1, le=1_000_000, description="inner steps between uploads of a fragment (H)"
-    )
-    codec: CodecName = Field("int8", description="pseudo-gradient codec")
-    outer_optimizer: OuterOptimizerName = Field("delayed_nesterov", description="outer optimizer")
-    outer_lr: float = Field(0.7, gt=0, le=10, description="outer learning rate")
-    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer (Nesterov) momentum")
-    merge_policy: MergePolicyName = Field(
-        "each", description="each (apply every arrival alone) or quorum (quorum + grace window)"
-    )
-    min_quorum: int = Field(1, ge=1, le=MAX_UNITS, description="arrivals needed for a merge (K)")
-    staleness_rule: StalenessRuleName = Field(
-        "polynomial", description="how an update's weight falls with its staleness"
-    )
-    max_staleness: int | None = Field(
-        None, ge=0, le=1_000_000, description="drop updates staler than this (default: keep all)"
-    )
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of initial params and data order")
+    units: int = Field(DEFAULT_UNITS, ge=1, le=MAX_UNITS, description="number of learner units")
     max_steps: int | None = Field(
         None,
         ge=1,
-        le=100_000_000,
-        description="inner steps each unit trains (default 300 unless token_budget is given)",
+        le=MAX_STEPS,
+        description="inner steps each unit trains (default: as `diloco up`, unless "
+        "token_budget is given)",
     )
     token_budget: int | None = Field(
         None,
@@ -116,7 +91,7 @@ class JobSpec(Record):
         if self.max_steps is not None and self.token_budget is not None:
             raise ValueError("give max_steps or token_budget, not both")
         if self.max_steps is None and self.token_budget is None:
-            self.max_steps = 300
+            self.max_steps = BudgetSettings.model_fields["max_steps"].default
         if self.min_quorum > self.units:
             raise ValueError(f"min_quorum {self.min_quorum} > units {self.units}")
         return self

@@ -16,7 +16,7 @@ from nats.aio.client import Client as NatsClient
 
 from shared import nats_auth
 from shared.retry import retry
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport import TransportError
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from nats.js.api import (
 )
 
 from shared import nats_auth, records, subjects
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport.blobs import MAX_MESSAGE_BYTES
 from shared.transport.params import PARAMS_VERSIONS_KEPT
 

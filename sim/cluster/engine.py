@@ -20,13 +20,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from services.outer.policy import ACTIVE_INTERVALS, UploadIntervals
 from sim.cluster.model import Cluster, Failure, Outcome
-
-_EMA = 0.5  # the outer's smoothing of a unit's upload interval (services/outer/policy.py)
 
 
 class _UnitRun:
@@ -261,25 +259,20 @@ def _sync(cluster: Cluster, runs: list[_UnitRun]) -> tuple[list[int], list[float
     buffer: list[_Upload] = []
     fresh: set[int] = set()
     quorum_at: float | None = None
-    last_arrival: dict[int, float] = {}
-    intervals: dict[int, float] = {}
+    uploads = UploadIntervals()
     outer_free = 0.0
     clock = 0.0  # the time of the newest arrival the outer has seen
     version = 0
 
     def deadline() -> float | None:
-        interval = statistics.median(intervals.values()) if intervals else 0.0
-        window = method.active_intervals * interval
         if quorum_at is None:
             # Stale uploads alone wait for a round until no unit is active any more.
             if not buffer:
                 return None
-            wait = method.active_intervals * max(method.sync_timeout_s, interval)
+            interval = uploads.median() or 0.0
+            wait = ACTIVE_INTERVALS * max(method.sync_timeout_s, interval)
             return buffer[0].arrived + wait
-        if intervals:
-            active = {u for u, t in last_arrival.items() if t >= quorum_at - window}
-        else:
-            active = set(range(len(runs)))
+        active = uploads.active(quorum_at, expected_units=len(runs))
         return quorum_at if active <= fresh else quorum_at + method.sync_timeout_s
 
     while heap or buffer:
@@ -310,11 +303,7 @@ def _sync(cluster: Cluster, runs: list[_UnitRun]) -> tuple[list[int], list[float
             break
         clock = arrival
         unit = upload.unit
-        if unit in last_arrival:
-            gap = arrival - last_arrival[unit]
-            previous = intervals.get(unit)
-            intervals[unit] = gap if previous is None else _EMA * gap + (1 - _EMA) * previous
-        last_arrival[unit] = arrival
+        uploads.seen(unit, arrival)
         upload.arrived = arrival
         buffer.append(upload)
         if upload.base == version:

@@ -13,6 +13,7 @@ from pydantic import Field, NonNegativeFloat, PositiveFloat
 
 from services.orchestration.local.records import ChaosEvent
 from shared.records import Count, Record
+from shared.settings.algorithm import SyncSettings
 
 FailureKind = Literal["kill", "pause", "cut"]
 Mode = Literal["decoupled", "sync"]
@@ -76,9 +77,8 @@ class Method:
     upload_bytes: float
     params_bytes: float  # one global, as a unit downloads it
     merge_s: float  # the outer's seconds per merge (apply, checkpoint, publish)
-    sync_timeout_s: float = 30.0
+    sync_timeout_s: float = SyncSettings.model_fields["sync_timeout_s"].default
     checkpoint_every_s: float = 0.0  # also within a sync period (0: at sync points only)
-    active_intervals: float = 3.0  # a unit is active while it uploaded within this many intervals
 
 
 @dataclass(frozen=True)

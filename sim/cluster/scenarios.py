@@ -25,6 +25,7 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from services.learner.settings import CheckpointSettings
 from shared.link_spec import parse_link
 from sim.cluster.engine import simulate
 from sim.cluster.model import Cluster, Failure, GoodputRun, Link, Method, Outcome, Unit
@@ -41,7 +42,7 @@ class Calibration:
     restart_s: float  # a killed unit's time to train again after its repair
     merge_s: dict[str, float]  # the outer's seconds per merge (round), by method
     params_bytes: dict[str, float]  # one global as a unit downloads it, by method
-    checkpoint_every_s: float = 10.0  # the learners' default --checkpoint-every-s
+    checkpoint_every_s: float = CheckpointSettings.model_fields["checkpoint_every_s"].default
     sync_timeout_s: float = 10.0  # bench/goodput.py's --sync-timeout-s
 
 

@@ -46,7 +46,7 @@ from services.orchestration.compose.settings import CREDENTIALS_DIR, ControllerS
 from services.orchestration.registry import Registry, read_registry
 from services.orchestration.supervisor import RestartPolicy, State, Supervisor
 from shared import kv, liveness, nats_auth, retry, subjects, transport
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
 from shared.transport.streams import prepare_streams
 

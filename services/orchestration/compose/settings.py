@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.link_spec import parse_link
-from shared.settings import ENV_PREFIX, LivenessSettings, NatsSettings
+from shared.settings import ENV_PREFIX
+from shared.settings.link import ShapedLinkSettings
+from shared.settings.nats import LivenessSettings, NatsSettings
+from shared.settings.resources import LearnerThreads
 
 #: Inside the ``secrets`` volume: one credentials file per NATS user, the TLS files, the token.
 CREDENTIALS_DIR = "credentials"
@@ -46,7 +48,7 @@ class BrokerSettings(BaseSettings):
         return [name.strip() for name in self.server_names.split(",") if name.strip()]
 
 
-class ControllerSettings(NatsSettings, LivenessSettings):
+class ControllerSettings(NatsSettings, LivenessSettings, ShapedLinkSettings, LearnerThreads):
     """Options of ``diloco controller``: start a container for each outer, learner (and shaped
     link) of the jobs created through the REST API, restart crashed ones, retire finished jobs;
     connects to NATS as the admin (``DILOCO_NATS_CREDENTIALS``)."""
@@ -59,12 +61,6 @@ class ControllerSettings(NatsSettings, LivenessSettings):
     checkpoint_dir: str = Field(
         "/units", description="the learners' --checkpoint-dir (a volume every learner mounts)"
     )
-    link: str = Field(
-        "",
-        description="put every learner behind a shaped link of this spec, e.g. 20mbit/40ms "
-        "(its bytes show in /metrics as diloco_link_bytes); empty: no shaping",
-    )
-    learner_threads: int = Field(1, ge=1, le=64, description="XLA threads of each learner")
     docker_socket: str = Field(
         "/var/run/docker.sock", description="the Docker Engine API's Unix socket"
     )
@@ -73,10 +69,3 @@ class ControllerSettings(NatsSettings, LivenessSettings):
         description="this controller's container (name or id), whose image, networks and "
         "volumes the job containers get; default: $HOSTNAME (a container's own id)",
     )
-
-    @field_validator("link")
-    @classmethod
-    def _check_link(cls, value: str) -> str:
-        if value:
-            parse_link(value)  # a clear error at start
-        return value

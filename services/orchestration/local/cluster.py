@@ -32,7 +32,7 @@ from services.orchestration.registry import Registry
 from services.orchestration.supervisor import RestartPolicy, State, Supervisor
 from shared import nats_auth, tls
 from shared.link_spec import LinkSpec
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 
 STOP_GRACE_S = 30.0
 CREDENTIALS_DIR = "credentials"  # <data-dir>/credentials/<user>.json, one per NATS user

@@ -14,7 +14,7 @@ from typing import Any
 from shared import kv, subjects
 from shared.records.jobs import DesiredRecord, DesiredState
 from shared.records.unit import UnitStatus
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
 from shared.transport.streams import ensure_streams
 

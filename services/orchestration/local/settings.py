@@ -10,22 +10,40 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.learner.settings import InnerSettings, check_sync_overlap
+from services.learner.settings import CheckpointSettings
 from services.orchestration.local.chaos import SERVICE_TARGETS, plan_chaos
 from services.orchestration.local.records import CHAOS_KINDS, ChaosEvent, ChaosKind
 from services.orchestration.supervisor import DEFAULT_MAX_RESTARTS
-from services.outer.settings import OuterAlgorithmSettings
+from services.outer.settings import EvaluationSettings
 from shared.link_spec import LinkSpec, parse_link, parse_links, parse_outages
-from shared.settings import ENV_PREFIX, SECRET, CommonJobSettings
+from shared.records import MAX_UNITS
+from shared.settings import ENV_PREFIX, SECRET
+from shared.settings.algorithm import AlgorithmSettings
+from shared.settings.codec import CodecSettings
+from shared.settings.link import ShapedLinkSettings
+from shared.settings.nats import JobNameSettings
+from shared.settings.resources import ResourceSettings
+from shared.settings.workload import DEFAULT_UNITS, WorkloadSettings
 
 
-class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
+class UpSettings(
+    JobNameSettings,
+    WorkloadSettings,
+    AlgorithmSettings,
+    CodecSettings,
+    ResourceSettings,
+    ShapedLinkSettings,
+    EvaluationSettings,
+    CheckpointSettings,
+):
     """Options of ``diloco up``: the job, every learner and outer option (passed on to the
     services), and the local cluster's own (each also settable as ``DILOCO_<NAME>``)."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
-    learners: int = Field(4, ge=1, le=64, description="number of learner units to start")
+    learners: int = Field(
+        DEFAULT_UNITS, ge=1, le=MAX_UNITS, description="number of learner units to start"
+    )
     slowdowns: str = Field(
         "",
         description="comma-separated slowdown factor per unit, e.g. 1,1,2,4 (emulates "
@@ -52,7 +70,6 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
         description="NATS over TLS only: make a CA and a server certificate in "
         "<data-dir>/tls; every service verifies the server against the CA",
     )
-    eval_every_s: float = Field(10.0, gt=0, description="seconds between held-out evals")
     progress_every_s: float = Field(5.0, gt=0, description="seconds between progress lines")
     max_duration_s: float = Field(
         1800.0, gt=0, description="stop the run after this many seconds even if not finished"
@@ -62,9 +79,6 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
         description="create the units paused and start them together once all are ready "
         "(data loaded, step compiled), so that their speeds compare fairly",
     )
-    learner_threads: int = Field(
-        1, ge=1, le=64, description="CPU threads each learner's XLA may use"
-    )
     max_restarts: int = Field(
         DEFAULT_MAX_RESTARTS,
         ge=0,
@@ -72,11 +86,6 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
         "if it is the outer or nats-server); restarts back off from 1 s to 10 s",
     )
 
-    link: str = Field(
-        "",
-        description="every learner reaches NATS through its own shaped link of this shape, "
-        "RATE[/DELAY[/JITTER]], e.g. 100mbit/25ms (diloco link; default: no link)",
-    )
     links: str = Field(
         "",
         description="one shaped link per learner, comma-separated, e.g. "
@@ -186,5 +195,4 @@ class UpSettings(CommonJobSettings, InnerSettings, OuterAlgorithmSettings):
         self._chaos_services()
         if "cut" in self._chaos_kinds() and self.chaos_mtbf_s and not (self.link or self.links):
             raise ValueError("chaos-kinds cut needs learners' links: add --link or --links")
-        check_sync_overlap(self.mode, self.overlap_tau)
         return self

@@ -1,0 +1,238 @@
+"""How a job trains: the sync mode and fragments, each unit's inner optimizer and sync schedule,
+and the outer's optimizer and merge rules (docs/ALGORITHMS.md explains every choice).
+
+The models here hold the settings and their defaults; the objects the cores run are built from
+them (:meth:`InnerAlgorithmSettings.sync_schedule`, :meth:`InnerAlgorithmSettings.optimizer`,
+:meth:`OuterAlgorithmSettings.algorithm`), importing the JAX code only when called.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from shared.outer_choices import (
+    CombineName,
+    MergePolicyName,
+    NormGuardName,
+    OuterOptimizerName,
+    StalenessRuleName,
+    TokenWeightingName,
+)
+
+if TYPE_CHECKING:
+    import optax
+
+    from services.learner.core import SyncSchedule
+    from services.outer.core import OuterAlgorithm
+
+#: How the units of a job sync (``--mode``).
+SyncMode = Literal["decoupled", "sync"]
+#: Which global params a unit fetches (``services/learner/params_fetcher.py``).
+ParamsFetchName = Literal["newest", "after_upload"]
+MAX_FRAGMENTS = 64
+MAX_DN_PERIOD = 1024
+
+
+class SyncSettings(BaseModel):
+    """How the units of a job sync: decoupled or synchronous, in how many fragments. Every
+    learner and the outer of a job must agree."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    mode: SyncMode = Field(
+        "decoupled",
+        description="decoupled: units never wait; sync: synchronous DiLoCo, a unit waits at "
+        "its sync point until the global params include its upload, and the outer merges a "
+        "round once every active unit is in, or --sync-timeout-s after its first upload",
+    )
+    sync_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="with --mode sync: seconds the outer waits for a round's missing units "
+        "before it merges without them",
+    )
+    fragments: int = Field(
+        1,
+        ge=1,
+        le=MAX_FRAGMENTS,
+        description="parameter fragments synced on staggered schedules (P)",
+    )
+
+
+class InnerAlgorithmSettings(BaseModel):
+    """A unit's inner optimizer and sync schedule."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    inner_lr: float = Field(3e-3, gt=0, le=1.0, description="peak AdamW learning rate")
+    warmup_steps: int = Field(50, ge=0, description="linear warm-up steps of the inner LR")
+    weight_decay: float = Field(0.01, ge=0, le=1.0, description="AdamW weight decay")
+    h_steps: int = Field(
+        30, ge=1, le=1_000_000, description="inner steps between uploads of a fragment (H)"
+    )
+    overlap_tau: int = Field(
+        0, ge=0, description="steps after an upload before a new global fragment is mixed in (τ)"
+    )
+    mix_alpha: float = Field(
+        0.0, ge=0, le=1, description="share of local params kept when mixing in a global (α)"
+    )
+    dynamic_h: bool = Field(
+        True, description="scale H by the unit's speed relative to the fastest (DyLU)"
+    )
+    params_fetch: ParamsFetchName = Field(
+        "newest",
+        description="which global params a unit fetches: newest (the newest version whenever "
+        "one is announced and the last fetch is done) or after_upload (once after each of its "
+        "uploads: fewer bytes, staler params; BENCHMARKS.md, 'Quality: downlink')",
+    )
+
+    def sync_schedule(self, fragments: int, h_steps: int | None = None) -> SyncSchedule:
+        """The core's sync schedule (``h_steps``: a unit's own H, e.g. with DyLU)."""
+        from services.learner.core import SyncSchedule
+
+        return SyncSchedule(h_steps or self.h_steps, fragments, self.overlap_tau, self.mix_alpha)
+
+    def optimizer(self, total_steps: int) -> optax.GradientTransformation:
+        """The inner AdamW whose warm-up and cosine decay span ``total_steps``."""
+        from services.learner.trainer import inner_optimizer
+
+        return inner_optimizer(self.inner_lr, self.warmup_steps, total_steps, self.weight_decay)
+
+
+class OuterAlgorithmSettings(BaseModel):
+    """How the outer merges pseudo-gradients and steps the global params."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    outer_optimizer: OuterOptimizerName = Field(
+        "delayed_nesterov", description="outer optimizer: sgd, nesterov or delayed_nesterov"
+    )
+    outer_lr: float = Field(0.7, gt=0, le=10, description="outer learning rate")
+    outer_momentum: float = Field(0.9, ge=0, lt=1, description="outer (Nesterov) momentum")
+    dn_period: int = Field(
+        0,
+        ge=0,
+        le=MAX_DN_PERIOD,
+        description="Delayed Nesterov: arrivals per momentum update (N; 0 = number of units)",
+    )
+    merge_policy: MergePolicyName = Field(
+        "each", description="each (apply every arrival alone) or quorum (quorum + grace window)"
+    )
+    min_quorum: int = Field(1, ge=1, le=1024, description="arrivals needed before a merge (K)")
+    grace_factor: float = Field(
+        0.5, ge=0, le=10, description="grace window as a share of the median upload interval"
+    )
+    grace_min_s: float = Field(0.0, ge=0, le=3600, description="shortest grace window, seconds")
+    grace_max_s: float = Field(30.0, ge=0, le=3600, description="longest grace window, seconds")
+    combine: CombineName = Field(
+        "weighted",
+        description="merge: weighted (average), rda, or a robust one for quorum merges: median "
+        "or trimmed_mean (coordinate-wise, token weights ignored; docs/ALGORITHMS.md)",
+    )
+    token_weighting: TokenWeightingName = Field(
+        "tokens2_per_step", description="update weight by work: uniform, tokens or tokens2_per_step"
+    )
+    staleness_rule: StalenessRuleName = Field(
+        "polynomial", description="staleness weight: constant, polynomial, hinge or exponential"
+    )
+    staleness_a: float = Field(0.5, ge=0, le=100, description="staleness exponent/slope/rate a")
+    staleness_b: float = Field(0.0, ge=0, le=1e6, description="hinge point b (full weight up to b)")
+    max_staleness: int | None = Field(
+        None, ge=0, le=1_000_000, description="drop updates staler than this (default: keep all)"
+    )
+    participation_scale: bool = Field(
+        True,
+        description="scale a merge of m of K units by m/K (not with delayed_nesterov, which "
+        "already averages N arrivals)",
+    )
+    norm_guard: NormGuardName = Field(
+        "reject",
+        description="an upload whose norm is above --norm-guard-factor x the median of the "
+        "fragment's last 64 merged: reject (counted as norm_outlier), clip (scaled down to the "
+        "bound) or off",
+    )
+    norm_guard_factor: float = Field(
+        10.0, gt=1, le=1e6, description="the norm guard's bound, times the median norm"
+    )
+
+    @model_validator(mode="after")
+    def _check_grace(self) -> OuterAlgorithmSettings:
+        if self.grace_min_s > self.grace_max_s:
+            raise ValueError(f"grace-min-s {self.grace_min_s} > grace-max-s {self.grace_max_s}")
+        return self
+
+    def algorithm(self, num_units: int, sync: SyncSettings) -> OuterAlgorithm:
+        """The algorithm the outer core runs for a job of ``num_units`` units (imports the
+        outer's JAX code).
+
+        With ``--mode sync`` a round is merged once every active unit is in (every unit of the
+        job in the first round), or ``--sync-timeout-s`` after its first upload without the
+        rest: the quorum policy with a fixed grace window, rounds of uploads based on the
+        current version.
+        """
+        from services.outer.core import OuterAlgorithm
+        from services.outer.staleness import StalenessRule
+
+        algorithm = OuterAlgorithm(
+            optimizer=self.outer_optimizer,
+            lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            dn_period=self.dn_period or num_units,
+            policy=self.merge_policy,
+            min_quorum=self.min_quorum,
+            grace_factor=self.grace_factor,
+            grace_min_s=self.grace_min_s,
+            grace_max_s=self.grace_max_s,
+            combine=self.combine,
+            token_weighting=self.token_weighting,
+            staleness=StalenessRule(
+                self.staleness_rule, self.staleness_a, self.staleness_b, self.max_staleness
+            ),
+            num_units=num_units,
+            participation_scale=self.participation_scale,
+            fragments=sync.fragments,
+            sync_rounds=False,
+            norm_guard=self.norm_guard,
+            norm_guard_factor=self.norm_guard_factor,
+        )
+        if sync.mode != "sync":
+            return algorithm
+        return dataclasses.replace(
+            algorithm,
+            policy="quorum",
+            min_quorum=1,
+            grace_factor=0.0,
+            grace_min_s=sync.sync_timeout_s,
+            grace_max_s=sync.sync_timeout_s,
+            sync_rounds=True,
+        )
+
+
+def check_sync_overlap(mode: str, overlap_tau: int) -> None:
+    """Synchronous DiLoCo takes each round's global at its sync point: no overlap.
+
+    Raises:
+        ValueError: ``--mode sync`` with ``--overlap-tau`` above 0.
+    """
+    if mode == "sync" and overlap_tau > 0:
+        raise ValueError(
+            f"--mode sync waits for each round's global at its sync point: overlap-tau must be "
+            f"0, got {overlap_tau}"
+        )
+
+
+class AlgorithmSettings(SyncSettings, InnerAlgorithmSettings, OuterAlgorithmSettings):
+    """Every algorithm setting of a job: what ``diloco up``, a REST job and the simulator run."""
+
+    @model_validator(mode="after")
+    def _check_overlap(self) -> AlgorithmSettings:
+        check_sync_overlap(self.mode, self.overlap_tau)
+        return self
+
+    def outer_algorithm(self, num_units: int) -> OuterAlgorithm:
+        """The outer core's algorithm for a job of ``num_units`` units."""
+        return self.algorithm(num_units, self)
