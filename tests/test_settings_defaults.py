@@ -39,13 +39,9 @@ def everywhere() -> dict[str, object]:
             **setup.algorithm.model_dump(),
             **setup.codec.model_dump(),
         },
-        "learner of diloco up": service_settings(
-            LearnerSettings, commands.learner_args(up, NATS_URL, 0)
-        ),
+        "learner of diloco up": service_settings(LearnerSettings, up_learner),
         "outer of diloco up": service_settings(OuterSettings, commands.outer_args(up, NATS_URL)),
-        "learner of a REST job": service_settings(
-            LearnerSettings, [*rest_learner, "--nats-url", NATS_URL]
-        ),
+        "learner of a REST job": service_settings(LearnerSettings, rest_learner),
         "outer of a REST job": service_settings(OuterSettings, reconcile.outer_args(record)),
         "diloco learner": LearnerSettings(),
         "diloco outer": OuterSettings(),
