@@ -45,7 +45,7 @@ from services.outer.core import OuterAlgorithm
 from services.outer.settings import OuterAlgorithmSettings
 from services.outer.staleness import StalenessRule
 from shared import data, evaluation, model
-from shared.codec import BITS, CodecConfig
+from shared.codec.config import BITS, CodecConfig
 from shared.runtime import configure_jax
 from sim import training as sim
 

@@ -59,7 +59,7 @@ from pydantic import (
     model_validator,
 )
 
-from shared.codec_config import CodecName
+from shared.codec.config import CodecName
 from shared.link_spec import LinkSpec, OutageMode
 from shared.model_config import ModelSize
 from shared.outer_choices import MergePolicyName, OuterOptimizerName, StalenessRuleName

@@ -33,7 +33,7 @@ from shared import nats_auth, records, subjects
 from shared.records import ParamsHead
 from shared.retry import QUICK, Backoff, retry
 from shared.settings import NatsSettings
-from shared.wire import (
+from shared.wire.chunks import (
     ChunkInfo,
     Reassembler,
     WireError,

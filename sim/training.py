@@ -28,7 +28,9 @@ from services.learner.trainer import InnerTrainer, inner_optimizer
 from services.outer.core import OuterAlgorithm, OuterCore
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival
-from shared import codec, data, model, pytree
+from shared import data, model, pytree
+from shared.codec import api as codec
+from shared.codec.config import CodecConfig
 from shared.evaluation import EvalResult
 
 
@@ -188,7 +190,7 @@ def async_run(
     schedule: SyncSchedule,
     dynamic: bool = False,
     name: str = "async",
-    codec_config: codec.CodecConfig | None = None,
+    codec_config: CodecConfig | None = None,
     params_codec: str = "fp32",
     params_fetch: str = "newest",
 ) -> SimResult:
@@ -202,7 +204,7 @@ def async_run(
     the first version of a fragment published after each of the unit's uploads of it), in
     ``params_codec``.
     """
-    wire_codec = codec_config or codec.CodecConfig()
+    wire_codec = codec_config or CodecConfig()
     s = work.setup
     speeds = [1.0 / f for f in slowdowns]
     share = [v / sum(speeds) for v in speeds]

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.codec_config import CODECS, CodecConfig, CodecError
+from shared.codec.config import CODECS, CodecConfig, CodecError
 from shared.records import MAX_BATCH_SIZE
 from shared.settings import ENV_PREFIX, JobSettings
 

@@ -13,7 +13,7 @@ from services.loadtest.settings import LoadtestSettings
 from services.loadtest.stage import Stage
 from shared import records
 from shared.atomic import atomic_write_bytes
-from shared.codec_config import CodecConfig
+from shared.codec.config import CodecConfig
 from shared.model_config import get_config
 from shared.records import LoadtestReport
 

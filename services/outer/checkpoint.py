@@ -35,7 +35,7 @@ from pydantic import ValidationError
 from shared import subjects
 from shared.records import CheckpointPointer, EvaluationRecord, LedgerRecord, R
 from shared.transport import TransportError, publish_blob
-from shared.wire import Reassembler, WireError, parse_chunk_headers
+from shared.wire.chunks import Reassembler, WireError, parse_chunk_headers
 
 FORMAT = 1
 _MAX_FIELD_BYTES = 1 << 40

@@ -42,7 +42,8 @@ from services.outer.publishing import DeadLetters, publish_fragment
 from services.outer.settings import OuterSettings
 from services.outer.status import Progress, leader_status, standby_status, status_key
 from services.outer.validation import UploadRules
-from shared import codec, data, evaluation, kv, liveness, model, pytree, subjects, transport, wire
+from shared import data, evaluation, kv, liveness, model, pytree, subjects, transport
+from shared.codec import api as codec
 from shared.records import (
     CheckpointInfo,
     EvalRecord,
@@ -54,6 +55,8 @@ from shared.records import (
 from shared.retry import NATS_ERRORS, QUICK, retry
 from shared.runtime import configure_jax
 from shared.transport import TransportError
+from shared.wire.chunks import WireError
+from shared.wire.envelope import ParamsEnvelope, unpack_envelope
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +162,9 @@ class OuterService:
                 continue
             head, blob = fetched
             version = head.version
-            envelope = wire.unpack_envelope(blob, max_size=self.max_params_bytes)
+            envelope = unpack_envelope(blob, max_size=self.max_params_bytes)
+            if not isinstance(envelope, ParamsEnvelope):
+                raise WireError(f"the params stream of fragment {fragment} holds {envelope.kind}")
             if envelope.model != self.settings.model:
                 raise SystemExit(
                     f"job {self.settings.job} already has params for model {envelope.model!r}, "
