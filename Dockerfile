@@ -37,5 +37,5 @@ USER diloco
 WORKDIR /home/diloco
 # The codec's Numba kernels, compiled into NUMBA_CACHE_DIR: a new container loads them instead of
 # compiling them (~15 s). A host whose CPU differs from the build machine's compiles them again.
-RUN python -c "from shared import codec; codec.warm_up()"
+RUN python -c "from shared.codec import api; api.warm_up()"
 ENTRYPOINT ["diloco"]

@@ -34,7 +34,9 @@ sys.path.insert(0, str(REPO))
 
 from report import write_section
 
-from shared import codec
+from shared.codec import api as codec
+from shared.codec.config import CODECS, CodecConfig
+from shared.codec.layout import Layout
 from shared.settings.algorithm import InnerAlgorithmSettings
 from shared.settings.workload import DEFAULT_UNITS, WorkloadSettings
 
@@ -138,12 +140,12 @@ class DataSet:
     buffer: np.ndarray
     tensors: dict[str, np.ndarray]
     norm: float = field(init=False)
-    layout: codec.Layout = field(init=False)
+    layout: Layout = field(init=False)
 
     def __post_init__(self) -> None:
         self.norm = float(np.sqrt(sum(_sumsq(t) for t in self.tensors.values())))
         # The tensors are views of the buffer in sorted-name order, as a learner sends them.
-        self.layout = codec.Layout({name: t.shape for name, t in self.tensors.items()})
+        self.layout = Layout({name: t.shape for name, t in self.tensors.items()})
         assert self.layout.names == tuple(self.tensors)
         assert all(
             np.shares_memory(view, self.tensors[name])
@@ -252,7 +254,7 @@ def measure(
 ) -> Row:
     """Best-of-``repeats`` encode and decode; an allocating copy (``copies``) and a copy into
     the preallocated ``target`` (``copytos``) are timed right before each encode."""
-    config = codec.CodecConfig(name, zstd_level=level, threads=0)
+    config = CodecConfig(name, zstd_level=level, threads=0)
     best_enc = best_dict = best_dec = best_copy = float("inf")
     for repeat in range(repeats):
         payload = decoded = None  # free the last repeat's outputs first
@@ -291,8 +293,8 @@ def measure(
 def warm_up() -> None:
     """Compile (or load from Numba's cache) every kernel: one encode + decode per codec."""
     x = {"w": np.random.default_rng(1).standard_normal((300, 7), np.float32)}
-    for name in codec.CODECS:
-        payload, description, _ = codec.encode(x, codec.CodecConfig(name))
+    for name in CODECS:
+        payload, description, _ = codec.encode(x, CodecConfig(name))
         codec.decode_tensors(payload, description)
 
 
@@ -317,7 +319,7 @@ def render(rows, copies, copytos, sizes, repeats, rounds, elapsed_s, captured_s,
     lines = [
         SECTION,
         "",
-        f"`{COMMAND}` — every codec of `shared/codec.py` (block size 256) at zstd level 1 "
+        f"`{COMMAND}` — every codec of `shared/codec/` (block size 256) at zstd level 1 "
         f"(the default) and -1 (fast), on this machine ({os.cpu_count()} shared cores), "
         "single-threaded (`threads=0`). Sizes in float32 values, M = 2^20 = 1,048,576 "
         f"(1M = 4 MiB of fp32). Throughput = fp32 input bytes (4 × values) / best time of N "
@@ -325,7 +327,7 @@ def render(rows, copies, copytos, sizes, repeats, rounds, elapsed_s, captured_s,
         f"Whole run: {elapsed_s / 60:.1f} min, plus {captured_s:.0f} s to {load}.",
         "",
         "**encode** is `codec.encode_flat` of the data's one contiguous buffer with its "
-        "`codec.Layout`, the call a learner makes (its pseudo-gradient is one buffer); "
+        "`Layout`, the call a learner makes (its pseudo-gradient is one buffer); "
         "**dict encode** is `codec.encode` of the same tensors as a dict of arrays, which "
         "checks and locates every tensor on each call (same bytes, asserted).",
         "",
@@ -397,7 +399,7 @@ def main() -> None:
         "--sizes", default=",".join(SIZES), help=f"comma-separated subset of {list(SIZES)}"
     )
     parser.add_argument(
-        "--codecs", default=",".join(codec.CODECS), help="comma-separated subset of codecs"
+        "--codecs", default=",".join(CODECS), help="comma-separated subset of codecs"
     )
     parser.add_argument(
         "--levels", default=",".join(map(str, LEVELS)), help="comma-separated zstd levels"
@@ -412,14 +414,14 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown sizes {unknown}; choose from {list(SIZES)}")
     codecs = [c.strip() for c in args.codecs.split(",") if c.strip()]
-    if unknown := [c for c in codecs if c not in codec.CODECS]:
-        parser.error(f"unknown codecs {unknown}; choose from {list(codec.CODECS)}")
+    if unknown := [c for c in codecs if c not in CODECS]:
+        parser.error(f"unknown codecs {unknown}; choose from {list(CODECS)}")
     try:
         levels = [int(v) for v in args.levels.split(",")]
     except ValueError:
         parser.error(f"--levels must be comma-separated ints, got {args.levels!r}")
     repeats = {s: 2 if args.quick else REPEATS[s] for s in sizes}
-    full = sizes == list(SIZES) and codecs == list(codec.CODECS) and levels == list(LEVELS)
+    full = sizes == list(SIZES) and codecs == list(CODECS) and levels == list(LEVELS)
     if args.write and (args.quick or not full):
         parser.error("--write records the full benchmark; drop --quick/--sizes/--codecs/--levels")
 

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 from report import shown_command, write_section
 
 from shared import data, evaluation, model
-from shared.codec_config import BITS
+from shared.codec.config import BITS
 from shared.runtime import configure_jax
 from shared.settings.algorithm import AlgorithmSettings
 from shared.settings.cli import to_flags

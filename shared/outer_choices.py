@@ -15,7 +15,7 @@ CombineName = Literal["weighted", "rda", "median", "trimmed_mean"]
 TokenWeightingName = Literal["uniform", "tokens", "tokens2_per_step"]
 #: What the norm guard does with an upload far above the usual norm (services/outer/norm_guard.py).
 NormGuardName = Literal["reject", "clip", "off"]
-#: Codecs the outer may send the global params in (a subset of ``shared.codec_config``'s).
+#: Codecs the outer may send the global params in (a subset of ``shared.codec.config``'s).
 ParamsCodecName = Literal["fp32", "bf16", "int8"]
 
 OPTIMIZERS: tuple[str, ...] = get_args(OuterOptimizerName)

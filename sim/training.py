@@ -33,7 +33,8 @@ from services.learner.trainer import InnerTrainer
 from services.outer.core import OuterCore
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival
-from shared import codec, data, model, pytree
+from shared import data, model, pytree
+from shared.codec import api as codec
 from shared.evaluation import EvalResult
 from shared.settings.algorithm import AlgorithmSettings, InnerAlgorithmSettings
 from shared.settings.codec import CodecSettings

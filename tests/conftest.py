@@ -24,7 +24,7 @@ def pytest_configure(config: pytest.Config) -> None:
     process or service process starts (with a cold cache, every process that starts at the
     same time would compile them itself). Under ``-n`` only the controller does it."""
     if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        from shared import codec
+        from shared.codec import api as codec
 
         codec.warm_up()
 

@@ -242,14 +242,15 @@ def upload_blob(
     import jax
     import numpy as np
 
-    from shared import codec, model, pytree, wire
+    from shared import model, pytree
+    from shared.codec import api as codec
+    from shared.wire.envelope import PseudoGradEnvelope, pack_envelope
 
     named = pytree.flatten_named(model.init_params(model.get_config("tiny"), jax.random.PRNGKey(1)))
     rng = np.random.default_rng(seed)
     delta = {k: (rng.standard_normal(v.shape) * scale).astype(np.float32) for k, v in named.items()}
     payload, description = codec.encode_tensors(delta, "int8")
-    envelope = wire.Envelope(
-        kind="pseudo_grad",
+    envelope = PseudoGradEnvelope(
         job=job,
         unit=unit,
         round=round_,
@@ -263,7 +264,7 @@ def upload_blob(
         payload=payload,
         model="tiny",
     )
-    return wire.pack_envelope(envelope)
+    return pack_envelope(envelope)
 
 
 def publish_uploads(
@@ -277,8 +278,9 @@ def publish_uploads(
     """Store ``count`` uploads of three units (upload k: unit k % 3, round k // 3) in the job's
     grads stream, from upload ``first`` on; upload k's noise has standard deviation
     ``scales.get(k, 1e-3)``. With ``secure``, each unit publishes as its own NATS user."""
-    from shared import subjects, wire
+    from shared import subjects
     from shared.nats_auth import Identity
+    from shared.wire.chunks import upload_id
 
     async def publish() -> None:
         uploads = range(first, first + count)
@@ -303,7 +305,7 @@ def publish_uploads(
                 nc.jetstream(),
                 subjects.grads_subject(job, unit),
                 blob,
-                wire.upload_id(job, unit, round_, 0),
+                upload_id(job, unit, round_, 0),
                 chunk_size_for(nc),
             )
         for nc in connections.values():

@@ -19,20 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from shared import codec as codec_module
-from shared.codec import (
-    BITS,
-    BLOCK_CODECS,
-    CODECS,
-    FORMAT_VERSION,
-    SEGMENT_ELEMENTS,
-    THREADS_MIN_BYTES,
-    CodecConfig,
-    CodecError,
+from shared.codec import api
+from shared.codec import description as description_module
+from shared.codec.api import (
     CodecState,
-    Layout,
-    TensorSpec,
-    decode_tensors,
     encode,
     encode_flat,
     encode_tensors,
@@ -40,6 +30,10 @@ from shared.codec import (
     init_state,
     make_codec,
 )
+from shared.codec.config import BITS, BLOCK_CODECS, CODECS, CodecConfig, CodecError
+from shared.codec.description import FORMAT_VERSION, MAX_SEGMENT_UNITS, Description
+from shared.codec.layout import Layout, TensorSpec
+from shared.codec.segments import SEGMENT_ELEMENTS, THREADS_MIN_BYTES
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LOSSY = ("bf16", "int8", "int4", "int2")
@@ -53,6 +47,14 @@ tensor_dicts = st.dictionaries(
     names, hnp.arrays(np.float32, shapes, elements=finite_f32), max_size=6
 )
 block_sizes = st.sampled_from([16, 32, 256])
+
+
+def decode(payload: object, description: Description | dict, **kwargs: object) -> dict:
+    """``api.decode_tensors``; a description in its wire form (a map, possibly hostile) is
+    parsed first, as the wire envelope parses it."""
+    if not isinstance(description, Description):
+        description = Description.parse(description)
+    return api.decode_tensors(payload, description, **kwargs)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- reference bounds
@@ -109,7 +111,7 @@ def assert_within_bound(codec: str, x: np.ndarray, y: np.ndarray, block_size: in
 
 def _round_trip(codec: str, tensors: dict, block_size: int = 256) -> dict[str, np.ndarray]:
     payload, description = encode_tensors(tensors, codec, block_size=block_size)
-    return decode_tensors(payload, description)
+    return decode(payload, description)
 
 
 def _signed(payload: bytes, description: dict) -> dict:
@@ -128,7 +130,7 @@ def _corruptible(codec: str = "int8") -> tuple[bytes, dict]:
     rng = np.random.default_rng(1)
     tensors = {"a": rng.standard_normal((7, 9)).astype(np.float32), "b": np.arange(5.0)}
     payload, description = encode_tensors(tensors, codec, block_size=16)
-    return bytes(payload), description
+    return bytes(payload), description.to_wire()
 
 
 # --------------------------------------------------------------------------- round trips
@@ -239,15 +241,17 @@ def test_zero_empty_scalar_and_odd_sized_tensors(codec: str) -> None:
 def test_no_tensors(codec: str) -> None:
     payload, description = encode_tensors({}, codec)
     assert payload == b""
-    assert description["raw_size"] == 0 and description["tensors"] == []
-    assert description["frames"] == []
-    assert decode_tensors(payload, description) == {}
+    assert description.raw_size == 0 and description.tensors == []
+    assert description.frames == () and description.checksums == ()
+    assert decode(payload, description) == {}
 
 
 def test_description_is_plain_and_self_describing() -> None:
     rng = np.random.default_rng(0)
     tensors = {"layer/w": rng.standard_normal((2, 3)), "layer/b": rng.standard_normal(3)}
-    payload, description = encode_tensors(tensors, "int4", 256, 3)
+    payload, encoded = encode_tensors(tensors, "int4", 256, 3)
+    description = encoded.to_wire()
+    assert Description.parse(description) == encoded
     frames = description.pop("frames")
     checksums = description.pop("checksums")
     assert description == {
@@ -271,12 +275,12 @@ def test_description_survives_msgpack(codec: str) -> None:
     rng = np.random.default_rng(3)
     tensors = {"b": rng.standard_normal(3), "a": rng.standard_normal(2 * SEGMENT_ELEMENTS)}
     payload, description = encode_tensors(tensors, codec, block_size=16)
-    assert len(description["frames"]) > 1
-    packed = msgpack.packb(description)
+    assert len(description.frames) > 1
+    packed = msgpack.packb(description.to_wire())
     unpacked = msgpack.unpackb(packed)
-    assert unpacked == description
-    direct = decode_tensors(payload, description)
-    via_msgpack = decode_tensors(payload, unpacked)
+    assert unpacked == description.to_wire()
+    direct = decode(payload, description)
+    via_msgpack = decode(payload, unpacked)
     for name in tensors:
         np.testing.assert_array_equal(direct[name], via_msgpack[name])
 
@@ -313,12 +317,12 @@ def test_segments_split_tensors_and_blocks_into_frames() -> None:
         unit = block_size if codec in BLOCK_CODECS else 1
         units = sum(-(-np.size(a) // unit) for a in tensors.values())
         # Frames of one size, the nearest whole number of nominal segments (here 2).
-        segment = description["segment"]
+        segment = description.segment
         assert segment == -(-units // max(1, round(units * unit / SEGMENT_ELEMENTS)))
         assert 2 / 3 <= segment * unit / SEGMENT_ELEMENTS <= 3 / 2
-        assert len(description["frames"]) == -(-units // segment)
-        assert sum(description["frames"]) == len(payload)
-        out = decode_tensors(payload, description)
+        assert len(description.frames) == -(-units // segment)
+        assert sum(description.frames) == len(payload)
+        out = decode(payload, description)
         for name, arr in tensors.items():
             assert_within_bound(codec, arr, out[name], block_size)
 
@@ -328,19 +332,19 @@ def test_large_payload_on_threads() -> None:
     x = np.random.default_rng(5).standard_normal(THREADS_MIN_BYTES // 4 + SEGMENT_ELEMENTS)
     tensors = {"x": x.astype(np.float32), "y": np.ones(3, np.float32)}
     payload, description = encode_tensors(tensors, "fp32")
-    assert description["raw_size"] >= THREADS_MIN_BYTES and len(description["frames"]) > 2
+    assert description.raw_size >= THREADS_MIN_BYTES and len(description.frames) > 2
     threaded, threaded_description, _ = encode(tensors, CodecConfig("fp32", threads=2))
     assert threaded == payload and threaded_description == description
     for threads in (2, -1):
-        out = decode_tensors(payload, description, threads=threads)
+        out = decode(payload, description, threads=threads)
         np.testing.assert_array_equal(out["x"], tensors["x"])
         np.testing.assert_array_equal(out["y"], tensors["y"])
     # A corrupt frame in the middle is still a CodecError from a worker thread.
-    frames = description["frames"]
+    frames = description.frames
     corrupt = bytearray(payload)
     corrupt[frames[0] + frames[1] // 2] ^= 0xFF
     with pytest.raises(CodecError):
-        decode_tensors(bytes(corrupt), description, threads=2)
+        decode(bytes(corrupt), description, threads=2)
 
 
 # --------------------------------------------------------------------------- flat buffers
@@ -374,7 +378,7 @@ def test_encode_flat_is_encode_of_the_views(
         assert bytes(a) == bytes(b) and da == db
         for name in states[0].residual:
             np.testing.assert_array_equal(states[0].residual[name], states[1].residual[name])
-    out = decode_tensors(b, db)
+    out = decode(b, db)
     expected = dict(zip(layout.names, layout.shapes, strict=True))
     assert {n: o.shape for n, o in out.items()} == expected
 
@@ -429,12 +433,12 @@ def test_threaded_error_feedback_encode_is_identical() -> None:
         config = CodecConfig("int8", block_size=16, threads=threads, error_feedback=True)
         state = init_state(config, {"x": x.shape})
         payload, description, state = encode({"x": x}, config, state)
-        assert description["raw_size"] >= THREADS_MIN_BYTES
+        assert description.raw_size >= THREADS_MIN_BYTES
         results.append((payload, description, state.residual["x"]))
     (p0, d0, r0), (p2, d2, r2) = results
     assert p0 == p2 and d0 == d2
     np.testing.assert_array_equal(r0, r2)
-    y = decode_tensors(p2, d2, threads=2)["x"]
+    y = decode(p2, d2, threads=2)["x"]
     np.testing.assert_allclose(y + r2, x, rtol=0, atol=1e-5)
 
 
@@ -538,7 +542,7 @@ def test_error_feedback_needs_a_state_and_plain_codecs_ignore_it() -> None:
     assert init_state(config, {"x": (3,)}).residual == {}
     stale = CodecState({"x": np.zeros(3, np.float32)}, consumed=True)
     payload, description, state = encode({"x": np.ones(3)}, config, stale)
-    assert state.residual == {} and decode_tensors(payload, description)["x"].shape == (3,)
+    assert state.residual == {} and decode(payload, description)["x"].shape == (3,)
 
 
 def test_error_feedback_on_a_subset_of_the_tensors() -> None:
@@ -548,7 +552,7 @@ def test_error_feedback_on_a_subset_of_the_tensors() -> None:
     grads = {"a": rng.standard_normal(100).astype(np.float32), "b": np.ones((3, 3), np.float32)}
     state = init_state(config, {n: g.shape for n, g in grads.items()})
     payload, description, state = encode({"a": grads["a"]}, config, state)
-    out = decode_tensors(payload, description)
+    out = decode(payload, description)
     assert list(out) == ["a"]
     np.testing.assert_allclose(out["a"] + state.residual["a"], grads["a"], atol=1e-5)
     np.testing.assert_array_equal(state.residual["b"], 0)
@@ -556,7 +560,7 @@ def test_error_feedback_on_a_subset_of_the_tensors() -> None:
     payload, description, state = encode({"b": grads["b"]}, config, state)
     np.testing.assert_array_equal(state.residual["a"], owed_a)
     payload, description, state = encode(grads, config, state)
-    out = decode_tensors(payload, description)
+    out = decode(payload, description)
     np.testing.assert_allclose(out["a"] + state.residual["a"], grads["a"] + owed_a, atol=1e-5)
 
 
@@ -601,7 +605,7 @@ def test_make_codec_binds_the_config() -> None:
     assert state.residual["x"].shape == (2, 16) and state.residual["x"].dtype == np.float32
     x = {"x": np.arange(32, dtype=np.float32).reshape(2, 16)}
     payload, description, state = codec.encode(x, state)
-    assert description["block_size"] == 32 and description["zstd_level"] == 5
+    assert description.block_size == 32 and description.zstd_level == 5
     np.testing.assert_allclose(codec.decode(payload, description)["x"], x["x"], atol=31 / 254)
     big, big_description = encode_tensors({"x": np.ones(1000)}, "fp32")
     with pytest.raises(CodecError, match="exceeds the limit of 1000"):
@@ -699,7 +703,7 @@ def test_zstd_level_is_used() -> None:
     fast, _ = encode_tensors(x, "fp32", zstd_level=-50)
     strong, description = encode_tensors(x, "fp32", zstd_level=19)
     assert len(strong) < len(fast)
-    assert description["zstd_level"] == 19
+    assert description.zstd_level == 19
 
 
 # --------------------------------------------------------------------------- decode errors
@@ -712,7 +716,7 @@ def test_corrupted_payload_byte_is_detected(codec: str) -> None:
         corrupted = bytearray(payload)
         corrupted[position] ^= 0x01
         with pytest.raises(CodecError):
-            decode_tensors(bytes(corrupted), description)
+            decode(bytes(corrupted), description)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -720,26 +724,26 @@ def test_truncated_or_extended_payload_is_rejected(codec: str) -> None:
     payload, description = _corruptible(codec)
     for end in range(len(payload)):
         with pytest.raises(CodecError, match="payload has"):
-            decode_tensors(payload[:end], description)
+            decode(payload[:end], description)
         # Truncated, but described as such: the frame itself is cut short.
         with pytest.raises(CodecError):
-            decode_tensors(payload[:end], _with(description, frames=[end or 1]))
+            decode(payload[:end], _with(description, frames=[end or 1]))
     with pytest.raises(CodecError, match="payload has"):
-        decode_tensors(payload + b"\0", description)
+        decode(payload + b"\0", description)
     extended = _with(description, frames=[len(payload) + 1])
     with pytest.raises(CodecError, match="checksum"):
-        decode_tensors(payload + b"\0", extended)
+        decode(payload + b"\0", extended)
     with pytest.raises(CodecError, match="decompress"):
-        decode_tensors(payload + b"\0", _signed(payload + b"\0", extended))
+        decode(payload + b"\0", _signed(payload + b"\0", extended))
     doubled = _with(description, frames=[2 * len(payload)])
     with pytest.raises(CodecError, match="decompress"):
-        decode_tensors(payload + payload, _signed(payload + payload, doubled))
+        decode(payload + payload, _signed(payload + payload, doubled))
 
 
 def test_empty_payload_with_trailing_garbage_is_rejected() -> None:
     payload, description = encode_tensors({}, "int8")
     with pytest.raises(CodecError, match="payload has 4 bytes"):
-        decode_tensors(bytes(payload) + b"junk", description)
+        decode(bytes(payload) + b"junk", description)
 
 
 def test_frame_with_a_second_frame_appended_is_rejected() -> None:
@@ -749,7 +753,7 @@ def test_frame_with_a_second_frame_appended_is_rejected() -> None:
     frames = description["frames"]
     appended = _with(description, frames=[frames[0] + len(extra)])
     with pytest.raises(CodecError, match="follow the zstd frame"):
-        decode_tensors(payload + extra, _signed(payload + extra, appended))
+        decode(payload + extra, _signed(payload + extra, appended))
 
 
 def _with(description: dict, **changes: object) -> dict:
@@ -761,8 +765,8 @@ def _with(description: dict, **changes: object) -> dict:
 def _two_frames() -> tuple[bytes, dict]:
     x = np.random.default_rng(10).standard_normal(SEGMENT_ELEMENTS + 100).astype(np.float32)
     payload, description = encode_tensors({"x": x}, "int8", block_size=SEGMENT_ELEMENTS // 2)
-    assert len(description["frames"]) == 2
-    return payload, description
+    assert len(description.frames) == 2
+    return payload, description.to_wire()
 
 
 @pytest.mark.parametrize(
@@ -800,13 +804,13 @@ def test_wrong_frames_list_is_rejected(frames: str, match: str) -> None:
         "sum": [a, b + 1],
     }[frames]
     with pytest.raises(CodecError, match=match):
-        decode_tensors(payload, _signed(payload, _with(description, frames=frames)))
+        decode(payload, _signed(payload, _with(description, frames=frames)))
 
 
 def test_frames_may_be_numpy_ints_or_a_tuple() -> None:
     payload, description = _two_frames()
     frames = tuple(np.int64(f) for f in description["frames"])
-    out = decode_tensors(payload, _with(description, frames=frames))
+    out = decode(payload, _with(description, frames=frames))
     assert out["x"].shape == (SEGMENT_ELEMENTS + 100,)
 
 
@@ -876,7 +880,7 @@ def test_frames_may_be_numpy_ints_or_a_tuple() -> None:
 def test_bad_description_is_rejected(changes: dict, match: str) -> None:
     payload, description = _corruptible()
     with pytest.raises(CodecError, match=match):
-        decode_tensors(payload, _with(description, **changes))
+        decode(payload, _with(description, **changes))
 
 
 def test_missing_or_unknown_description_keys() -> None:
@@ -885,14 +889,14 @@ def test_missing_or_unknown_description_keys() -> None:
         partial = _with(description)
         del partial[key]
         with pytest.raises(CodecError, match=rf"missing \['{key}'\]"):
-            decode_tensors(payload, partial)
+            decode(payload, partial)
     with pytest.raises(CodecError, match="unknown"):
-        decode_tensors(payload, _with(description, extra=1))
+        decode(payload, _with(description, extra=1))
     with pytest.raises(CodecError, match="unknown"):
-        decode_tensors(payload, _with(description, **{"1": 1}))
+        decode(payload, _with(description, **{"1": 1}))
     for not_a_mapping in (None, [], "int8", 3, [("version", 2)]):
         with pytest.raises(CodecError, match="mapping"):
-            decode_tensors(payload, not_a_mapping)  # type: ignore[arg-type]
+            decode(payload, not_a_mapping)  # type: ignore[arg-type]
 
 
 def _fp32_description(raw_size: int, shape: list[int], frames: list[bytes]) -> dict:
@@ -905,13 +909,15 @@ def _fp32_description(raw_size: int, shape: list[int], frames: list[bytes]) -> d
 
 def test_raw_size_limit_is_checked_before_decompressing() -> None:
     n = 10**12
-    huge = _fp32_description(4 * n, [n], [b"x"])
+    frames = -(-n // MAX_SEGMENT_UNITS)  # a well-formed description of 4 TB, in few frames
+    huge = _with(_fp32_description(4 * n, [n], [b"x"]), segment=MAX_SEGMENT_UNITS,
+                 frames=[1] * frames, checksums=[0] * frames)  # fmt: skip
     with pytest.raises(CodecError, match="exceeds the limit"):
-        decode_tensors(b"not even zstd", huge)
+        decode(b"not even zstd", huge)
     payload, description = _corruptible()
     with pytest.raises(CodecError, match="exceeds the limit"):
-        decode_tensors(payload, description, max_raw_size=description["raw_size"] - 1)
-    assert decode_tensors(payload, description, max_raw_size=description["raw_size"])
+        decode(payload, description, max_raw_size=description["raw_size"] - 1)
+    assert decode(payload, description, max_raw_size=description["raw_size"])
 
 
 def test_output_too_large_to_allocate_is_a_codec_error() -> None:
@@ -925,10 +931,10 @@ def test_output_too_large_to_allocate_is_a_codec_error() -> None:
                    "checksums": [xxhash.xxh3_64_intdigest(b"\0")] * (1 << 12),
                    "tensors": [["a", [n], "float32"]]}  # fmt: skip
     with pytest.raises(CodecError, match="over the limit"):
-        decode_tensors(b"\0" * (1 << 12), description, max_raw_size=1 << 41)
+        decode(b"\0" * (1 << 12), description, max_raw_size=1 << 41)
     # With the output limit lifted, the allocation or the one-byte frames fail instead.
     with pytest.raises(CodecError):
-        decode_tensors(b"\0" * (1 << 12), description, max_raw_size=1 << 41,
+        decode(b"\0" * (1 << 12), description, max_raw_size=1 << 41,
                        max_output_bytes=1 << 50)  # fmt: skip
 
 
@@ -936,31 +942,31 @@ def test_zip_bomb_cannot_expand_past_raw_size() -> None:
     # A frame that honestly declares 64 MiB, presented with a description claiming 4 bytes.
     bomb = zstandard.ZstdCompressor().compress(b"\0" * (64 << 20))
     with pytest.raises(CodecError, match="declares 67108864 bytes; the description implies 4"):
-        decode_tensors(bomb, _fp32_description(4, [1], [bomb]))
+        decode(bomb, _fp32_description(4, [1], [bomb]))
     # The same data streamed without a content size in the frame header.
     stream = zstandard.ZstdCompressor(write_content_size=False).compressobj()
     no_size = stream.compress(b"\0" * (1 << 20)) + stream.flush()
     with pytest.raises(CodecError, match="no content size"):
-        decode_tensors(no_size, _fp32_description(4, [1], [no_size]))
+        decode(no_size, _fp32_description(4, [1], [no_size]))
     with pytest.raises(CodecError, match="not a zstd frame"):
-        decode_tensors(b"\0" * 8, _fp32_description(4, [1], [b"\0" * 8]))
+        decode(b"\0" * 8, _fp32_description(4, [1], [b"\0" * 8]))
 
 
 def test_every_frame_is_checked_against_its_checksum() -> None:
     raw = np.array([1.5], np.float32).tobytes()
     frame = _frame(raw)
     description = _fp32_description(4, [1], [frame])
-    assert decode_tensors(frame, description)["a"][0] == 1.5
+    assert decode(frame, description)["a"][0] == 1.5
     for checksum in (0, description["checksums"][0] ^ 1, 2**64 - 1):
         with pytest.raises(CodecError, match="frame 0 does not match its XXH3-64 checksum"):
-            decode_tensors(frame, _with(description, checksums=[checksum]))
+            decode(frame, _with(description, checksums=[checksum]))
     # Any standard zstd frame is read: with zstd's own checksum too (then checked as well).
     with_xxh64 = zstandard.ZstdCompressor(write_content_size=True, write_checksum=True)
     framed = with_xxh64.compress(raw)
-    assert decode_tensors(framed, _fp32_description(4, [1], [framed]))["a"][0] == 1.5
+    assert decode(framed, _fp32_description(4, [1], [framed]))["a"][0] == 1.5
     broken = framed[:-1] + bytes([framed[-1] ^ 0xFF])  # zstd's checksum, then re-signed
     with pytest.raises(CodecError, match="checksum"):
-        decode_tensors(broken, _fp32_description(4, [1], [broken]))
+        decode(broken, _fp32_description(4, [1], [broken]))
 
 
 def _frame(raw: bytes) -> bytes:
@@ -995,7 +1001,7 @@ def _code_bytes(codec: str, blocks: int, bad: dict | None = None, fill: int | No
 def test_crafted_valid_block_payloads_decode() -> None:
     for codec in BLOCK_CODECS:
         frame, description = _crafted(codec, [0.5, 2.0], _code_bytes(codec, 2))
-        out = decode_tensors(frame, description)["a"]
+        out = decode(frame, description)["a"]
         np.testing.assert_array_equal(out, [0.5] * 16 + [2.0] * 16)
 
 
@@ -1015,7 +1021,7 @@ def test_crafted_valid_block_payloads_decode() -> None:
 def test_invalid_codes_are_rejected(codec: str, index: int, byte: int, match: str) -> None:
     frame, description = _crafted(codec, [1.0, 1.0], _code_bytes(codec, 2, bad={index: byte}))
     with pytest.raises(CodecError, match=match):
-        decode_tensors(frame, description)
+        decode(frame, description)
 
 
 @pytest.mark.parametrize(
@@ -1033,10 +1039,10 @@ def test_invalid_scales_are_rejected(codec: str, scale: float | str) -> None:
         scale = float(np.nextafter(largest, np.float32(np.inf)))
     frame, description = _crafted(codec, [1.0, scale], _code_bytes(codec, 2))
     with pytest.raises(CodecError, match="negative, non-finite or too large scale in block 1"):
-        decode_tensors(frame, description)
+        decode(frame, description)
     codes = _code_bytes(codec, 2, fill={"int8": 0x7F, "int4": 0x77, "int2": 0x55}[codec])
     frame, description = _crafted(codec, [1.0, float(largest)], codes)  # all codes +qmax
-    out = decode_tensors(frame, description)["a"]
+    out = decode(frame, description)["a"]
     assert np.isfinite(out).all() and out.max() == np.float32(float(largest) * qmax)
 
 
@@ -1055,20 +1061,20 @@ def test_decoded_values_are_validated(codec: str, raw: bytes) -> None:
     description = _fp32_description(len(raw), [2], [frame])
     description.update(codec=codec, bits=BITS[codec])
     with pytest.raises(CodecError, match="NaN/Inf values in frame 0"):
-        decode_tensors(frame, description)
+        decode(frame, description)
 
 
 def test_payload_must_be_bytes() -> None:
     payload, description = _corruptible()
     with pytest.raises(CodecError, match="bytes"):
-        decode_tensors("text", description)  # type: ignore[arg-type]
+        decode("text", description)  # type: ignore[arg-type]
     with pytest.raises(CodecError, match="bytes"):
-        decode_tensors(list(payload), description)  # type: ignore[arg-type]
+        decode(list(payload), description)  # type: ignore[arg-type]
     with pytest.raises(CodecError, match="contiguous"):
-        decode_tensors(memoryview(payload + payload)[::2], description)
-    expected = decode_tensors(payload, description)
+        decode(memoryview(payload + payload)[::2], description)
+    expected = decode(payload, description)
     for view in (bytearray(payload), memoryview(payload), np.frombuffer(payload, np.uint8).data):
-        out = decode_tensors(view, description)
+        out = decode(view, description)
         for name in expected:
             np.testing.assert_array_equal(out[name], expected[name])
 
@@ -1077,7 +1083,7 @@ def test_payload_must_be_bytes() -> None:
 def test_decode_threads_must_be_valid(threads: object) -> None:
     payload, description = _corruptible()
     with pytest.raises(CodecError, match="threads"):
-        decode_tensors(payload, description, threads=threads)  # type: ignore[arg-type]
+        decode(payload, description, threads=threads)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- fuzzing
@@ -1089,7 +1095,8 @@ def test_fuzzed_payload_raises_codec_error_or_decodes_correct_shapes(data: st.Da
     codec = data.draw(st.sampled_from(CODECS))
     rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
     tensors = {"a": rng.standard_normal((5, 7)), "b": rng.standard_normal(40)}
-    payload, description = encode_tensors(tensors, codec, block_size=16)
+    payload, encoded = encode_tensors(tensors, codec, block_size=16)
+    description = encoded.to_wire()
     mutated = bytearray(payload)
     for _ in range(data.draw(st.integers(1, 4))):
         position = data.draw(st.integers(0, len(mutated) - 1))
@@ -1101,7 +1108,7 @@ def test_fuzzed_payload_raises_codec_error_or_decodes_correct_shapes(data: st.Da
     if data.draw(st.booleans()):  # and sign it, so that zstd and the kernels see it
         description = _signed(bytes(mutated), description)
     try:
-        out = decode_tensors(bytes(mutated), description)
+        out = decode(bytes(mutated), description)
     except CodecError:
         return
     for name, arr in tensors.items():
@@ -1123,7 +1130,7 @@ def test_fuzzed_raw_block_data_raises_codec_error_or_decodes_finite(
     frame = _frame(raw_scales + codes)
     description = _signed(frame, _with(description, frames=[len(frame)]))
     try:
-        out = decode_tensors(frame, description)["a"]
+        out = decode(frame, description)["a"]
     except CodecError as exc:
         assert "scale" in str(exc) or "code" in str(exc)
         return
@@ -1161,7 +1168,7 @@ def test_hostile_description_fields_raise_only_codec_error(codec: str, data: st.
     for key in data.draw(st.sets(st.sampled_from(sorted(hostile_fields)), min_size=1)):
         description[key] = data.draw(hostile_fields[key])
     try:
-        out = decode_tensors(payload, description, max_raw_size=1 << 20)
+        out = decode(payload, description, max_raw_size=1 << 20)
     except CodecError:
         return
     for name, shape, _ in description["tensors"]:
@@ -1176,7 +1183,7 @@ def test_fuzzed_description_raises_only_codec_error(data: st.DataObject) -> None
     key = data.draw(st.sampled_from([*description, "extra"]))
     description[key] = data.draw(json_like)
     try:
-        out = decode_tensors(payload, description)
+        out = decode(payload, description)
     except CodecError:
         return
     specs = [TensorSpec(n, tuple(s), d) for n, s, d in description["tensors"]]
@@ -1200,9 +1207,9 @@ tensor_entries = st.lists(
 def test_fast_tensor_list_check_agrees_with_the_per_entry_checks(entries: list) -> None:
     """The C-level fast path accepts a subset of what the per-entry checks accept, with the
     same result, and defers everything else to them."""
-    fast = codec_module._parse_plain_tensors(entries)
+    fast = description_module._parse_plain_tensors(entries)
     try:
-        specs = [codec_module._parse_tensor_entry(i, e) for i, e in enumerate(entries)]
+        specs = [description_module._parse_tensor_entry(i, e) for i, e in enumerate(entries)]
         slow = (
             [s.name for s in specs],
             [s.shape for s in specs],
@@ -1214,14 +1221,14 @@ def test_fast_tensor_list_check_agrees_with_the_per_entry_checks(entries: list) 
     if fast is not None:
         assert ok and fast == slow
     if ok:
-        assert codec_module._parse_tensors(entries) == slow
+        assert description_module._parse_tensors(entries) == slow
 
 
 @settings(max_examples=100, deadline=None)
 @given(json_like, st.binary(max_size=64))
 def test_garbage_description_raises_only_codec_error(description: object, payload: bytes) -> None:
     with pytest.raises(CodecError):
-        decode_tensors(payload, description)  # type: ignore[arg-type]
+        decode(payload, description)  # type: ignore[arg-type]
 
 
 hostile_dtypes = st.sampled_from(
@@ -1253,34 +1260,37 @@ def test_hostile_tensors_raise_codec_error_or_round_trip(
 
 
 def test_warm_up_compiles_every_kernel() -> None:
-    from shared import quant
-    from shared.codec import warm_up
+    from shared.codec import dequantize, floats, quantize
+    from shared.codec.api import warm_up
 
     warm_up()  # encodes and decodes a sample with every codec, with and without feedback
     kernels = {
-        name: getattr(quant, name)
-        for name in ("encode_segment", "decode_blocks", "encode_bf16", "decode_bf16",
-                     "encode_fp32", "decode_fp32")
+        "encode_segment": quantize.encode_segment,
+        "decode_blocks": dequantize.decode_blocks,
+        **{name: getattr(floats, name)
+           for name in ("encode_bf16", "decode_bf16", "encode_fp32", "decode_fp32")},
     }  # fmt: skip
     assert {name: bool(k.signatures) for name, k in kernels.items()} == dict.fromkeys(kernels, True)
 
 
 _WARM_UP_CHECK = """
 import numpy as np
-from shared import codec, quant
+from shared.codec import api as codec, dequantize, floats, quantize
+from shared.codec.config import CODECS, CodecConfig
+from shared.codec.layout import Layout
 
-kernels = [quant.encode_segment, quant.decode_blocks, quant.encode_bf16, quant.decode_bf16,
-           quant.encode_fp32, quant.decode_fp32]
+kernels = [quantize.encode_segment, dequantize.decode_blocks, floats.encode_bf16,
+           floats.decode_bf16, floats.encode_fp32, floats.decode_fp32]
 codec.warm_up()
 before = [len(k.signatures) for k in kernels]
-layout = codec.Layout({"a": (70,), "b": (3, 40)})
+layout = Layout({"a": (70,), "b": (3, 40)})
 shapes = dict(zip(layout.names, layout.shapes))
 for writable in (True, False):
     values = np.linspace(-1, 1, layout.size, dtype=np.float32)
     values.setflags(write=writable)
-    for name in codec.CODECS:
+    for name in CODECS:
         for feedback in (False, True) if name != "fp32" else (False,):
-            config = codec.CodecConfig(name, 16, error_feedback=feedback)
+            config = CodecConfig(name, 16, error_feedback=feedback)
             flat = codec.encode_flat(values, layout, config, codec.init_state(config, shapes))
             codec.encode(layout.views(values), config, codec.init_state(config, shapes))
             codec.decode_tensors(flat[0], flat[1])

@@ -29,7 +29,7 @@ LOCK = ROOT / "requirements.lock"
 
 # Package -> the file whose use of its private API the upper bound in pyproject.toml protects.
 PRIVATE_API_USERS = {
-    "numba": "shared/quant.py _float32_at / encode_segment (intrinsic, inttoptr, carray)",
+    "numba": "shared/codec/quantize.py _float32_at / encode_segment (intrinsic, inttoptr, carray)",
 }
 
 
@@ -123,20 +123,20 @@ def test_numba_intrinsic_and_carray_still_exist() -> None:
 
 def test_encode_segment_reads_tensors_through_their_addresses() -> None:
     """The compiled kernel follows integer addresses (intrinsic + inttoptr + carray)."""
-    from shared import quant
+    from shared.codec import quantize
 
     block = 16
     tensors = [np.linspace(-1, 1, 2 * block, dtype=np.float32), np.full(block, 3, np.float32)]
     tensors[1][:4] = -6.0
     pieces = np.array([(0, 0, 2 * block, 0, 2), (1, 0, block, 2, 1)], np.int64)
-    addresses = np.array([quant.address(x) for x in tensors], np.int64)
+    addresses = np.array([quantize.address(x) for x in tensors], np.int64)
     for array in (pieces, addresses):
         array.setflags(write=False)  # as the codec passes them (one compiled version)
     raw = np.zeros(3 * (4 + block), np.uint8)  # int8: 3 float32 scales, then 3 blocks of codes
     try:
-        returned = quant.encode_segment(0, addresses, addresses, pieces, False, 8, block, raw)
+        returned = quantize.encode_segment(0, addresses, addresses, pieces, False, 8, block, raw)
     except Exception as err:  # typing or lowering errors of the intrinsic surface here
-        pytest.fail(_broken("numba", f"quant.encode_segment failed to compile or run: {err!r}"))
+        pytest.fail(_broken("numba", f"quantize.encode_segment failed to compile or run: {err!r}"))
     assert tuple(returned) == (-1, -1), _broken("numba", f"encode_segment returned {returned}")
     scales = raw[:12].view(np.float32)
     codes = raw[12:].view(np.int8).reshape(3, block)

@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from services.orchestration.nats_server import NatsServer, start_nats_server
-from shared import codec, records, subjects, wire
+from shared import records, subjects
+from shared.codec import api as codec
 from shared.ledger import Books, balance
 from shared.nats_auth import Identity
 from shared.records.outer import OuterStatus, ParamsHead, UnitLedger
@@ -33,6 +34,8 @@ from shared.settings.nats import NatsSettings
 from shared.transport.blobs import chunk_size_for, publish_blob
 from shared.transport.connection import connect
 from shared.transport.params import publish_params, read_latest_params
+from shared.wire.chunks import upload_id
+from shared.wire.envelope import pack_envelope, unpack_envelope
 from tests.helpers import (
     SecureNats,
     job_status,
@@ -273,7 +276,7 @@ def _final_params(url: str, job: str) -> dict[str, np.ndarray]:
         try:
             fetched = await read_latest_params(nc.jetstream(), job, 0, 1 << 30)
             assert fetched is not None
-            envelope = wire.unpack_envelope(fetched[1], max_size=1 << 30)
+            envelope = unpack_envelope(fetched[1], max_size=1 << 30)
             return codec.decode_tensors(envelope.payload, envelope.codec)
         finally:
             await nc.close()
@@ -616,7 +619,7 @@ def test_poison_upload_is_dead_lettered_once_and_the_outer_goes_on(nats_server, 
         nc = await connect(NatsSettings(nats_url=nats_server.url), "poisoner")
         js = nc.jetstream()
         await publish_blob(
-            js, subjects.grads_subject(job, unit), blob, wire.upload_id(job, unit, round_, 0), 4096
+            js, subjects.grads_subject(job, unit), blob, upload_id(job, unit, round_, 0), 4096
         )
         await nc.close()
 
@@ -660,7 +663,7 @@ def _hostile(job: str, round_: int, base: int, **changes) -> tuple[bytes, str]:
     """Unit 0's upload of ``round_`` with the envelope fields ``changes`` replaced (``scale``:
     the noise's standard deviation; ``cut``: one tensor cut to a single column)."""
     scale, cut = changes.pop("scale", 1e-3), changes.pop("cut", False)
-    envelope = wire.unpack_envelope(upload_blob(job, 0, round_, base, 200 + round_, scale))
+    envelope = unpack_envelope(upload_blob(job, 0, round_, base, 200 + round_, scale))
     if cut:
         tensors = codec.decode_tensors(envelope.payload, envelope.codec)
         name = sorted(tensors)[0]
@@ -668,8 +671,8 @@ def _hostile(job: str, round_: int, base: int, **changes) -> tuple[bytes, str]:
             {**tensors, name: tensors[name][..., :1]}, "int8"
         )
         changes.update(payload=payload, codec=description)
-    blob = wire.pack_envelope(dataclasses.replace(envelope, **changes))
-    return blob, wire.upload_id(job, 0, round_, 0)
+    blob = pack_envelope(dataclasses.replace(envelope, **changes))
+    return blob, upload_id(job, 0, round_, 0)
 
 
 @pytest.mark.timeout(300)
@@ -720,7 +723,7 @@ def test_hostile_uploads_from_a_valid_unit_are_rejected_and_honest_rounds_go_on(
             await publish_blob(js, subject, blob, upload, 4096)
         await js.publish(subject, b"not a chunk", timeout=5)  # no chunk headers
         garbage = b"\x93junk" * 100  # chunk headers of round 9, a body that is no envelope
-        await publish_blob(js, subject, garbage, wire.upload_id(job, 0, 9, 0), 4096)
+        await publish_blob(js, subject, garbage, upload_id(job, 0, 9, 0), 4096)
         await nc.close()
 
     asyncio.run(send())

@@ -9,10 +9,13 @@ import pytest
 
 from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
-from shared import codec, model, pytree, subjects, wire
+from shared import model, pytree, subjects
+from shared.codec import api as codec
 from shared.transport.blobs import chunk_size_for, publish_blob
 from shared.transport.connection import connect
 from shared.transport.streams import ensure_streams
+from shared.wire.chunks import upload_id
+from shared.wire.envelope import PseudoGradEnvelope, pack_envelope
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -41,9 +44,8 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
         for name, array in pytree.flatten_named(template).items()
     }
     payload, description = codec.encode_tensors(pseudo_grad, codec="int8", block_size=256)
-    blob = wire.pack_envelope(
-        wire.Envelope(
-            kind="pseudo_grad",
+    blob = pack_envelope(
+        PseudoGradEnvelope(
             job="big",
             unit=0,
             round=0,
@@ -66,14 +68,14 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
         max_payload = nc.max_payload
         chunk_size = chunk_size_for(nc)
         sequences = await publish_blob(
-            js, subjects.grads_subject("big", 0), blob, wire.upload_id("big", 0, 0, 0), chunk_size
+            js, subjects.grads_subject("big", 0), blob, upload_id("big", 0, 0, 0), chunk_size
         )
         sent = len(sequences)
         assert sent == -(-len(blob) // chunk_size) and sent >= 10
         # Retrying the same upload is deduplicated by Nats-Msg-Id: the stream holds one copy,
         # and the retry is told where each chunk already is.
         again = await publish_blob(
-            js, subjects.grads_subject("big", 0), blob, wire.upload_id("big", 0, 0, 0), chunk_size
+            js, subjects.grads_subject("big", 0), blob, upload_id("big", 0, 0, 0), chunk_size
         )
         assert again == sequences
         info = await js.stream_info(subjects.GRADS_STREAM)

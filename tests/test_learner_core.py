@@ -8,7 +8,9 @@ import pytest
 
 from services.learner.core import STEPS_IN_FLIGHT, LearnerCore, SyncSchedule, dynamic_h
 from services.learner.trainer import InnerTrainer, inner_optimizer
-from shared import codec, model, pytree
+from shared import model, pytree
+from shared.codec import api as codec
+from shared.codec.config import CodecConfig
 from shared.settings.algorithm import InnerAlgorithmSettings
 
 CFG = model.get_config("tiny")
@@ -138,7 +140,7 @@ def test_upload_tensors_are_views_of_one_flat_buffer_the_codec_encodes_whole():
     while len(uploads) < 2:
         core.train_step(batch(core.step))
         uploads += core.due_uploads()
-    config = codec.CodecConfig("int8")
+    config = CodecConfig("int8")
     for upload in uploads:
         layout = upload.layout
         assert layout == core.layouts[upload.fragment]

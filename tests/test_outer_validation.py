@@ -17,9 +17,12 @@ from services.outer.intake import Intake
 from services.outer.ledger import OuterLedger
 from services.outer.publishing import DeadLetters
 from services.outer.validation import UploadRules, Validated, validate
-from shared import codec, subjects, wire
+from shared import subjects
+from shared.codec import api as codec
 from shared.records import MAX_BATCH_SIZE, MAX_OUTER_UNITS, MAX_STEPS_PER_UPLOAD
 from shared.transport.dead_letters import HEADER_REASON
+from shared.wire.chunks import ChunkInfo, chunk_headers, split_chunks, upload_id
+from shared.wire.envelope import Envelope, ParamsEnvelope, PseudoGradEnvelope, pack_envelope
 from tests.helpers import outer_algorithm
 
 JOB, MODEL = "j", "tiny"
@@ -40,10 +43,9 @@ def tensors(value: float = 0.01, shapes: dict[str, tuple[int, ...]] = SHAPES) ->
     return {name: np.full(shape, value, np.float32) for name, shape in shapes.items()}
 
 
-def envelope(**changes: Any) -> wire.Envelope:
+def envelope(**changes: Any) -> PseudoGradEnvelope:
     payload, description = codec.encode_tensors(changes.pop("tensors", tensors()), "int8")
     fields = {
-        "kind": "pseudo_grad",
         "job": JOB,
         "unit": 0,
         "round": 0,
@@ -57,14 +59,31 @@ def envelope(**changes: Any) -> wire.Envelope:
         "payload": payload,
         "model": MODEL,
     }
-    return wire.Envelope(**{**fields, **changes})
+    return PseudoGradEnvelope(**{**fields, **changes})
 
 
-def check(env: wire.Envelope, upload: str | None = None, subject: str | None = None) -> Validated:
-    """Validate ``env`` as if it came on its own unit's subject under its own upload id."""
-    upload = upload or wire.upload_id(JOB, max(env.unit, 0), env.round, env.fragment)
-    subject = subject or subjects.grads_subject(JOB, max(env.unit, 0))
-    return validate(upload, subject, wire.pack_envelope(env), RULES, arrived_at=1.0)
+def params(**changes: Any) -> ParamsEnvelope:
+    payload, description = codec.encode_tensors(tensors(), "int8")
+    fields = {
+        "job": JOB,
+        "model": MODEL,
+        "fragment": 0,
+        "version": 0,
+        "tokens": 640,
+        "codec": description,
+        "sent_at": 1.7e9,
+        "payload": payload,
+    }
+    return ParamsEnvelope(**{**fields, **changes})
+
+
+def check(env: Envelope, upload: str | None = None, subject: str | None = None) -> Validated:
+    """Validate ``env`` as if it came on its own unit's subject under its own upload id (a
+    params envelope: as unit 0's round 0)."""
+    unit, round_ = (env.unit, env.round) if isinstance(env, PseudoGradEnvelope) else (0, 0)
+    upload = upload or upload_id(JOB, unit, round_, env.fragment)
+    subject = subject or subjects.grads_subject(JOB, unit)
+    return validate(upload, subject, pack_envelope(env), RULES, arrived_at=1.0)
 
 
 def test_a_valid_upload_becomes_an_arrival_with_named_fields() -> None:
@@ -73,7 +92,7 @@ def test_a_valid_upload_becomes_an_arrival_with_named_fields() -> None:
     arrival = valid.arrival
     assert (arrival.unit, arrival.round, arrival.base_version) == (2, 7, 1)
     assert (arrival.tokens, arrival.inner_steps, arrival.train_loss) == (640, 10, 2.5)
-    assert arrival.upload == wire.upload_id(JOB, 2, 7, 0) and arrival.arrived_at == 1.0
+    assert arrival.upload == upload_id(JOB, 2, 7, 0) and arrival.arrived_at == 1.0
     assert {k: v.shape for k, v in arrival.pseudo_grad.items()} == SHAPES
 
 
@@ -82,7 +101,7 @@ def test_the_most_work_a_job_allows_is_accepted() -> None:
     assert (most.arrival.unit, most.arrival.tokens) == (MAX_OUTER_UNITS - 1, 3 * MOST_PER_STEP)
 
 
-def _corrupt_payload() -> wire.Envelope:
+def _corrupt_payload() -> PseudoGradEnvelope:
     env = envelope()
     payload = bytearray(env.payload)
     payload[-1] ^= 0xFF
@@ -93,7 +112,7 @@ def _corrupt_payload() -> wire.Envelope:
     ("reason", "make"),
     [
         ("bad_envelope", lambda: b"\x93not an envelope"),
-        ("wrong_kind", lambda: envelope(kind="params", unit=-1)),
+        ("wrong_kind", params),
         ("wrong_job", lambda: envelope(job="other")),
         ("wrong_model", lambda: envelope(model="small")),
         ("wrong_fragment", lambda: envelope(fragment=1)),
@@ -116,7 +135,7 @@ def test_every_validation_failure_is_rejected_with_its_reason(reason: str, make:
     made = make()
     with pytest.raises(Rejected) as err:
         if isinstance(made, bytes):
-            validate(wire.upload_id(JOB, 0, 0, 0), "s", made, RULES, arrived_at=0.0)
+            validate(upload_id(JOB, 0, 0, 0), "s", made, RULES, arrived_at=0.0)
         else:
             check(made)
     assert err.value.reason == reason, err.value
@@ -125,8 +144,8 @@ def test_every_validation_failure_is_rejected_with_its_reason(reason: str, make:
 def test_ids_that_disagree_with_the_envelope_are_rejected() -> None:
     env = envelope(unit=1, round=3)
     for upload, subject in (
-        (wire.upload_id(JOB, 1, 3, 0), subjects.grads_subject(JOB, 2)),  # another unit's subject
-        (wire.upload_id(JOB, 1, 4, 0), subjects.grads_subject(JOB, 1)),  # another round's id
+        (upload_id(JOB, 1, 3, 0), subjects.grads_subject(JOB, 2)),  # another unit's subject
+        (upload_id(JOB, 1, 4, 0), subjects.grads_subject(JOB, 1)),  # another round's id
     ):
         with pytest.raises(Rejected) as err:
             check(env, upload, subject)
@@ -135,8 +154,8 @@ def test_ids_that_disagree_with_the_envelope_are_rejected() -> None:
 
 def test_an_upload_over_the_size_limit_is_a_bad_envelope() -> None:
     small = dataclasses.replace(RULES, max_upload_bytes=64)
-    blob = wire.pack_envelope(envelope())
-    upload, subject = wire.upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0)
+    blob = pack_envelope(envelope())
+    upload, subject = upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0)
     with pytest.raises(Rejected) as err:
         validate(upload, subject, blob, small, arrived_at=0)
     assert err.value.reason == "bad_envelope"
@@ -145,11 +164,11 @@ def test_an_upload_over_the_size_limit_is_a_bad_envelope() -> None:
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_damaged_upload_is_accepted_or_rejected_never_an_error(data: st.DataObject) -> None:
-    blob = bytearray(wire.pack_envelope(envelope()))
+    blob = bytearray(pack_envelope(envelope()))
     for _ in range(data.draw(st.integers(1, 8))):
         blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
     cut = data.draw(st.integers(0, len(blob)))
-    upload, subject = wire.upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0)
+    upload, subject = upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0)
     try:
         validate(upload, subject, bytes(blob[:cut]), RULES, arrived_at=0.0)
     except Rejected as rejected:
@@ -185,15 +204,17 @@ class Message:
         self.terminated = True
 
 
-def chunks(env: wire.Envelope, chunk_size: int = 100, upload: str | None = None) -> list[Message]:
-    blob = wire.pack_envelope(env)
-    upload = upload or wire.upload_id(JOB, env.unit, env.round, env.fragment)
-    parts = wire.split_chunks(blob, chunk_size)
+def chunks(
+    env: PseudoGradEnvelope, chunk_size: int = 100, upload: str | None = None
+) -> list[Message]:
+    blob = pack_envelope(env)
+    upload = upload or upload_id(JOB, env.unit, env.round, env.fragment)
+    parts = split_chunks(blob, chunk_size)
     return [
         Message(
             subjects.grads_subject(JOB, env.unit),
             part,
-            wire.chunk_headers(wire.ChunkInfo(upload, i, len(parts), len(blob))),
+            chunk_headers(ChunkInfo(upload, i, len(parts), len(blob))),
         )
         for i, part in enumerate(parts)
     ]
@@ -223,7 +244,7 @@ def test_a_complete_upload_is_offered_and_its_redelivery_acknowledged(core: Oute
     assert len(first) > 2
     assert take(intake, first[:-1]) == 0 and intake.buffered == set()
     assert take(intake, first[-1:]) == 0
-    upload = wire.upload_id(JOB, 0, 0, 0)
+    upload = upload_id(JOB, 0, 0, 0)
     assert intake.buffered == {upload} and dict(intake.ledger.codecs) == {"int8": 1}
     assert take(intake, first[:1]) == 0  # a redelivery while buffered waits for the merge
     assert not first[0].acked and intake.buffered == {upload}
@@ -242,9 +263,9 @@ def test_every_intake_rejection_is_counted_and_dead_lettered(core: OuterCore) ->
     intake = make_intake(core, max_pending_uploads=1)
     version = core.version(0)
     no_headers = Message("s", b"x", None)
-    upload = wire.upload_id(JOB, 0, 1, 0)
-    info = wire.ChunkInfo(upload, 0, 1, 100)  # says 100 bytes, carries 50
-    bad_chunk = Message(subjects.grads_subject(JOB, 0), b"x" * 50, wire.chunk_headers(info))
+    upload = upload_id(JOB, 0, 1, 0)
+    info = ChunkInfo(upload, 0, 1, 100)  # says 100 bytes, carries 50
+    bad_chunk = Message(subjects.grads_subject(JOB, 0), b"x" * 50, chunk_headers(info))
     evicted = chunks(envelope(unit=1, round=2, base_version=version))
     evicting = chunks(envelope(unit=2, round=3, base_version=version))
     wrong_model = chunks(envelope(unit=3, round=4, base_version=version, model="small"))

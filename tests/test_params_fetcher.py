@@ -15,10 +15,11 @@ from services.learner.params_fetcher import PARAMS_POLL_S, GlobalFragment, Param
 from services.learner.settings import LearnerSettings
 from services.link.proxy import LinkProxy
 from services.outer.publishing import params_envelope
-from shared import codec, wire
+from shared.codec import api as codec
 from shared.link_spec import parse_link
 from shared.transport.params import PARAMS_VERSIONS_KEPT, publish_params, read_latest_params
 from shared.transport.streams import ensure_streams
+from shared.wire.envelope import unpack_envelope
 
 JOB = "fetch"
 SETTINGS = LearnerSettings(job=JOB, model="tiny", unit=0, num_units=2)
@@ -155,7 +156,7 @@ def test_a_slow_read_gets_exactly_the_version_it_started_on(nats_server) -> None
             await direct.close()
 
     def read_values(blob: bytes) -> np.ndarray:
-        envelope = wire.unpack_envelope(blob)
+        envelope = unpack_envelope(blob)
         return codec.decode_tensors(envelope.payload, envelope.codec)["w"]
 
     version, blob = asyncio.run(read_while_publishing(5))

@@ -1,4 +1,4 @@
-"""Tests for shared.quant: the compiled kernels against NumPy references.
+"""Tests for the codec kernels (quantize, dequantize, floats) against NumPy references.
 
 Arguments have the types shared.codec passes (C-contiguous arrays; read-only inputs to the
 decode kernels, as np.frombuffer gives), so the kernels compile once for both test files.
@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from shared import quant
+from shared.codec import dequantize, floats, quantize
+from shared.codec.description import bytes_per_block
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 QMAX = {8: 127, 4: 7, 2: 1}
@@ -35,9 +36,9 @@ def encode(x: np.ndarray, bits: int, block_size: int, res: np.ndarray | None = N
     """``(scales, codes, returned)`` of encode_blocks; ``res`` (if given) is updated."""
     n_blocks = -(-x.size // block_size)
     scales = np.full(n_blocks, -1.0, np.float32)
-    codes = np.zeros(n_blocks * quant.bytes_per_block(bits, block_size), np.uint8)
+    codes = np.zeros(n_blocks * bytes_per_block(bits, block_size), np.uint8)
     use_res = res is not None
-    returned = quant.encode_blocks(
+    returned = quantize.encode_blocks(
         x, res if use_res else NO_RES, use_res, bits, block_size, scales, codes
     )
     return scales, codes, returned
@@ -46,7 +47,7 @@ def encode(x: np.ndarray, bits: int, block_size: int, res: np.ndarray | None = N
 def decode(codes: np.ndarray, scales: np.ndarray, bits: int, block_size: int) -> tuple:
     """``(values, returned)`` of decode_blocks; unwritten values are NaN."""
     out = np.full(scales.size * block_size, np.nan, np.float32)
-    returned = quant.decode_blocks(_readonly(codes), _readonly(scales), bits, block_size, out)
+    returned = dequantize.decode_blocks(_readonly(codes), _readonly(scales), bits, block_size, out)
     return out, returned
 
 
@@ -90,10 +91,10 @@ def _padded_blocks(x: np.ndarray, block_size: int) -> np.ndarray:
 
 
 def test_bytes_per_block() -> None:
-    assert quant.bytes_per_block(8, 16) == 16
-    assert quant.bytes_per_block(4, 16) == 8
-    assert quant.bytes_per_block(2, 16) == 4
-    assert quant.bytes_per_block(2, 1 << 20) == 1 << 18
+    assert bytes_per_block(8, 16) == 16
+    assert bytes_per_block(4, 16) == 8
+    assert bytes_per_block(2, 16) == 4
+    assert bytes_per_block(2, 1 << 20) == 1 << 18
 
 
 @SETTINGS
@@ -229,13 +230,13 @@ def _segment(tensors: list[np.ndarray], bits: int, block_size: int, residuals=No
         rows.append((t, 0, x.size, first, units))
         first += units
     pieces = np.array(rows, np.int64).reshape(-1, 5)
-    raw = np.zeros(first * (4 + quant.bytes_per_block(bits, block_size)), np.uint8)
+    raw = np.zeros(first * (4 + bytes_per_block(bits, block_size)), np.uint8)
     raw[: 4 * first].view(np.float32)[:] = -1.0
-    addresses = np.array([quant.address(x) for x in tensors], np.int64)
-    res = addresses if residuals is None else np.array([quant.address(r) for r in residuals])
+    addresses = np.array([quantize.address(x) for x in tensors], np.int64)
+    res = addresses if residuals is None else np.array([quantize.address(r) for r in residuals])
     for array in (pieces, addresses, res):
         array.setflags(write=False)  # as the codec passes them (one compiled version)
-    returned = quant.encode_segment(
+    returned = quantize.encode_segment(
         0, addresses, res, pieces, residuals is not None, bits, block_size, raw
     )
     return raw[: 4 * first].view(np.float32), raw[4 * first :], returned
@@ -326,7 +327,7 @@ def test_decode_blocks_matches_reference_or_reports_first_bad_block(
     bits: int, data: st.DataObject
 ) -> None:
     n_blocks, block_size = data.draw(st.integers(1, 4)), 16
-    codes = data.draw(hnp.arrays(np.uint8, n_blocks * quant.bytes_per_block(bits, block_size)))
+    codes = data.draw(hnp.arrays(np.uint8, n_blocks * bytes_per_block(bits, block_size)))
     scales = data.draw(hnp.arrays(np.float32, n_blocks))  # any bits: NaN, -0.0, huge, ...
     out, returned = decode(codes, scales, bits, block_size)
     fields = unpack_fields(codes, bits, block_size).reshape(n_blocks, block_size)
@@ -347,7 +348,7 @@ def test_decode_blocks_matches_reference_or_reports_first_bad_block(
 @pytest.mark.parametrize("scale", [-1.0, -0.0, -TINY, np.inf, -np.inf, np.nan])
 def test_decode_blocks_rejects_bad_scales(bits: int, scale: float) -> None:
     scales = np.array([1.0, 1.0, scale, 1.0], np.float32)
-    codes = np.zeros(4 * quant.bytes_per_block(bits, 16), np.uint8)
+    codes = np.zeros(4 * bytes_per_block(bits, 16), np.uint8)
     out, returned = decode(codes, scales, bits, 16)
     assert returned == 2
     assert not out[:32].any()  # blocks before the bad one are written
@@ -359,7 +360,7 @@ def test_decode_blocks_rejects_scales_whose_largest_code_overflows(bits: int) ->
     largest = np.float32(F32_MAX / qmax)
     if float(largest) * qmax > F32_MAX:
         largest = np.nextafter(largest, np.float32(0))
-    codes = np.zeros(2 * quant.bytes_per_block(bits, 16), np.uint8)
+    codes = np.zeros(2 * bytes_per_block(bits, 16), np.uint8)
     out, returned = decode(codes, np.array([largest, largest], np.float32), bits, 16)
     assert returned == -1
     too_large = np.nextafter(largest, np.float32(np.inf))
@@ -379,10 +380,10 @@ def test_decode_blocks_rejects_scales_whose_largest_code_overflows(bits: int) ->
     [(8, 0x80, 0), (8, 0x80, 37), (4, 0x08, 17), (4, 0x80, 3), (2, 0x02, 9), (2, 0x80, 5)],
 )
 def test_decode_blocks_rejects_invalid_codes(bits: int, byte: int, position: int) -> None:
-    codes = np.zeros(3 * quant.bytes_per_block(bits, 16), np.uint8)
+    codes = np.zeros(3 * bytes_per_block(bits, 16), np.uint8)
     codes[position] = byte
     _, returned = decode(codes, np.ones(3, np.float32), bits, 16)
-    assert returned == position // quant.bytes_per_block(bits, 16)
+    assert returned == position // bytes_per_block(bits, 16)
 
 
 # --------------------------------------------------------------------------- fp32 and bf16
@@ -404,10 +405,10 @@ def test_fp32_kernels_copy_and_detect_non_finite(raw: np.ndarray) -> None:
     x = raw.view(np.float32).copy()
     out = np.zeros_like(x)
     expected = 0 if not np.isfinite(x).all() else -1
-    assert quant.encode_fp32(x, out) == expected
+    assert floats.encode_fp32(x, out) == expected
     np.testing.assert_array_equal(out.view(np.uint32), raw)
     out = np.zeros_like(x)
-    assert quant.decode_fp32(_readonly(x), out) == expected
+    assert floats.decode_fp32(_readonly(x), out) == expected
     np.testing.assert_array_equal(out.view(np.uint32), raw)
 
 
@@ -417,14 +418,14 @@ def test_bf16_rounding_matches_ml_dtypes(raw: np.ndarray) -> None:
     """Every float32 bit pattern: finite values round exactly as ml_dtypes rounds them."""
     x = _finite_from_bits(raw)
     out = np.zeros(x.size, np.uint16)
-    returned = quant.encode_bf16(x, NO_RES, False, out)
+    returned = floats.encode_bf16(x, NO_RES, False, out)
     expected = _bf16_bits(x)
     overflow = (expected & 0x7F80) == 0x7F80  # finite values that round to Inf
     assert returned == (0 if overflow.any() else -1)
     if returned == -1:
         np.testing.assert_array_equal(out, expected)
         widened = np.zeros(x.size, np.float32)
-        assert quant.decode_bf16(_readonly(out), widened) == -1
+        assert floats.decode_bf16(_readonly(out), widened) == -1
         np.testing.assert_array_equal(widened, expected.view(ml_dtypes.bfloat16).astype(np.float32))
 
 
@@ -432,16 +433,16 @@ def test_bf16_rounding_matches_ml_dtypes(raw: np.ndarray) -> None:
 def test_encode_bf16_rejects_values_that_are_or_round_to_inf(bad: float) -> None:
     x = np.ones(100, np.float32)
     x[57] = bad
-    assert quant.encode_bf16(x, NO_RES, False, np.zeros(100, np.uint16)) == 0
+    assert floats.encode_bf16(x, NO_RES, False, np.zeros(100, np.uint16)) == 0
     res = np.zeros(100, np.float32)
-    assert quant.encode_bf16(x, res, True, np.zeros(100, np.uint16)) == 0
+    assert floats.encode_bf16(x, res, True, np.zeros(100, np.uint16)) == 0
 
 
 @SETTINGS
 @given(hnp.arrays(np.uint16, st.integers(0, 200)))
 def test_decode_bf16_widens_and_detects_non_finite(raw: np.ndarray) -> None:
     out = np.zeros(raw.size, np.float32)
-    returned = quant.decode_bf16(_readonly(raw), out)
+    returned = floats.decode_bf16(_readonly(raw), out)
     non_finite = (raw & 0x7F80) == 0x7F80
     assert returned == (0 if non_finite.any() else -1)
     np.testing.assert_array_equal(out.view(np.uint32), raw.astype(np.uint32) << 16)
@@ -455,7 +456,7 @@ def test_encode_bf16_fuses_error_feedback(seed: int, size: int) -> None:
     res = (rng.standard_normal(size) * 1e-2).astype(np.float32)
     v = x + res
     out = np.zeros(size, np.uint16)
-    assert quant.encode_bf16(x, res, True, out) == -1
+    assert floats.encode_bf16(x, res, True, out) == -1
     np.testing.assert_array_equal(out, _bf16_bits(v))
     sent = out.view(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_array_equal(res, v - sent)  # exact: v - round(v) is representable

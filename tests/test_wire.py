@@ -1,4 +1,4 @@
-"""Tests for shared.wire: envelope validation, chunk headers and reassembly."""
+"""Tests for shared.wire: envelope validation (both kinds), chunk headers and reassembly."""
 
 from __future__ import annotations
 
@@ -13,30 +13,33 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.codec import decode_tensors, encode_tensors
-from shared.wire import (
-    WIRE_VERSION,
+from shared.codec.api import decode_tensors, encode_tensors
+from shared.wire.chunks import (
     ChunkInfo,
-    Envelope,
     Reassembler,
     WireError,
     chunk_headers,
-    pack_envelope,
     parse_chunk_headers,
-    payload_checksum,
     split_chunks,
-    unpack_envelope,
     upload_id,
     validate_job_name,
+)
+from shared.wire.envelope import (
+    WIRE_VERSION,
+    Envelope,
+    ParamsEnvelope,
+    PseudoGradEnvelope,
+    pack_envelope,
+    payload_checksum,
+    unpack_envelope,
 )
 
 SETTINGS = settings(max_examples=100, deadline=None)
 
 
-def make_envelope(**changes: object) -> Envelope:
+def make_envelope(**changes: object) -> PseudoGradEnvelope:
     payload, description = encode_tensors({"w": np.linspace(-1, 1, 600).reshape(20, 30)})
     fields = {
-        "kind": "pseudo_grad",
         "job": "job-1",
         "unit": 3,
         "round": 17,
@@ -51,12 +54,29 @@ def make_envelope(**changes: object) -> Envelope:
         "model": "tiny",
     }
     fields.update(changes)
-    return Envelope(**fields)  # type: ignore[arg-type]
+    return PseudoGradEnvelope(**fields)  # type: ignore[arg-type]
 
 
-def packed_map(**changes: object) -> dict:
-    """The msgpack map of a valid envelope, with fields replaced (or removed via ...)."""
-    body = msgpack.unpackb(pack_envelope(make_envelope()), raw=False)
+def make_params(**changes: object) -> ParamsEnvelope:
+    payload, description = encode_tensors({"w": np.linspace(-1, 1, 600).reshape(20, 30)}, "fp32")
+    fields = {
+        "job": "job-1",
+        "model": "tiny",
+        "fragment": 1,
+        "version": 9,
+        "tokens": 204_800,
+        "codec": description,
+        "sent_at": 1_700_000_000.5,
+        "payload": payload,
+    }
+    fields.update(changes)
+    return ParamsEnvelope(**fields)  # type: ignore[arg-type]
+
+
+def packed_map(envelope: Envelope | None = None, **changes: object) -> dict:
+    """The msgpack map of a valid envelope (by default ``make_envelope()``), with fields
+    replaced (or removed via ...)."""
+    body = msgpack.unpackb(pack_envelope(envelope or make_envelope()), raw=False)
     for key, value in changes.items():
         if value is ...:
             del body[key]
@@ -65,8 +85,8 @@ def packed_map(**changes: object) -> dict:
     return body
 
 
-def repack(**changes: object) -> bytes:
-    return msgpack.packb(packed_map(**changes), use_bin_type=True)
+def repack(envelope: Envelope | None = None, **changes: object) -> bytes:
+    return msgpack.packb(packed_map(envelope, **changes), use_bin_type=True)
 
 
 # --------------------------------------------------------------------------- envelope
@@ -79,6 +99,7 @@ def test_round_trip_and_payload_decodes() -> None:
     assert out == env
     body = msgpack.unpackb(data, raw=False)
     assert body["v"] == WIRE_VERSION and body["checksum"] == payload_checksum(env.payload)
+    assert body["kind"] == "pseudo_grad" and body["codec"] == env.codec.to_wire()
     decoded = decode_tensors(out.payload, out.codec)
     assert decoded["w"].shape == (20, 30)
 
@@ -96,11 +117,15 @@ def test_memoryview_payload_packs_like_bytes() -> None:
         pack_envelope(dataclasses.replace(env, payload=memoryview(np.zeros(4, np.float32))))
 
 
-def test_params_envelope_and_default_model() -> None:
-    env = make_envelope(kind="params", unit=-1, round=9, base_version=9, model="")
-    assert unpack_envelope(pack_envelope(env)) == env
-    body = packed_map(model=...)
-    assert unpack_envelope(msgpack.packb(body)).model == ""
+def test_params_envelope_round_trip_and_model_is_required() -> None:
+    env = make_params(model="")
+    out = unpack_envelope(pack_envelope(env))
+    assert out == env and isinstance(out, ParamsEnvelope)
+    assert msgpack.unpackb(pack_envelope(env), raw=False)["kind"] == "params"
+    assert decode_tensors(out.payload, out.codec)["w"].shape == (20, 30)
+    for envelope in (make_params(), make_envelope()):
+        with pytest.raises(WireError, match=r"missing \['model'\]"):
+            unpack_envelope(repack(envelope, model=...))
 
 
 def test_numpy_scalars_and_non_finite_loss_are_accepted() -> None:
@@ -111,6 +136,9 @@ def test_numpy_scalars_and_non_finite_loss_are_accepted() -> None:
     # A diverged unit reports its loss; the payload check is the codec's job.
     assert math.isnan(unpack_envelope(pack_envelope(make_envelope(train_loss=math.nan))).train_loss)
     assert unpack_envelope(repack(train_loss=2)).train_loss == 2.0
+
+
+DESCRIPTION = encode_tensors({"b": np.ones(3), "a": np.ones((2, 40))}, "int4")[1]
 
 
 @SETTINGS
@@ -126,10 +154,18 @@ def test_numpy_scalars_and_non_finite_loss_are_accepted() -> None:
 def test_round_trip_property(kind_unit, counters, loss, sent_at, payload, job, model) -> None:
     kind, unit = kind_unit
     round_, fragment, base, steps, tokens = counters
-    env = Envelope(
-        kind, job, unit, round_, fragment, base, steps, tokens, loss,
-        {"codec": "fp32", "nested": [1, [2.5, "x"]]}, sent_at, payload, model,
-    )  # fmt: skip
+    description = DESCRIPTION
+    if kind == "params":
+        env: Envelope = ParamsEnvelope(
+            job=job, model=model, fragment=fragment, version=round_, tokens=tokens,
+            codec=description, sent_at=sent_at, payload=payload,
+        )  # fmt: skip
+    else:
+        env = PseudoGradEnvelope(
+            job=job, model=model, unit=unit, round=round_, fragment=fragment, base_version=base,
+            inner_steps=steps, tokens=tokens, train_loss=loss, codec=description,
+            sent_at=sent_at, payload=payload,
+        )  # fmt: skip
     assert unpack_envelope(pack_envelope(env)) == env
 
 
@@ -175,15 +211,31 @@ def test_unpack_rejects_bad_field(field: str, value: object) -> None:
         unpack_envelope(repack(**changes))
 
 
-@pytest.mark.parametrize(("field", "value"), BAD_FIELDS)
+@pytest.mark.parametrize(("field", "value"), [(f, v) for f, v in BAD_FIELDS if f != "kind"])
 def test_pack_rejects_bad_field(field: str, value: object) -> None:
     with pytest.raises(WireError):
         pack_envelope(make_envelope(**{field: value}))
 
 
-def test_params_must_come_from_the_outer() -> None:
-    with pytest.raises(WireError, match="unit -1"):
-        pack_envelope(make_envelope(kind="params", unit=0))
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("version", -1), ("fragment", "1"), ("tokens", True), ("sent_at", math.nan), ("job", "a b")],
+)
+def test_params_unpack_and_pack_reject_bad_field(field: str, value: object) -> None:
+    with pytest.raises(WireError, match=field if field != "job" else "job name"):
+        unpack_envelope(repack(make_params(), **{field: value}))
+    with pytest.raises(WireError):
+        pack_envelope(make_params(**{field: value}))
+
+
+def test_each_kind_carries_only_its_own_fields() -> None:
+    # Params come from the outer: no unit, round, base version, steps or loss.
+    with pytest.raises(WireError, match=r"unknown \['unit'\]"):
+        unpack_envelope(repack(make_params(), unit=-1))
+    with pytest.raises(WireError, match=r"missing \['version'\], unknown \['base_version'"):
+        unpack_envelope(repack(kind="params"))
+    with pytest.raises(WireError, match=r"missing \['base_version', 'inner_steps', 'round', "):
+        unpack_envelope(repack(make_params(), kind="pseudo_grad"))
 
 
 @pytest.mark.parametrize("field", ["kind", "job", "unit", "payload", "codec", "checksum"])
@@ -196,7 +248,7 @@ def test_unpack_rejects_missing_field(field: str) -> None:
     ("changes", "match"),
     [
         ({"v": ...}, "no wire version"),
-        ({"v": 2}, "unsupported wire version 2; expected 1 .are all services on the same"),
+        ({"v": 1}, "unsupported wire version 1; expected 2 .are all services on the same"),
         ({"v": 3}, "unsupported wire version 3"),
         ({"v": "1"}, "unsupported wire version '1'"),
         ({"v": 0}, "unsupported wire version 0"),

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import zstandard
 
-from shared import zstd
-from shared.codec_config import MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL
+from shared.codec import zstd
+from shared.codec.config import MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL
 
 
 def _raw(n: int = 100_000) -> np.ndarray:

@@ -31,7 +31,8 @@ import jax
 import numpy as np
 
 from services.learner.trainer import InnerState, InnerTrainer
-from shared import codec, pytree
+from shared import pytree
+from shared.codec.layout import Layout
 from shared.fragments import FragmentPlan, plan_fragments, sync_offset
 
 #: Inner steps dispatched but not finished, at most: the step running on the device and the
@@ -70,7 +71,7 @@ class Upload:
     # The tensors are views of one float32 buffer (``values``), laid out as ``layout`` says,
     # so that the codec can encode it in one piece (codec.encode_flat).
     values: np.ndarray | None = None
-    layout: codec.Layout | None = None
+    layout: Layout | None = None
 
 
 @dataclass
@@ -119,7 +120,7 @@ class LearnerCore:
         self.plan: FragmentPlan = plan_fragments(shapes, schedule.fragments)
         # Per fragment, how its pseudo-gradient's pieces sit in one flat buffer.
         self.layouts = [
-            codec.Layout(
+            Layout(
                 {
                     piece.key: shapes[piece.name][0 if piece.layer is None else 1 :]
                     for piece in fragment

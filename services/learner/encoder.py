@@ -19,7 +19,9 @@ import numpy as np
 from services.learner.core import Upload
 from services.learner.counters import Counters
 from services.learner.settings import LearnerSettings
-from shared import codec, wire
+from shared.codec import api as codec
+from shared.codec.config import CodecError
+from shared.wire.envelope import PseudoGradEnvelope, pack_envelope
 
 #: (round, fragment): which upload an envelope belongs to.
 UploadKey = tuple[int, int]
@@ -86,7 +88,7 @@ class UploadEncoder:
         """The (future) envelope of ``upload``, started on the worker thread on the first call
         and the same future on every later one. Call on the event loop.
 
-        The future raises ``codec.CodecError`` for an upload that must not be sent (NaN/Inf).
+        The future raises ``CodecError`` for an upload that must not be sent (NaN/Inf).
         """
         key = upload_key(upload)
         future = self._encodings.get(key)
@@ -119,7 +121,7 @@ class UploadEncoder:
                 )
             else:
                 payload, description, self._state = codec.encode(upload.tensors, self._codec, state)
-        except codec.CodecError:
+        except CodecError:
             # The state was consumed; residuals restart from zero.
             self._state = codec.CodecState()
             raise
@@ -131,8 +133,7 @@ class UploadEncoder:
             "fp32_bytes_encoded", 4 * sum(np.size(t) for t in upload.tensors.values())
         )
         self._counters.add("payload_bytes_encoded", len(payload))
-        envelope = wire.Envelope(
-            kind="pseudo_grad",
+        envelope = PseudoGradEnvelope(
             job=self.settings.job,
             unit=self.settings.unit,
             round=upload.round,
@@ -146,4 +147,4 @@ class UploadEncoder:
             payload=payload,
             model=self.settings.model,
         )
-        return wire.pack_envelope(envelope)
+        return pack_envelope(envelope)

@@ -37,12 +37,16 @@ import numpy as np
 from services.learner.counters import Counters
 from services.learner.fetch_rule import FetchRule
 from services.learner.settings import LearnerSettings
-from shared import codec, records, subjects, wire
+from shared import records, subjects
+from shared.codec import api as codec
+from shared.codec.config import CodecError
 from shared.latency import Latencies, SyncLatency
 from shared.records.outer import ParamsHead
 from shared.retry import NATS_ERRORS, retry
 from shared.transport import TransportError
 from shared.transport.params import read_latest_params, read_params_head
+from shared.wire.chunks import WireError
+from shared.wire.envelope import ParamsEnvelope, unpack_envelope
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +148,7 @@ class ParamsFetcher:
             for fragment in range(self.settings.fragments):
                 try:
                     await self._fetch(js, fragment)
-                except (wire.WireError, codec.CodecError) as err:
+                except (WireError, CodecError) as err:
                     self.counters.add("params_rejected")
                     self.counters.error(f"bad global params: {err}")
                     log.error("bad global params: %s", err)
@@ -190,12 +194,16 @@ class ParamsFetcher:
         fetched_head, blob = fetched
         self._rejected[fragment] = fetched_head.upload  # until it proves good below
         version = fetched_head.version
-        envelope = wire.unpack_envelope(blob, max_size=self.max_params_bytes)
-        if envelope.kind != "params" or envelope.fragment != fragment or envelope.job != job:
-            raise wire.WireError(f"expected params of {job} fragment {fragment}")
-        if envelope.model != self.settings.model or envelope.round != version:
-            raise wire.WireError(
-                f"params of model {envelope.model} version {envelope.round} under a head of "
+        envelope = unpack_envelope(blob, max_size=self.max_params_bytes)
+        if (
+            not isinstance(envelope, ParamsEnvelope)
+            or envelope.fragment != fragment
+            or envelope.job != job
+        ):
+            raise WireError(f"expected params of {job} fragment {fragment}")
+        if envelope.model != self.settings.model or envelope.version != version:
+            raise WireError(
+                f"params of model {envelope.model} version {envelope.version} under a head of "
                 f"version {version} (this unit trains model {self.settings.model})"
             )
         pieces = codec.decode_tensors(envelope.payload, envelope.codec)

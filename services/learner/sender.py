@@ -26,11 +26,13 @@ from services.learner.counters import Counters
 from services.learner.encoder import UploadEncoder, UploadKey, upload_key
 from services.learner.settings import LearnerSettings
 from services.learner.unit_state import UnitState
-from shared import codec, subjects, wire
+from shared import subjects
+from shared.codec.config import CodecError
 from shared.latency import Latencies, SyncLatency
 from shared.retry import retry
 from shared.transport import TransportError
 from shared.transport.blobs import publish_blob
+from shared.wire.chunks import upload_id
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +150,7 @@ class Sender:
                 return
             try:
                 blob = await self.encoder.encoding(upload)
-            except codec.CodecError as err:
+            except CodecError as err:
                 # A pseudo-gradient with NaN/Inf must never be sent: record and skip it.
                 self.counters.error(f"round {upload.round} not sent: {err}")
                 log.error("round %d not sent: %s", upload.round, err)
@@ -170,15 +172,13 @@ class Sender:
 
     async def _publish(self, js: Any, upload: Upload, blob: bytes, chunk_size: int) -> None:
         """Publish ``blob`` until JetStream accepts it; raises once past the flush deadline."""
-        upload_id = wire.upload_id(
-            self.settings.job, self.settings.unit, upload.round, upload.fragment
-        )
+        name = upload_id(self.settings.job, self.settings.unit, upload.round, upload.fragment)
         await retry(
             lambda: publish_blob(
                 js,
                 subjects.grads_subject(self.settings.job, self.settings.unit),
                 blob,
-                upload_id,
+                name,
                 chunk_size,
             ),
             f"publish round {upload.round}",

@@ -17,8 +17,8 @@ import math
 
 import numpy as np
 
-from shared import codec
-from shared.codec_config import CodecConfig
+from shared.codec import api as codec
+from shared.codec.config import CodecConfig
 from shared.model_config import ModelConfig
 
 RMS = 7e-3  # measured, see the module docstring

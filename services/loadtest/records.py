@@ -8,7 +8,7 @@ from pydantic import (
     PositiveFloat,
 )
 
-from shared.codec_config import CodecName
+from shared.codec.config import CodecName
 from shared.ledger import Books
 from shared.link_spec import LinkSpec
 from shared.model_config import ModelSize

@@ -14,7 +14,7 @@ from services.loadtest.settings import LoadtestSettings
 from services.loadtest.stage import Stage
 from shared import records
 from shared.atomic import atomic_write_bytes
-from shared.codec_config import CodecConfig
+from shared.codec.config import CodecConfig
 from shared.model_config import get_config
 
 POOL_SIZE = 4  # different synthetic pseudo-gradients, sent in turn

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.codec_config import CodecName
+from shared.codec.config import CodecName
 from shared.link_spec import LinkSpec, parse_link
 from shared.model_config import ModelSize
 from shared.outer_choices import ParamsCodecName

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.loadtest.payloads import PayloadPool
-from shared import records, subjects, wire
+from shared import records, subjects
 from shared.latency import SyncLatency
 from shared.ledger import RoundSet
 from shared.records.outer import ParamsHead
@@ -33,6 +33,8 @@ from shared.transport import TransportError
 from shared.transport.blobs import chunk_size_for, publish_blob
 from shared.transport.connection import connect
 from shared.transport.params import PARAMS_READ_TIMEOUT_S, read_latest_params
+from shared.wire.chunks import WireError, upload_id
+from shared.wire.envelope import PseudoGradEnvelope, pack_envelope
 
 log = logging.getLogger(__name__)
 
@@ -159,7 +161,7 @@ class SyntheticUnit:
                 continue
             round_ = self._queue[0]
             blob = self._envelope(round_)
-            upload = wire.upload_id(self.plan.job, self.plan.unit, round_, FRAGMENT)
+            upload = upload_id(self.plan.job, self.plan.unit, round_, FRAGMENT)
             await retry(
                 lambda blob=blob, upload=upload: publish_blob(
                     js, subject, blob, upload, chunk_size
@@ -173,8 +175,7 @@ class SyntheticUnit:
 
     def _envelope(self, round_: int) -> bytes:
         payload, description = self.pool.payload(self.plan.unit + round_)
-        envelope = wire.Envelope(
-            kind="pseudo_grad",
+        envelope = PseudoGradEnvelope(
             job=self.plan.job,
             unit=self.plan.unit,
             round=round_,
@@ -188,7 +189,7 @@ class SyntheticUnit:
             payload=payload,
             model=self.plan.model,
         )
-        return wire.pack_envelope(envelope)
+        return pack_envelope(envelope)
 
     # ---- params ----------------------------------------------------------------------------
 
@@ -214,7 +215,7 @@ class SyntheticUnit:
                 fetched = await read_latest_params(
                     js, self.plan.job, FRAGMENT, self.plan.max_params_bytes
                 )
-            except (TransportError, wire.WireError, *NATS_ERRORS) as err:
+            except (TransportError, WireError, *NATS_ERRORS) as err:
                 log.info("unit %d: params fetch: %r", self.plan.unit, err)
                 self._head_seen.set()  # try again on the next head, or now if one is newer
                 await asyncio.sleep(0.5)

@@ -37,7 +37,7 @@ from shared.records import R
 from shared.records.outer import CheckpointPointer, EvaluationRecord, LedgerRecord
 from shared.transport import TransportError
 from shared.transport.blobs import publish_blob
-from shared.wire import Reassembler, WireError, parse_chunk_headers
+from shared.wire.chunks import Reassembler, WireError, parse_chunk_headers
 
 FORMAT = 1
 _MAX_FIELD_BYTES = 1 << 40

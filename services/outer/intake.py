@@ -33,7 +33,7 @@ from services.outer.ledger import OuterLedger
 from services.outer.policy import Arrival
 from services.outer.publishing import DeadLetters
 from services.outer.validation import UploadRules, validate
-from shared import wire
+from shared.wire.chunks import Reassembler, WireError, parse_chunk_headers, parse_upload_id
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Intake:
         self.core = core
         self.ledger = ledger
         self.dead_letters = dead_letters
-        self.reassembler = wire.Reassembler(
+        self.reassembler = Reassembler(
             max_upload_bytes=rules.max_upload_bytes, max_pending_uploads=max_pending_uploads
         )
         self.buffered: set[str] = set()
@@ -76,8 +76,8 @@ class Intake:
         rejections = self._rejections
         for msg in messages:
             try:
-                info = wire.parse_chunk_headers(msg.headers)
-            except wire.WireError as err:
+                info = parse_chunk_headers(msg.headers)
+            except WireError as err:
                 self._reject([msg], Rejected("bad_chunk_header", str(err)), None)
                 continue
             done = self._done(info.upload)
@@ -95,7 +95,7 @@ class Intake:
             self._chunks[info.upload].append(msg)
             try:
                 blob = self.reassembler.add(info, msg.data)
-            except wire.WireError as err:
+            except WireError as err:
                 self.reassembler.discard(info.upload)
                 upload_msgs = self._chunks.pop(info.upload)
                 self._reject(upload_msgs, Rejected("bad_chunk", str(err)), info.upload)
@@ -120,8 +120,8 @@ class Intake:
         unit_round = None
         if upload is not None:
             self._rejected_uploads.add(upload)
-            with contextlib.suppress(wire.WireError):
-                job, unit, round_, _ = wire.parse_upload_id(upload)
+            with contextlib.suppress(WireError):
+                job, unit, round_, _ = parse_upload_id(upload)
                 if job == self.rules.job and unit >= 0:
                     unit_round = (unit, round_)
         self.ledger.reject(rejected.reason, unit_round)
@@ -142,8 +142,8 @@ class Intake:
     def _done(self, upload: str) -> str | None:
         """Whether an upload of this job was applied or rejected before (by its id)."""
         try:
-            job, unit, round_, _ = wire.parse_upload_id(upload)
-        except wire.WireError:
+            job, unit, round_, _ = parse_upload_id(upload)
+        except WireError:
             return None
         if job != self.rules.job:
             return None

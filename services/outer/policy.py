@@ -38,7 +38,7 @@ class Arrival:
         inner_steps, tokens: The work behind it (token weights).
         pseudo_grad: ``{piece name: array}`` of its fragment.
         arrived_at: When it arrived, on the caller's clock (wall or simulated).
-        upload: Its upload id (``shared.wire.upload_id``).
+        upload: Its upload id (``shared.wire.chunks.upload_id``).
         train_loss: The mean train loss its unit reported (a report, not an input to the math).
         messages: The transport's handles of its messages (to acknowledge once the merge that
             uses it is committed); opaque here.

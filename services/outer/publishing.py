@@ -21,11 +21,12 @@ from typing import Any
 import nats.errors
 import numpy as np
 
-from shared import codec, wire
+from shared.codec import api as codec
 from shared.retry import NATS_ERRORS, retry
 from shared.transport import TransportError
 from shared.transport.dead_letters import dead_letter
 from shared.transport.params import publish_params
+from shared.wire.envelope import ParamsEnvelope, pack_envelope, payload_checksum
 
 log = logging.getLogger(__name__)
 
@@ -44,36 +45,31 @@ def params_envelope(
     Args:
         job, model: The job and its model size.
         fragment: The fragment.
-        version: Its version (the envelope's ``round`` and ``base_version``).
+        version: Its version.
         tokens: Tokens the outer has applied so far.
         params: ``{piece name: float32 array}``.
         params_codec: ``int8`` (blockwise), ``bf16`` or ``fp32`` (exact); each version is
             encoded afresh from the exact params, so errors do not build up across versions.
 
     Returns:
-        The packed envelope and the checksum of its payload (``shared.wire.payload_checksum``).
+        The packed envelope and the checksum of its payload (``shared.payload_checksum``).
     """
     payload, description = codec.encode_tensors(
         {name: np.asarray(value) for name, value in params.items()},
         codec=params_codec,
         zstd_level=1,
     )
-    envelope = wire.Envelope(
-        kind="params",
+    envelope = ParamsEnvelope(
         job=job,
-        unit=-1,
-        round=version,
+        model=model,
         fragment=fragment,
-        base_version=version,
-        inner_steps=0,
+        version=version,
         tokens=tokens,
-        train_loss=0.0,
         codec=description,
         sent_at=time.time(),
         payload=payload,
-        model=model,
     )
-    return wire.pack_envelope(envelope), wire.payload_checksum(payload)
+    return pack_envelope(envelope), payload_checksum(payload)
 
 
 async def publish_fragment(

@@ -42,7 +42,8 @@ from services.outer.publishing import DeadLetters, publish_fragment
 from services.outer.settings import OuterSettings
 from services.outer.status import Progress, leader_status, standby_status, status_key
 from services.outer.validation import UploadRules
-from shared import codec, data, evaluation, kv, liveness, model, pytree, subjects, wire
+from shared import data, evaluation, kv, liveness, model, pytree, subjects
+from shared.codec import api as codec
 from shared.records.outer import (
     CheckpointInfo,
     EvalRecord,
@@ -58,6 +59,8 @@ from shared.transport.blobs import chunk_size_for
 from shared.transport.connection import connect_with_retry
 from shared.transport.params import read_latest_params
 from shared.transport.streams import prepare_streams
+from shared.wire.chunks import WireError
+from shared.wire.envelope import ParamsEnvelope, unpack_envelope
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +166,9 @@ class OuterService:
                 continue
             head, blob = fetched
             version = head.version
-            envelope = wire.unpack_envelope(blob, max_size=self.max_params_bytes)
+            envelope = unpack_envelope(blob, max_size=self.max_params_bytes)
+            if not isinstance(envelope, ParamsEnvelope):
+                raise WireError(f"the params stream of fragment {fragment} holds {envelope.kind}")
             if envelope.model != self.settings.model:
                 raise SystemExit(
                     f"job {self.settings.job} already has params for model {envelope.model!r}, "

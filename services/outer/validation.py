@@ -3,7 +3,8 @@
 An upload is accepted only if every check passes; the first that fails names the reason it is
 counted under (``OuterLedger.rejected``) and copied to the dead-letter subject with:
 
-* ``bad_envelope``: not a wire envelope (``shared.wire``), or larger than allowed;
+* ``bad_envelope``: not a wire envelope (``shared.wire.envelope``; its codec description
+  included), or larger than allowed;
 * ``wrong_kind``: not a pseudo-gradient;
 * ``wrong_job``, ``wrong_model``: meant for another job, or computed on another model size;
 * ``inconsistent_ids``: the subject or the upload id names another unit, round or fragment
@@ -15,7 +16,7 @@ counted under (``OuterLedger.rejected``) and copied to the dead-letter subject w
   steps × the most tokens a step can have (the largest batch × the model's context length); an
   upload's tokens are its own merge weight and add up in the books;
 * ``bad_payload``: tensors the codec cannot decode within the size limits (the codec also
-  refuses NaN and Inf, see ``shared.codec.decode_tensors``);
+  refuses NaN and Inf, see ``shared.codec.api.decode_tensors``);
 * ``shape_mismatch``: other pieces or shapes than the fragment's.
 
 Staleness is judged by the core when the arrival is offered (``OuterCore.offer``). Nothing
@@ -31,8 +32,12 @@ from typing import Any
 
 from services.outer.errors import Rejected
 from services.outer.policy import Arrival
-from shared import codec, subjects, wire
+from shared import subjects
+from shared.codec import api as codec
+from shared.codec.config import CodecError
 from shared.records import MAX_BATCH_SIZE, MAX_OUTER_UNITS, MAX_STEPS_PER_UPLOAD
+from shared.wire.chunks import WireError, upload_id
+from shared.wire.envelope import PseudoGradEnvelope, unpack_envelope
 
 Shapes = Mapping[str, tuple[int, ...]]
 
@@ -47,7 +52,7 @@ class UploadRules:
         max_upload_bytes: Largest envelope accepted.
         max_tensor_bytes: Largest decoded (float32) or uncompressed payload accepted.
         seq_len: The model's context length (tokens per sequence).
-        decode_threads: Threads decoding a large payload (``shared.codec.decode_tensors``).
+        decode_threads: Threads decoding a large payload (``shared.codec.api.decode_tensors``).
     """
 
     job: str
@@ -106,16 +111,16 @@ def validate(
         Rejected: with the reason the module docstring lists.
     """
     try:
-        envelope = wire.unpack_envelope(blob, max_size=rules.max_upload_bytes)
-    except wire.WireError as err:
+        envelope = unpack_envelope(blob, max_size=rules.max_upload_bytes)
+    except WireError as err:
         raise Rejected("bad_envelope", str(err)) from err
-    if envelope.kind != "pseudo_grad":
+    if not isinstance(envelope, PseudoGradEnvelope):
         raise Rejected("wrong_kind", f"expected pseudo_grad, got {envelope.kind!r}")
     if envelope.job != rules.job:
         raise Rejected("wrong_job", f"expected job {rules.job!r}, got {envelope.job!r}")
     if envelope.model != rules.model:
         raise Rejected("wrong_model", f"expected model {rules.model!r}, got {envelope.model!r}")
-    named = wire.upload_id(rules.job, envelope.unit, envelope.round, envelope.fragment)
+    named = upload_id(rules.job, envelope.unit, envelope.round, envelope.fragment)
     if subject != subjects.grads_subject(rules.job, envelope.unit) or upload != named:
         raise Rejected("inconsistent_ids", f"{upload} on {subject} says unit {envelope.unit}")
     count = len(rules.piece_shapes)
@@ -139,7 +144,7 @@ def validate(
             threads=rules.decode_threads,
             max_output_bytes=rules.max_tensor_bytes,
         )
-    except codec.CodecError as err:
+    except CodecError as err:
         raise Rejected("bad_payload", str(err)) from err
     expected = rules.piece_shapes[envelope.fragment]
     shapes = {name: tensor.shape for name, tensor in tensors.items()}
@@ -161,4 +166,4 @@ def validate(
         train_loss=float(envelope.train_loss),
         messages=messages,
     )
-    return Validated(envelope.fragment, arrival, envelope.codec["codec"], len(envelope.payload))
+    return Validated(envelope.fragment, arrival, envelope.codec.codec, len(envelope.payload))

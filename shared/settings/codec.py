@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.codec_config import CODECS, CodecConfig, CodecError, CodecName
+from shared.codec.config import CODECS, CodecConfig, CodecError, CodecName
 from shared.outer_choices import ParamsCodecName
 
 

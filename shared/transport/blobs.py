@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 
 from shared.retry import QUICK, retry
 from shared.transport import TransportError
-from shared.wire import (
+from shared.wire.chunks import (
     ChunkInfo,
     chunk_headers,
     split_chunks,

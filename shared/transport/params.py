@@ -21,7 +21,7 @@ from shared.transport.blobs import (
     PUBLISH_TIMEOUT_S,
     publish_blob,
 )
-from shared.wire import (
+from shared.wire.chunks import (
     Reassembler,
     WireError,
     parse_chunk_headers,

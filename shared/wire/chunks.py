@@ -1,12 +1,10 @@
-"""Wire format between learners and the outer: a versioned msgpack envelope, chunked for NATS.
+"""Chunk framing on NATS: upload ids, chunk headers, cutting a blob into chunks, reassembly.
 
-An :class:`Envelope` carries one compressed tensor payload (see :mod:`shared.codec`) plus the
-metadata the receiver needs. :func:`pack_envelope` turns it into one msgpack map with a wire
-version and an XXH3-64 checksum of the payload. NATS caps a message
-at the server's ``max_payload`` (1 MiB by default), so a packed envelope is cut with
+NATS caps a message at the server's ``max_payload`` (1 MiB by default), so a blob (a packed
+envelope, :mod:`shared.wire.envelope`, or one of the outer's checkpoints) is cut with
 :func:`split_chunks` and each chunk is published with :func:`chunk_headers`; the receiver
-parses those headers with :func:`parse_chunk_headers` and rebuilds the envelope with a
-:class:`Reassembler`.
+parses those headers with :func:`parse_chunk_headers` and rebuilds the blob with a
+:class:`Reassembler`. An upload id (:func:`upload_id`) names the blob.
 
 Everything that parses received bytes treats them as hostile: any problem raises
 :class:`WireError` (a ``ValueError``), and sizes are checked before memory is committed.
@@ -14,42 +12,31 @@ Everything that parses received bytes treats them as hostile: any problem raises
 
 from __future__ import annotations
 
-import math
 import numbers
 import re
 from collections import OrderedDict, deque
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
-import xxhash
 
 from shared.records import JOB_NAME_PATTERN
 
 __all__ = [
-    "DEFAULT_MAX_ENVELOPE_SIZE",
-    "KINDS",
-    "WIRE_VERSION",
+    "MAX_COUNTER",
     "ChunkInfo",
-    "Envelope",
     "Reassembler",
     "WireError",
+    "byte_view",
     "chunk_headers",
-    "pack_envelope",
+    "is_int",
     "parse_chunk_headers",
-    "payload_checksum",
+    "parse_upload_id",
     "split_chunks",
-    "unpack_envelope",
     "upload_id",
     "validate_job_name",
 ]
-
-WIRE_VERSION = 1
-KINDS = ("pseudo_grad", "params")
-
-DEFAULT_MAX_ENVELOPE_SIZE = 1 << 30
 
 HEADER_MSG_ID = "Nats-Msg-Id"
 HEADER_UPLOAD = "Diloco-Upload"
@@ -62,77 +49,18 @@ _UPLOAD_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,199}")
 # Digit counts are bounded so a hostile header cannot make int() chew on a huge string.
 _CHUNK_RE = re.compile(r"(0|[1-9][0-9]{0,11})/([1-9][0-9]{0,11})")
 _SIZE_RE = re.compile(r"0|[1-9][0-9]{0,15}")
-_MAX_COUNTER = (1 << 63) - 1
-_MAX_MODEL_LEN = 128
-
-# Per-field byte budgets for unpacking. msgpack turns one input byte into an object of up
-# to ~64 bytes (an empty list or dict), so every field is measured before it is built and
-# only the payload, a single bytes object, may be large.
-_MAX_TOP_LEVEL_KEYS = 32
-_MAX_KEY_BYTES = 64
-_MAX_SCALAR_BYTES = 1024
-_MAX_CODEC_BYTES = 1 << 20
-_LIMITS = {
-    "max_str_len": _MAX_CODEC_BYTES,
-    "max_array_len": 1 << 16,
-    "max_map_len": 64,
-    "max_ext_len": 0,
-}
+#: The largest round, version, fragment or unit number on the wire.
+MAX_COUNTER = (1 << 63) - 1
 
 
 class WireError(ValueError):
     """Raised for any envelope, header or chunk that does not follow the wire format."""
 
 
-@dataclass(frozen=True)
-class Envelope:
-    """One message between a learner and the outer.
-
-    Attributes:
-        kind: ``"pseudo_grad"`` (learner -> outer) or ``"params"`` (outer -> learners).
-        job: Job name; see :func:`validate_job_name`.
-        unit: Learner unit index; ``-1`` for messages from the outer.
-        round: Per-unit counter (for ``"params"``: the global version).
-        fragment: Fragment index within a round (0 until streaming fragments exist).
-        base_version: Global version the pseudo-gradient was computed against
-            (for ``"params"``: its own version).
-        inner_steps: Inner optimizer steps behind this message.
-        tokens: Tokens processed for this message.
-        train_loss: Mean training loss over those steps.
-        codec: The description returned by :func:`shared.codec.encode_tensors`.
-        sent_at: Unix time in seconds at which the message was sent.
-        payload: The compressed tensors (``bytes``, or the read-only ``memoryview`` that
-            :func:`shared.codec.encode` returns; unpacking always gives ``bytes``).
-        model: Model size name, so the receiver can reject a mismatch.
-    """
-
-    kind: str
-    job: str
-    unit: int
-    round: int
-    fragment: int
-    base_version: int
-    inner_steps: int
-    tokens: int
-    train_loss: float
-    codec: dict
-    sent_at: float
-    payload: bytes | memoryview
-    model: str = ""
-
-
-_FIELDS = tuple(f.name for f in fields(Envelope))
-_REQUIRED = frozenset(_FIELDS) - {"model"}
-_COUNTERS = ("round", "fragment", "base_version", "inner_steps", "tokens")
-
-
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an int (Python or NumPy), not a bool."""
     # Integral admits NumPy integers; bool is one too, but True is never a meaningful counter.
     return isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
 
 
 def validate_job_name(job: str) -> str:
@@ -154,208 +82,6 @@ def validate_job_name(job: str) -> str:
     return job
 
 
-def _validate(env: Envelope) -> None:
-    """Raise WireError unless every field of ``env`` has an allowed type and value."""
-    if env.kind not in KINDS:
-        raise WireError(f"kind must be one of {KINDS}, got {env.kind!r:.100}")
-    validate_job_name(env.job)
-    if not _is_int(env.unit):
-        raise WireError(f"unit must be an int, got {env.unit!r:.100}")
-    # Learners are numbered from 0; -1 marks the outer, which is the only sender of params.
-    if env.kind == "pseudo_grad" and not 0 <= env.unit <= _MAX_COUNTER:
-        raise WireError(f"pseudo_grad unit must be in [0, {_MAX_COUNTER}], got {env.unit}")
-    if env.kind == "params" and env.unit != -1:
-        raise WireError(f"params messages come from the outer and need unit -1, got {env.unit}")
-    for name in _COUNTERS:
-        value = getattr(env, name)
-        if not _is_int(value) or not 0 <= value <= _MAX_COUNTER:
-            raise WireError(f"{name} must be an int in [0, {_MAX_COUNTER}], got {value!r:.100}")
-    # The loss is a report, not an input to the outer's math: a diverged unit may say NaN.
-    if not _is_real(env.train_loss):
-        raise WireError(f"train_loss must be a number, got {env.train_loss!r:.100}")
-    if not _is_real(env.sent_at) or not 0 <= env.sent_at < math.inf:
-        raise WireError(
-            f"sent_at must be finite non-negative unix seconds, got {env.sent_at!r:.100}"
-        )
-    if not isinstance(env.codec, dict) or not all(isinstance(k, str) for k in env.codec):
-        raise WireError(f"codec must be a dict with str keys, got {type(env.codec).__name__}")
-    if not isinstance(env.payload, bytes | memoryview):
-        raise WireError(f"payload must be bytes or memoryview, got {type(env.payload).__name__}")
-    if isinstance(env.payload, memoryview) and not (
-        env.payload.c_contiguous and env.payload.itemsize == 1
-    ):
-        raise WireError("a memoryview payload must be contiguous bytes (itemsize 1)")
-    if not isinstance(env.model, str) or len(env.model) > _MAX_MODEL_LEN:
-        raise WireError(f"model must be a str of at most {_MAX_MODEL_LEN} chars")
-
-
-def pack_envelope(env: Envelope) -> bytes:
-    """Serialise an envelope as one msgpack map with ``"v"`` and ``"checksum"`` added.
-
-    Args:
-        env: The envelope; validated with the same rules as :func:`unpack_envelope`.
-
-    Returns:
-        The msgpack bytes (typically larger than one NATS message; see :func:`split_chunks`).
-
-    Raises:
-        WireError: if a field has a wrong type or value, or the codec dict cannot be packed.
-    """
-    _validate(env)
-    body: dict[str, Any] = {"v": WIRE_VERSION}
-    body.update({name: getattr(env, name) for name in _FIELDS})
-    # Plain Python numbers on the wire, whatever NumPy scalar types the sender used.
-    for name in ("unit", *_COUNTERS):
-        body[name] = int(body[name])
-    body["train_loss"] = float(env.train_loss)
-    body["sent_at"] = float(env.sent_at)
-    body["checksum"] = payload_checksum(env.payload)
-    try:
-        return msgpack.packb(body, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise WireError(f"envelope cannot be packed: {exc}") from exc
-
-
-_BIN_LENGTH_BYTES = {0xC4: 1, 0xC5: 2, 0xC6: 4}  # msgpack bin8 / bin16 / bin32 markers
-_MAP_LENGTH_BYTES = {0xDE: 2, 0xDF: 4}  # msgpack map16 / map32 markers
-
-
-def _field_limit(key: str) -> int | None:
-    """Largest encoded size accepted for a field's value (None: no limit but max_size)."""
-    if key == "payload":
-        return None
-    return _MAX_SCALAR_BYTES if key in _FIELDS or key in ("v", "checksum") else _MAX_CODEC_BYTES
-
-
-def _read_length(view: memoryview, start: int, size: int, what: str) -> int:
-    if start + size > len(view):
-        raise WireError(f"envelope is truncated in the header of {what}")
-    return int.from_bytes(view[start : start + size], "big")
-
-
-def _object_end(view: memoryview, start: int, limit: int | None, what: str) -> int:
-    """Offset just past the msgpack object at ``start``, found without building it."""
-    if start >= len(view):
-        raise WireError(f"envelope is truncated: {what} is missing")
-    length_bytes = _BIN_LENGTH_BYTES.get(view[start])
-    if length_bytes is not None:
-        # Measure bins from their header, so the (large) payload is not copied to find its end.
-        body = start + 1 + length_bytes
-        end = body + _read_length(view, start + 1, length_bytes, what)
-        if end > len(view):
-            raise WireError(f"envelope is truncated: {what} needs {end - body} bytes")
-    else:
-        window = len(view) - start if limit is None else min(limit + 1, len(view) - start)
-        # Feeding a bounded window keeps both the copy and the walk small; skip() walks an
-        # object without allocating it.
-        unpacker = msgpack.Unpacker(max_buffer_size=window, **_LIMITS)
-        unpacker.feed(view[start : start + window])
-        try:
-            unpacker.skip()
-        except msgpack.OutOfData:
-            bound = "" if limit is None else f" or longer than {limit} bytes"
-            raise WireError(f"{what} is truncated{bound}") from None
-        except Exception as exc:  # msgpack raises several unrelated types for bad input
-            raise WireError(f"{what} is not valid msgpack: {exc}") from exc
-        end = start + unpacker.tell()
-    if limit is not None and end - start > limit:
-        raise WireError(f"{what} is {end - start} bytes, at most {limit} allowed")
-    return end
-
-
-def _field_spans(view: memoryview) -> dict[str, memoryview]:
-    """Split a top-level msgpack map into ``key -> encoded value`` without building any value,
-    so every field is size-checked before it is decoded."""
-    if not len(view):
-        raise WireError("envelope is empty, not a msgpack map")
-    marker = view[0]
-    if 0x80 <= marker <= 0x8F:  # fixmap
-        n_keys, pos = marker & 0x0F, 1
-    elif marker in _MAP_LENGTH_BYTES:
-        size = _MAP_LENGTH_BYTES[marker]
-        n_keys, pos = _read_length(view, 1, size, "the map"), 1 + size
-    else:
-        raise WireError(f"envelope is not a msgpack map (first byte 0x{marker:02x})")
-    if n_keys > _MAX_TOP_LEVEL_KEYS:
-        raise WireError(f"envelope has {n_keys} fields, at most {_MAX_TOP_LEVEL_KEYS} allowed")
-    spans: dict[str, memoryview] = {}
-    for index in range(n_keys):
-        end = _object_end(view, pos, _MAX_KEY_BYTES, f"envelope key #{index}")
-        try:
-            key = msgpack.unpackb(view[pos:end], raw=False)
-        except Exception as exc:  # msgpack raises several unrelated types for bad input
-            raise WireError(f"envelope key #{index} is not valid msgpack: {exc}") from exc
-        if not isinstance(key, str):
-            raise WireError(f"envelope keys must be str, got {key!r:.100}")
-        if key in spans:
-            raise WireError(f"envelope has duplicate field {key!r}")
-        pos, end = end, _object_end(view, end, _field_limit(key), f"envelope field {key!r}")
-        spans[key] = view[pos:end]
-        pos = end
-    if pos != len(view):
-        raise WireError(f"envelope has {len(view) - pos} trailing bytes")
-    return spans
-
-
-def _decode_field(key: str, span: memoryview) -> Any:
-    try:
-        return msgpack.unpackb(span, raw=False, max_bin_len=len(span), **_LIMITS)
-    except Exception as exc:  # spans were only measured; decoding can still fail
-        raise WireError(f"envelope field {key!r} is not valid msgpack: {exc}") from exc
-
-
-def unpack_envelope(data: bytes, max_size: int = DEFAULT_MAX_ENVELOPE_SIZE) -> Envelope:
-    """Parse and validate bytes produced by :func:`pack_envelope`.
-
-    Args:
-        data: The (reassembled) message bytes.
-        max_size: Largest accepted ``len(data)``.
-
-    Returns:
-        The validated envelope.
-
-    Raises:
-        WireError: if ``data`` is too large, not a msgpack map, has the wrong or no wire
-            version, lacks a field, has an unknown or mistyped field, a negative counter,
-            a bad job name, or a payload that does not match its checksum.
-    """
-    view = _byte_view(data, "envelope")
-    if len(view) > max_size:
-        raise WireError(f"envelope is {len(view)} bytes, at most {max_size} allowed")
-    spans = _field_spans(view)
-    # Version first: a newer sender's message must be reported as such, not as bad fields.
-    if "v" not in spans:
-        raise WireError("envelope has no wire version field 'v'")
-    version = _decode_field("v", spans.pop("v"))
-    if not _is_int(version) or version != WIRE_VERSION:
-        raise WireError(
-            f"unsupported wire version {version!r:.100}; expected {WIRE_VERSION} "
-            "(are all services on the same release?)"
-        )
-    allowed = set(_FIELDS) | {"checksum"}
-    unknown = sorted(set(spans) - allowed)
-    missing = sorted((_REQUIRED | {"checksum"}) - set(spans))
-    if unknown or missing:
-        raise WireError(f"envelope fields wrong: missing {missing}, unknown {str(unknown)[:200]}")
-    values = {key: _decode_field(key, span) for key, span in spans.items()}
-    checksum = values.pop("checksum")
-    if isinstance(values.get("train_loss"), int) and not isinstance(values["train_loss"], bool):
-        values["train_loss"] = float(values["train_loss"])
-    env = Envelope(**values)
-    _validate(env)
-    actual = payload_checksum(env.payload)
-    if not _is_int(checksum) or checksum != actual:
-        raise WireError(
-            f"payload checksum mismatch: header says {checksum!r:.40}, payload has {actual}"
-        )
-    return env
-
-
-def payload_checksum(payload: bytes | memoryview) -> int:
-    """The envelope's ``checksum`` field: XXH3-64 of the payload bytes."""
-    return xxhash.xxh3_64_intdigest(payload)
-
-
 def upload_id(job: str, unit: int, round: int, fragment: int) -> str:
     """Name one upload (one packed envelope), e.g. ``"job.u3.r17.f0"``.
 
@@ -372,10 +98,10 @@ def upload_id(job: str, unit: int, round: int, fragment: int) -> str:
         WireError: for an invalid job name or out-of-range counters.
     """
     validate_job_name(job)
-    if not _is_int(unit) or not -1 <= unit <= _MAX_COUNTER:
+    if not is_int(unit) or not -1 <= unit <= MAX_COUNTER:
         raise WireError(f"unit must be an int >= -1, got {unit!r:.100}")
     for name, value in (("round", round), ("fragment", fragment)):
-        if not _is_int(value) or not 0 <= value <= _MAX_COUNTER:
+        if not is_int(value) or not 0 <= value <= MAX_COUNTER:
             raise WireError(f"{name} must be a non-negative int, got {value!r:.100}")
     return f"{job}.u{unit}.r{round}.f{fragment}"
 
@@ -396,7 +122,7 @@ def parse_upload_id(upload: str) -> tuple[str, int, int, int]:
     if match is None:
         raise WireError(f"not an upload id: {upload!r:.100}")
     unit, round_, fragment = (int(match[k]) for k in ("unit", "round", "fragment"))
-    if max(unit, round_, fragment) > _MAX_COUNTER:
+    if max(unit, round_, fragment) > MAX_COUNTER:
         raise WireError(f"upload id counters out of range: {upload!r:.100}")
     return match["job"], unit, round_, fragment
 
@@ -421,7 +147,7 @@ class ChunkInfo:
 def _check_info(info: ChunkInfo) -> None:
     if not isinstance(info.upload, str) or not _UPLOAD_RE.fullmatch(info.upload):
         raise WireError(f"invalid upload id {info.upload!r:.100}")
-    if not all(_is_int(v) for v in (info.index, info.count, info.total_size)):
+    if not all(is_int(v) for v in (info.index, info.count, info.total_size)):
         raise WireError(f"chunk index, count and total_size must be ints, got {info!r:.200}")
     if info.count < 1 or not 0 <= info.index < info.count:
         raise WireError(f"chunk {info.index}/{info.count} is out of range")
@@ -494,8 +220,12 @@ def parse_chunk_headers(headers: Mapping[str, str] | None) -> ChunkInfo:
     return info
 
 
-def _byte_view(data: Any, what: str) -> memoryview:
-    """A flat byte view of any contiguous bytes-like object (len() then counts bytes)."""
+def byte_view(data: Any, what: str) -> memoryview:
+    """A flat byte view of any contiguous bytes-like object (len() then counts bytes).
+
+    Raises:
+        WireError: ``data`` is not contiguous bytes; the message names it as ``what``.
+    """
     try:
         return memoryview(data).cast("B")
     except TypeError as exc:
@@ -515,9 +245,9 @@ def split_chunks(blob: bytes, chunk_size: int) -> list[bytes]:
     Raises:
         WireError: if ``chunk_size`` is not a positive int.
     """
-    if not _is_int(chunk_size) or chunk_size <= 0:
+    if not is_int(chunk_size) or chunk_size <= 0:
         raise WireError(f"chunk_size must be a positive int, got {chunk_size!r:.100}")
-    view = _byte_view(blob, "blob")
+    view = byte_view(blob, "blob")
     if not len(view):
         return [b""]
     return [view[i : i + chunk_size].tobytes() for i in range(0, len(view), chunk_size)]
@@ -582,7 +312,7 @@ class Reassembler:
             ("max_upload_bytes", max_upload_bytes, 0),
             ("max_pending_uploads", max_pending_uploads, 1),
         ):
-            if not _is_int(value) or value < low:
+            if not is_int(value) or value < low:
                 raise WireError(f"{name} must be an int >= {low}, got {value!r:.100}")
         self._max_upload_bytes = max_upload_bytes
         self._max_pending = max_pending_uploads
@@ -629,7 +359,7 @@ class Reassembler:
                 f"upload {info.upload} is {info.total_size} bytes, "
                 f"at most {self._max_upload_bytes} allowed"
             )
-        view = _byte_view(data, "chunk data")
+        view = byte_view(data, "chunk data")
         length = len(view)
         if info.count > 1:
             chunk_size = _implied_chunk_size(info, length)

@@ -1,10 +1,11 @@
-"""Compiled kernels that quantise float32 blocks into packed codes and back.
+"""Compiled kernels that quantise float32 blocks into packed codes (int8, int4, int2).
 
-These are the inner loops of :mod:`shared.codec`; they know nothing about tensors, names,
-zstd or payload layout. Each kernel works on one contiguous run of blocks and is compiled by
-Numba (``nogil``, so a caller may run it beside zstd or JAX in another thread). The loops are
+These are the inner loops of the codec's encoder (:mod:`shared.codec.segments`); they know
+nothing about tensors, names, zstd or payload layout. Each kernel works on one contiguous run
+of blocks and is compiled by Numba with the options of :mod:`shared.codec.jit`. The loops are
 written so that LLVM vectorises them: no Python objects, no per-element branches that depend
 on data, and slices instead of offset arithmetic so indices are provably in range.
+:mod:`shared.codec.dequantize` inverts them.
 
 Schemes (``bits`` selects one):
 
@@ -27,10 +28,8 @@ Error feedback is fused in: with ``use_res`` the kernel quantises ``v = x + r`` 
 call, so that a payload of many small tensors costs one kernel call per segment instead of
 one per tensor.
 
-Every encode kernel returns -1, or the index of the first block holding NaN/Inf (detected
-from the float bits, which cannot be optimised away). Every decode kernel returns -1, or the
-index of the first block with an invalid scale or code; blocks before it may already have
-been written.
+Every kernel returns -1, or the index of the first block holding NaN/Inf (detected from the
+float bits, which cannot be optimised away).
 """
 
 from __future__ import annotations
@@ -39,49 +38,18 @@ import numpy as np
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
-__all__ = [
-    "address",
-    "bytes_per_block",
-    "decode_bf16",
-    "decode_blocks",
-    "decode_fp32",
-    "encode_bf16",
-    "encode_blocks",
-    "encode_fp32",
-    "encode_segment",
-]
+from shared.codec.jit import ABS_MASK, EXP_MASK, F32_MAX, INLINE, JIT, REDUCE
 
-# NaN/Inf semantics stay IEEE (no nnan/ninf) because finiteness is checked in the kernels
-# themselves. No "reassoc" or "arcp" in the kernels: with them LLVM rewrites x * (qmax / absmax)
-# into (x * qmax) / absmax, a division per value, and rounds ties differently in different
-# inlined copies of the same loop (the error-feedback path disagreed with the plain one). The
-# integer reductions (absmax over the float bits) vectorise without reassociation.
-_FASTMATH = {"nsz", "contract"}
-_JIT = {"nogil": True, "cache": True, "boundscheck": False, "fastmath": _FASTMATH}
-# Helpers are inlined into the kernels at Numba-IR level: compiled as separate functions, their
-# array arguments lose what LLVM knows about them (fresh, non-aliasing scratch) and the loops
-# vectorise worse. Two are deliberately not inlined, to keep flags of their own:
-# _quantize_exact (strict IEEE) and _quantize_ternary (reassociation, which its float sums
-# need to vectorise).
-_INLINE = {**_JIT, "inline": "always"}
-_REDUCE = {**_JIT, "fastmath": _FASTMATH | {"reassoc"}}
+__all__ = ["address", "encode_blocks", "encode_segment"]
 
-_ABS_MASK = np.uint32(0x7FFFFFFF)
-_EXP_MASK = np.uint32(0x7F800000)  # |bits| >= this: Inf or NaN
 # Below this absmax, qmax / absmax overflows float32; such blocks take an exact float64 path.
 _TINY_ABSMAX = np.float32(2.0**-100)
 # Above this, qmax * (absmax / qmax) may round past float32 max; such blocks take the checked path.
 _HUGE_ABSMAX = np.float32(2.0**120)
-_F32_MAX = float(np.finfo(np.float32).max)
 _TWN_THRESHOLD = np.float32(0.7)
 
 
-def bytes_per_block(bits: int, block_size: int) -> int:
-    """Packed code bytes of one block (scales not included)."""
-    return block_size * bits // 8
-
-
-@njit(**_INLINE)
+@njit(**INLINE)
 def _load(x, res, use_res, buf):  # pragma: no cover - compiled
     """Copy x (+ r) into the block scratch, zero-pad it, return max |bits| (NaN/Inf >= EXP)."""
     k = x.size
@@ -96,18 +64,18 @@ def _load(x, res, use_res, buf):  # pragma: no cover - compiled
     return _absmax_bits(buf)
 
 
-@njit(**_INLINE)
+@njit(**INLINE)
 def _absmax_scale(absmax, qmax):  # pragma: no cover - compiled
     """Float32 scale with qmax * scale >= absmax (no code overflow) and finite qmax * scale."""
     scale = np.float32(absmax / np.float32(qmax))
     if float(scale) * qmax < float(absmax):  # only subnormal scales round this far
         scale = np.nextafter(scale, np.float32(np.inf))
-    if float(scale) * qmax > _F32_MAX:  # would decode to Inf
+    if float(scale) * qmax > F32_MAX:  # would decode to Inf
         scale = np.nextafter(scale, np.float32(0))
     return scale
 
 
-@njit(**{**_JIT, "fastmath": False})
+@njit(**{**JIT, "fastmath": False})
 def _quantize_exact(buf, scale, qmax, q):  # pragma: no cover - compiled
     """Codes of a block with a (near-)subnormal or a huge scale, in exact float64.
 
@@ -121,7 +89,7 @@ def _quantize_exact(buf, scale, qmax, q):  # pragma: no cover - compiled
         q[i] = np.int8(np.int32(np.rint(v)))
 
 
-@njit(**_INLINE)
+@njit(**INLINE)
 def _quantize_ordinary(src, absmax, qmax, q):  # pragma: no cover - compiled
     """Codes round(v / scale) of a block with absmax in [_TINY_ABSMAX, _HUGE_ABSMAX] into
     int8 ``q``; returns the scale.
@@ -138,7 +106,7 @@ def _quantize_ordinary(src, absmax, qmax, q):  # pragma: no cover - compiled
     return absmax / fq
 
 
-@njit(**_INLINE)
+@njit(**INLINE)
 def _quantize_absmax(buf, absmax, qmax, q):  # pragma: no cover - compiled
     """Codes round(v / scale) in [-qmax, qmax] into int8 ``q``; returns the scale.
 
@@ -154,7 +122,7 @@ def _quantize_absmax(buf, absmax, qmax, q):  # pragma: no cover - compiled
     return scale
 
 
-@njit(**_REDUCE)
+@njit(**REDUCE)
 def _quantize_ternary(buf, q):  # pragma: no cover - compiled
     """Ternary codes {-1, 0, 1} into ``q``; returns the least-squares scale of the kept set."""
     total = np.float32(0)
@@ -168,7 +136,7 @@ def _quantize_ternary(buf, q):  # pragma: no cover - compiled
         big = a > threshold
         kept_sum += a * np.float32(big)
         kept += np.int32(big)
-    if kept > 0 and kept_sum <= _F32_MAX:
+    if kept > 0 and kept_sum <= F32_MAX:
         for i in range(buf.size):
             v = buf[i]
             q[i] = np.int8(v > threshold) - np.int8(v < -threshold)
@@ -191,9 +159,9 @@ def _quantize_ternary(buf, q):  # pragma: no cover - compiled
     return np.float32(sum64 / kept) if kept > 0 else np.float32(0)
 
 
-@njit(**_INLINE)
+@njit(**INLINE)
 def _pack(q, bits, out):  # pragma: no cover - compiled
-    """Planar-pack int4 or int2 codes ``q`` (one block) into ``out`` (bytes_per_block bytes)."""
+    """Planar-pack int4 or int2 codes ``q`` (one block) into ``out`` (``q.size * bits / 8``)."""
     if bits == 4:
         h = q.size // 2
         lo = q[:h]
@@ -212,29 +180,29 @@ def _pack(q, bits, out):  # pragma: no cover - compiled
             )
 
 
-@njit(**_INLINE)
+@njit(**INLINE)
 def _residual(buf, q, scale, res):  # pragma: no cover - compiled
     """New error-feedback residual: what quantisation left out of this block."""
     for i in range(res.size):
         res[i] = buf[i] - np.float32(q[i]) * scale
 
 
-@njit(**_INLINE)
+@njit(**INLINE)
 def _absmax_bits(x):  # pragma: no cover - compiled
-    """max |bits| of float32 ``x``: the bits of max |x|, or >= _EXP_MASK if any NaN/Inf."""
+    """max |bits| of float32 ``x``: the bits of max |x|, or >= EXP_MASK if any NaN/Inf."""
     return _absmax_of_bits(x.view(np.uint32))
 
 
-@njit(**_INLINE)
+@njit(**INLINE)
 def _absmax_of_bits(bits):  # pragma: no cover - compiled
     """:func:`_absmax_bits` of the float32 values whose bits (uint32) are ``bits``."""
     m = np.uint32(0)
     for i in range(bits.size):
-        m = max(m, np.uint32(bits[i] & _ABS_MASK))  # uint32 lanes, not uint64
+        m = max(m, np.uint32(bits[i] & ABS_MASK))  # uint32 lanes, not uint64
     return m
 
 
-@njit(**_INLINE)
+@njit(**INLINE)
 def _encode_block(src, absmax, bits, qmax, scratch, packed):  # pragma: no cover - compiled
     """Quantise one whole block ``src`` into ``packed``; returns its scale.
 
@@ -252,7 +220,7 @@ def _encode_block(src, absmax, bits, qmax, scratch, packed):  # pragma: no cover
     return scale
 
 
-@njit(**_INLINE)
+@njit(**INLINE)
 def _quantize_pack4(src, absmax, packed):  # pragma: no cover - compiled
     """int4 codes of an ordinary-magnitude block, quantised and packed in one pass.
 
@@ -275,7 +243,7 @@ def _quantize_pack4(src, absmax, packed):  # pragma: no cover - compiled
 _GROUP = 16
 
 
-@njit(**_INLINE)
+@njit(**INLINE)
 def _encode_groups(x, xbits, bits, block_size, qmax, scales, codes, codes8, scratch):
     """int8/int4 codes of the whole blocks of ``x`` (no error feedback), _GROUP at a time.
 
@@ -299,7 +267,7 @@ def _encode_groups(x, xbits, bits, block_size, qmax, scales, codes, codes8, scra
             m = _absmax_of_bits(xbits[lo : lo + block_size])
             group[g] = m
             worst = max(worst, m)
-        if worst >= _EXP_MASK:
+        if worst >= EXP_MASK:
             return start
         for g in range(_GROUP):
             b = start + g
@@ -318,7 +286,7 @@ def _encode_groups(x, xbits, bits, block_size, qmax, scales, codes, codes8, scra
     return start
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def encode_blocks(x, res, use_res, bits, block_size, scales, codes):  # pragma: no cover
     """Quantise 1-D float32 ``x`` (last block zero-padded) into ``scales`` and packed ``codes``.
 
@@ -329,7 +297,7 @@ def encode_blocks(x, res, use_res, bits, block_size, scales, codes):  # pragma: 
         bits: 8, 4 or 2.
         block_size: Elements per block (a multiple of 16).
         scales: float32 output, one per block.
-        codes: uint8 output, ``len(scales) * bytes_per_block(bits, block_size)``.
+        codes: uint8 output, ``len(scales) * block_size * bits // 8``.
 
     Returns:
         -1, or the index of the first block holding NaN/Inf; with ``use_res`` the residual is
@@ -340,7 +308,7 @@ def encode_blocks(x, res, use_res, bits, block_size, scales, codes):  # pragma: 
     return _encode_blocks(x, res, use_res, bits, block_size, scales, codes, buf, scratch)
 
 
-@njit(**_INLINE)
+@njit(**INLINE)
 def _encode_blocks(  # pragma: no cover - compiled
     x, res, use_res, bits, block_size, scales, codes, buf, scratch
 ):
@@ -366,7 +334,7 @@ def _encode_blocks(  # pragma: no cover - compiled
         # first summed with its residual (or zero-padded) into ``buf``.
         if not use_res and hi - lo == block_size:
             m = _absmax_of_bits(xbits[lo:hi])
-            if m >= _EXP_MASK:
+            if m >= EXP_MASK:
                 return b
             one[0] = m
             absmax = one_f32[0]
@@ -379,7 +347,7 @@ def _encode_blocks(  # pragma: no cover - compiled
                 scales[b] = _encode_block(xb, absmax, bits, qmax, scratch, packed)
         else:
             m = _load(xb, rb, use_res, buf)
-            if m >= _EXP_MASK:
+            if m >= EXP_MASK:
                 return b
             one[0] = m
             scale = _encode_block(buf, one_f32[0], bits, qmax, scratch, packed)
@@ -390,149 +358,6 @@ def _encode_blocks(  # pragma: no cover - compiled
                 else:
                     _residual(buf, scratch, scale, rb)
     return -1
-
-
-@njit(**_JIT)
-def decode_blocks(codes, scales, bits, block_size, out):  # pragma: no cover - compiled
-    """Invert :func:`encode_blocks` into ``out`` (``len(scales) * block_size`` float32).
-
-    Returns -1, or the index of the first block whose scale is negative/NaN/Inf or so large
-    that ``qmax * scale`` overflows (the encoder never writes one; see :func:`_absmax_scale`),
-    or whose codes are outside the scheme (-128 for int8, -8 for int4, the unused ``10`` for
-    int2).
-    """
-    bpb = block_size * bits // 8
-    qmax = 127 if bits == 8 else (7 if bits == 4 else 1)
-    sbits = scales.view(np.uint32)
-    codes8 = codes.view(np.int8)  # made once, not per block
-    for b in range(scales.size):
-        if sbits[b] >= _EXP_MASK:  # NaN/Inf, or the sign bit set (the encoder writes +0.0)
-            return b
-        if float(scales[b]) * qmax > _F32_MAX:  # a finite scale whose largest code is Inf
-            return b
-        scale = scales[b]
-        cb = codes[b * bpb : (b + 1) * bpb]
-        ob = out[b * block_size : (b + 1) * block_size]
-        bad = np.uint8(0)
-        # Validity is folded into branch-free reductions so that the loops vectorise.
-        if bits == 8:
-            c8 = codes8[b * bpb : (b + 1) * bpb]
-            low = np.int8(127)
-            for i in range(block_size):
-                code = c8[i]
-                low = min(low, code)
-                ob[i] = np.float32(code) * scale
-            bad = np.uint8(low == -128)
-        elif bits == 4:
-            h = block_size // 2
-            lo = ob[:h]
-            hi = ob[h:]
-            c8 = codes8[b * bpb : (b + 1) * bpb]
-            low = np.int8(0)
-            # Every step stays in int8 (shifts sign-extend the nibbles); in wider integers
-            # the loop vectorises over fewer lanes and runs at half the speed.
-            for j in range(h):
-                byte = c8[j]
-                a = np.int8(np.int8(byte << np.int8(4)) >> np.int8(4))
-                c = np.int8(byte >> np.int8(4))
-                low = min(low, min(a, c))
-                lo[j] = np.float32(a) * scale
-                hi[j] = np.float32(c) * scale
-            bad = np.uint8(low == -8)
-        else:
-            h = block_size // 4
-            o0 = ob[:h]
-            o1 = ob[h : 2 * h]
-            o2 = ob[2 * h : 3 * h]
-            o3 = ob[3 * h :]
-            for j in range(h):
-                byte = np.int32(cb[j])
-                # A field is 10 (invalid) where its high bit is set and its low bit is not.
-                bad |= np.uint8((byte >> 1) & ~byte & 0x55)
-                o0[j] = np.float32((byte & 1) - (byte & 2)) * scale
-                o1[j] = np.float32(((byte >> 2) & 1) - ((byte >> 2) & 2)) * scale
-                o2[j] = np.float32(((byte >> 4) & 1) - ((byte >> 4) & 2)) * scale
-                o3[j] = np.float32(((byte >> 6) & 1) - ((byte >> 6) & 2)) * scale
-        if bad:
-            return b
-    return -1
-
-
-@njit(**_JIT)
-def encode_fp32(x, out):  # pragma: no cover - compiled
-    """Copy float32 ``x`` into ``out``; returns -1, or 0 if any value is NaN/Inf."""
-    bits = x.view(np.uint32)
-    m = np.uint32(0)
-    for i in range(x.size):
-        out[i] = x[i]
-        m = max(m, np.uint32(bits[i] & _ABS_MASK))  # uint32 lanes, not uint64
-    return 0 if m >= _EXP_MASK else -1
-
-
-@njit(**_JIT)
-def decode_fp32(raw, out):  # pragma: no cover - compiled
-    """Copy float32 ``raw`` into ``out``; returns -1, or 0 if any value is NaN/Inf."""
-    return encode_fp32(raw, out)
-
-
-@njit(**_INLINE)
-def _round_bf16(src, out):  # pragma: no cover - compiled
-    """bfloat16 bits of float32 ``src`` (nearest, ties to even); -1, or 0 on NaN/Inf."""
-    sbits = src.view(np.uint32)
-    m = np.uint32(0)
-    for i in range(src.size):
-        m = max(m, np.uint32(sbits[i] & _ABS_MASK))
-    if m >= _EXP_MASK:
-        return 0
-    bad = np.uint16(0)
-    for i in range(src.size):
-        u = sbits[i]
-        r = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> 16)
-        out[i] = r
-        # Values within half a bf16 ulp of float32 max round up to Inf.
-        bad |= np.uint16(1) if (r & np.uint16(0x7F80)) == np.uint16(0x7F80) else np.uint16(0)
-    return 0 if bad else -1
-
-
-@njit(**_JIT)
-def encode_bf16(x, res, use_res, out):  # pragma: no cover - compiled
-    """Round float32 ``x`` (+ residual) to bfloat16 bits in ``out`` (uint16).
-
-    Returns -1, or 0 if a value is (or rounds to) NaN/Inf; with ``use_res`` the residual is
-    then left holding ``x + r`` and must be discarded by the caller.
-    """
-    if not use_res:
-        return _round_bf16(x, out)
-    n = x.size
-    for i in range(n):
-        res[i] = x[i] + res[i]
-    bad = _round_bf16(res, out)
-    if bad >= 0:
-        return bad
-    chunk = 4096
-    tmp = np.empty(min(n, chunk), np.float32)
-    tbits = tmp.view(np.uint32)
-    for lo in range(0, n, chunk):
-        hi = min(lo + chunk, n)
-        ob = out[lo:hi]
-        rb = res[lo:hi]
-        for i in range(hi - lo):
-            tbits[i] = np.uint32(ob[i]) << np.uint32(16)
-        for i in range(hi - lo):
-            rb[i] = rb[i] - tmp[i]
-    return -1
-
-
-@njit(**_JIT)
-def decode_bf16(raw, out):  # pragma: no cover - compiled
-    """Widen bfloat16 bits ``raw`` (uint16) to float32 ``out``; -1, or 0 on NaN/Inf."""
-    ob = out.view(np.uint32)
-    bad = np.uint16(0)
-    for i in range(raw.size):
-        u = raw[i]
-        bad |= np.uint16(1) if (u & np.uint16(0x7F80)) == np.uint16(0x7F80) else np.uint16(0)
-        ob[i] = np.uint32(u) << np.uint32(16)
-    return 0 if bad else -1
 
 
 def address(array: np.ndarray) -> int:
@@ -550,7 +375,7 @@ def _float32_at(typingctx, address):  # pragma: no cover - compiled
     return types.CPointer(types.float32)(types.intp), codegen
 
 
-@njit(**_JIT)
+@njit(**JIT)
 def encode_segment(base, addresses, residuals, pieces, use_res, bits, block_size, raw):
     """:func:`encode_blocks` over the pieces of one segment, tensors given by address.
 

@@ -1,7 +1,8 @@
 """What an upload codec configuration is, and how it is validated, without the codec's kernels.
 
-Settings validate a codec choice here without importing Numba or libzstd; ``shared/codec.py``
-encodes and decodes with a :class:`CodecConfig` (its docstring describes every scheme).
+Settings and the gateway validate a codec choice here without importing Numba or libzstd;
+:mod:`shared.codec.api` encodes and decodes with a :class:`CodecConfig` (its docstring
+describes every scheme).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ if tuple(BITS) != CODECS:
 BLOCK_MULTIPLE = 16
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 1 << 20
-# libzstd's ZSTD_minCLevel() and ZSTD_maxCLevel(). shared/zstd.py checks the maximum against
+# libzstd's ZSTD_minCLevel() and ZSTD_maxCLevel(). shared/codec/zstd.py checks the maximum against
 # python-zstandard's MAX_COMPRESSION_LEVEL at import; python-zstandard does not expose the minimum.
 MIN_ZSTD_LEVEL = -(1 << 17)
 MAX_ZSTD_LEVEL = 22

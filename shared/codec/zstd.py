@@ -22,7 +22,7 @@ import threading
 import numpy as np
 import zstandard
 
-from shared.codec_config import MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL
+from shared.codec.config import MAX_ZSTD_LEVEL, MIN_ZSTD_LEVEL
 
 __all__ = [
     "FAST_HASH_LOG",
@@ -41,8 +41,8 @@ MIN_LEVEL = MIN_ZSTD_LEVEL
 MAX_LEVEL = zstandard.MAX_COMPRESSION_LEVEL
 if MAX_LEVEL != MAX_ZSTD_LEVEL:
     raise ImportError(
-        f"libzstd's highest level is {MAX_LEVEL}, shared/codec_config.py says "
-        f"{MAX_ZSTD_LEVEL}: update codec_config to this libzstd"
+        f"libzstd's highest level is {MAX_LEVEL}, shared/codec/config.py says "
+        f"{MAX_ZSTD_LEVEL}: update shared/codec/config.py to this libzstd"
     )
 FAST_HASH_LOG = 10
 _BOUND_MARGIN_BELOW = 128 << 10
