@@ -135,6 +135,8 @@ def compose_env() -> dict[str, str]:
 def start(compose: Compose) -> httpx.Client:
     """Build, start and wait until every service is healthy; a client with the API token."""
     compose("up", "--build", "--wait", "--quiet-pull", timeout=1200)
+    # Published on the host's loopback only (DILOCO_GATEWAY_BIND unset).
+    assert compose("port", "gateway", "8000").strip() == f"127.0.0.1:{compose.port}"
     token = compose("exec", "-T", "gateway", "cat", "/secrets/api-token").strip()
     assert answers_http(compose.url + "/readyz")
     return httpx.Client(
