@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import stat
@@ -30,6 +31,8 @@ from services.orchestration.compose.settings import BrokerSettings, ControllerSe
 from shared import liveness, nats_auth
 from shared.nats_auth import Credentials, CredentialsError, Identity
 from tests.fake_docker import FakeDockerServer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_broker_makes_the_secrets_once_and_keeps_them(tmp_path: Path) -> None:
@@ -273,6 +276,55 @@ def test_a_hung_containers_stacks_go_into_the_controllers_log(
         "SIGUSR1",
         "SIGKILL",
     ]
+
+
+def _print_mirror(apt_dir: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``docker/base-image.sh --print-mirror`` with apt's sources read from ``apt_dir``."""
+    return subprocess.run(
+        ["bash", str(ROOT / "docker" / "base-image.sh"), "--print-mirror"],
+        env={"PATH": os.environ["PATH"], "APT_DIR": str(apt_dir), **env},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_the_base_image_takes_its_debian_archive_from_apts_sources(tmp_path: Path) -> None:
+    sources = tmp_path / "sources.list.d"
+    sources.mkdir()
+    missing = _print_mirror(tmp_path)
+    assert missing.returncode == 1 and "DEBIAN_MIRROR=" in missing.stderr, missing
+    # deb822: a disabled stanza, source packages, another suite, then bookworm's, with a
+    # comment and a value that goes on over two lines.
+    (sources / "debian.sources").write_text(
+        "Types: deb\nURIs: http://disabled.example/debian\nSuites: bookworm\nEnabled: no\n\n"
+        "Types: deb-src\nURIs: http://sources.example/debian\nSuites: bookworm\n\n"
+        "Types: deb\nURIs: http://security.example/debian-security\n"
+        "Suites: bookworm-security\n\n"
+        "# the main archive\nTypes: deb\nURIs:\n http://archive.example/debian\n"
+        "Suites: bookworm bookworm-updates\nComponents: main\n"
+    )
+    assert _print_mirror(tmp_path).stdout == "http://archive.example/debian\n"
+    # The one-line format, options in brackets; sources.list is read first.
+    (tmp_path / "sources.list").write_text(
+        "# deb http://commented.example/debian bookworm main\n"
+        "deb [arch=amd64 signed-by=/usr/share/keyrings/k.gpg] https://one.example/debian "
+        "bookworm main\n"
+    )
+    assert _print_mirror(tmp_path).stdout == "https://one.example/debian\n"
+    assert _print_mirror(tmp_path, DEBIAN_MIRROR="http://mine.example/debian").stdout == (
+        "http://mine.example/debian\n"
+    )
+
+
+def test_no_registry_or_mirror_host_is_written_in_the_build_scripts() -> None:
+    scripts = [ROOT / "Dockerfile", ROOT / "docker-compose.yml", ROOT / "Makefile"]
+    scripts += sorted((ROOT / "docker").glob("*.sh"))
+    hosts = re.compile(r"deb\.debian\.org|pypi\.org|pythonhosted|docker\.io/|ghcr\.io|quay\.io")
+    found = [
+        f"{path.name}: {m.group()}" for path in scripts for m in hosts.finditer(path.read_text())
+    ]
+    assert not found, found
 
 
 def test_the_controllers_link_option_is_checked_at_start() -> None:
