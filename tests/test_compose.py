@@ -37,11 +37,12 @@ SPEC = {"model": "tiny", "units": 2, "h_steps": 10, "seed": 1}
 # Reads the job's books in the controller's container, which connects as the admin.
 BOOKS = """
 import asyncio, json, sys
-from shared import ledger, transport
+from shared import ledger
 from shared.job_status import read_job_status
 from shared.settings import NatsSettings
+from shared.transport.connection import connect
 async def main():
-    nc = await transport.connect(NatsSettings(), "books")
+    nc = await connect(NatsSettings(), "books")
     status = await read_job_status(nc, nc.jetstream(), sys.argv[1])
     await nc.close()
     books = ledger.balance(status.outer_record(), status.unit_records())
