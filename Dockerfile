@@ -20,10 +20,11 @@ RUN if ls /usr/local/share/ca-certificates/*.crt >/dev/null 2>&1; then \
     fi \
     && python3 -m venv /opt/venv \
     && useradd --system --uid 10001 --user-group --create-home --home-dir /home/diloco diloco
-# The dependencies, exactly as locked (with their hashes), in a layer of their own: rebuilt only
-# when requirements.lock changes, not on every source edit. nats-server is one of them.
-COPY requirements.lock /src/
-RUN pip install -r /src/requirements.lock
+# The runtime dependencies, exactly as locked (with their hashes), in a layer of their own:
+# rebuilt only when requirements-runtime.lock changes, not on every source edit. nats-server is
+# one of them; the test and lint tools of requirements.lock are not.
+COPY requirements-runtime.lock /src/
+RUN pip install -r /src/requirements-runtime.lock
 COPY pyproject.toml README.md /src/
 COPY shared /src/shared
 COPY services /src/services

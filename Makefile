@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Every runtime and `dev` package, pinned with its PyPI hashes; `make lock` writes it.
 LOCK := requirements.lock
+# The runtime packages alone, at the same pins and with the same hashes: what the image installs.
+RUNTIME_LOCK := requirements-runtime.lock
 
 .PHONY: install lock run test test-fast compose-test lint format clean bench browser
 
@@ -30,18 +32,22 @@ $(STAMP): pyproject.toml $(LOCK)
 
 install: $(STAMP)  ## create .venv and install the project with its test tools
 
-# The exact command that wrote $(LOCK): every platform, CPython 3.11 and newer (--universal),
-# the `dev` extra included, `bench` not. Run it after editing the dependencies in
-# pyproject.toml. Pins already in the lock are kept where pyproject.toml allows them;
-# `make lock LOCK_ARGS=--upgrade` moves every package to its newest allowed release,
-# `make lock LOCK_ARGS="--upgrade-package numba"` one package. uv lives in its own venv.
+# The exact commands that wrote $(LOCK) and $(RUNTIME_LOCK): every platform, CPython 3.11 and
+# newer (--universal). $(LOCK) has the `dev` extra, `bench` not; $(RUNTIME_LOCK) is resolved
+# without extras under $(LOCK) as its constraints, so it pins each package it has exactly as
+# $(LOCK) does. Run it after editing the dependencies in pyproject.toml. Pins already in the lock
+# are kept where pyproject.toml allows them; `make lock LOCK_ARGS=--upgrade` moves every package
+# to its newest allowed release, `make lock LOCK_ARGS="--upgrade-package numba"` one package.
+# uv lives in its own venv.
 UV_VERSION := 0.13.9
 LOCK_TOOLS := $(VENV)/lock-tools
-lock:  ## regenerate requirements.lock from pyproject.toml (uv pip compile)
+UV_COMPILE := $(LOCK_TOOLS)/bin/uv pip compile pyproject.toml --universal --python-version 3.11 \
+	--generate-hashes --custom-compile-command 'make lock'
+lock:  ## regenerate requirements.lock and requirements-runtime.lock from pyproject.toml
 	test -x $(LOCK_TOOLS)/bin/python || $(PYTHON) -m venv $(LOCK_TOOLS)
 	$(LOCK_TOOLS)/bin/python -m pip install --quiet uv==$(UV_VERSION)
-	$(LOCK_TOOLS)/bin/uv pip compile pyproject.toml --extra dev --universal --python-version 3.11 \
-		--generate-hashes --custom-compile-command 'make lock' --output-file $(LOCK) $(LOCK_ARGS)
+	$(UV_COMPILE) --extra dev --output-file $(LOCK) $(LOCK_ARGS)
+	$(UV_COMPILE) --constraint $(LOCK) --output-file $(RUNTIME_LOCK)
 
 run: $(STAMP)  ## train with a local cluster: 4 learners on the small model, then print the summary
 	$(BIN)/diloco up $(ARGS)

@@ -37,11 +37,12 @@ SPEC = {"model": "tiny", "units": 2, "h_steps": 10, "seed": 1}
 # Reads the job's books in the controller's container, which connects as the admin.
 BOOKS = """
 import asyncio, json, sys
-from shared import ledger, transport
+from shared import ledger
 from shared.job_status import read_job_status
 from shared.settings import NatsSettings
+from shared.transport.connection import connect
 async def main():
-    nc = await transport.connect(NatsSettings(), "books")
+    nc = await connect(NatsSettings(), "books")
     status = await read_job_status(nc, nc.jetstream(), sys.argv[1])
     await nc.close()
     books = ledger.balance(status.outer_record(), status.unit_records())
@@ -135,6 +136,8 @@ def compose_env() -> dict[str, str]:
 def start(compose: Compose) -> httpx.Client:
     """Build, start and wait until every service is healthy; a client with the API token."""
     compose("up", "--build", "--wait", "--quiet-pull", timeout=1200)
+    # Published on the host's loopback only (DILOCO_GATEWAY_BIND unset).
+    assert compose("port", "gateway", "8000").strip() == f"127.0.0.1:{compose.port}"
     token = compose("exec", "-T", "gateway", "cat", "/secrets/api-token").strip()
     assert answers_http(compose.url + "/readyz")
     return httpx.Client(

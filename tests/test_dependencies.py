@@ -1,7 +1,8 @@
 """The private APIs of other packages that the code relies on, and the pins that protect them.
 
 pyproject.toml caps every package whose private API the code touches; requirements.lock pins
-the exact versions that ``make install``, the Dockerfile and CI install. When one of these
+the exact versions that ``make install`` and CI install, requirements-runtime.lock the same
+versions of the runtime packages alone, which the Dockerfile installs. When one of these
 tests fails after an upgrade, the message names the package, the private attribute and the
 file that uses it: adapt that file before raising the pin.
 """
@@ -26,6 +27,7 @@ import services.cli
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = ROOT / "pyproject.toml"
 LOCK = ROOT / "requirements.lock"
+RUNTIME_LOCK = ROOT / "requirements-runtime.lock"  # what the image installs (Dockerfile)
 
 # Package -> the file whose use of its private API the upper bound in pyproject.toml protects.
 PRIVATE_API_USERS = {
@@ -101,6 +103,38 @@ def test_the_lock_file_pins_every_dependency_within_pyproject_bounds() -> None:
     assert not stale, (
         "requirements.lock does not match pyproject.toml; run `make lock` and commit both: "
         + "; ".join(stale)
+    )
+
+
+def _lock_entries(path: Path) -> dict[str, list[str]]:
+    """Each pin of a lock file (``name==version``) with its hash lines. Markers are left out: a
+    package's platforms may be fewer without the dev tools (cffi only for trio on Windows)."""
+    entries: dict[str, list[str]] = {}
+    pin = ""
+    for line in path.read_text().splitlines():
+        if line and not line[0].isspace() and not line.startswith(("#", "-")):
+            pin = line.removesuffix("\\").split(";")[0].strip()
+            entries[pin] = []
+        elif line.strip().startswith("--hash=") and pin:
+            entries[pin].append(line.strip().removesuffix("\\").strip())
+    return entries
+
+
+def test_the_runtime_lock_has_the_full_locks_pins_without_the_dev_tools() -> None:
+    full, runtime = _lock_entries(LOCK), _lock_entries(RUNTIME_LOCK)
+    differ = [pin for pin, hashes in runtime.items() if full.get(pin) != hashes]
+    assert not differ, (
+        f"{RUNTIME_LOCK.name} pins these unlike {LOCK.name} (or with other hashes): {differ}; "
+        "run `make lock` and commit both"
+    )
+    names = {canonicalize_name(Requirement(pin).name) for pin in runtime}
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    needed = {canonicalize_name(Requirement(text).name) for text in project["dependencies"]}
+    assert needed <= names, f"{RUNTIME_LOCK.name} lacks {needed - names}: run `make lock`"
+    dev = {canonicalize_name(Requirement(t).name) for t in project["optional-dependencies"]["dev"]}
+    assert not (dev - needed) & names, (
+        f"{RUNTIME_LOCK.name} has the dev tools {(dev - needed) & names}, which the image does "
+        "not need: run `make lock`"
     )
 
 

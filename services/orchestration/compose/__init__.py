@@ -5,5 +5,5 @@
   reloaded whenever the controller adds a job's users.
 * ``diloco controller`` (``controller.py``): the registry's reconcile loop of ``diloco up``, but
   each outer, learner and shaped link of a job created with ``POST /jobs`` is a container of its
-  own, started through the Docker Engine API (``docker_api.py``).
+  own, started through the Docker SDK (``docker_api.py``).
 """

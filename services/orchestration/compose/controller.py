@@ -3,7 +3,7 @@
 Under ``diloco up`` the reconcile loop starts a process for each outer and learner a registered
 job needs (``services.orchestration.reconcile``). In a compose cluster this controller runs the same
 loop and the same plan, but each of them is a container (``docker_api.ContainerLauncher``), started
-through the Docker Engine API and supervised like a process: a crashed or killed container (``docker
+through the Docker SDK and supervised like a process: a crashed or killed container (``docker
 kill``) is started again after the supervisor's backoff, and its learner resumes from its checkpoint
 in the ``units`` volume; one that exited 0 (stopped, or trained all its steps) stays down; a stopped
 job's outer goes once its learners are done.
@@ -33,14 +33,15 @@ from urllib.parse import urlsplit
 from services.orchestration import commands, reconcile
 from services.orchestration.children import Child, log_path_of
 from services.orchestration.compose.docker_api import (
+    ENGINE_ERRORS,
     LIVENESS_VARIABLE,
     Container,
     ContainerLauncher,
-    DockerApi,
-    DockerError,
     Template,
     container_name,
+    engine_client,
     remove_children,
+    remove_container,
 )
 from services.orchestration.compose.settings import CREDENTIALS_DIR, ControllerSettings
 from services.orchestration.registry import Registry, read_registry
@@ -58,6 +59,7 @@ STOP_GRACE_S = 35.0  # per group at shutdown (the containers' own stop timeout i
 LINK_PORT = 4222  # a link container listens here, like nats-server
 JOB_LIVENESS_FILE = "/tmp/diloco.alive"  # in an outer's or learner's container
 LOGS_DIR = Path("/tmp/diloco-controller/logs")  # one line per job container: its name
+STACK_LOG_LINES = 100  # of a hung container's log, copied into the controller's: its stacks
 NATS_ERRORS = (*retry.NATS_ERRORS, kv.KvError, transport.TransportError)
 
 
@@ -168,16 +170,24 @@ class Controller:
 
     def heal(self) -> None:
         """Notice containers that stopped; kill those whose health check fails (a hung
-        process: its stacks go to its log first); start again those whose backoff is over. A
-        learner that is done takes its link with it."""
+        process: its stacks go to its log first, and the end of that log into the controller's);
+        start again those whose backoff is over. A learner that is done takes its link with
+        it."""
         now = time.monotonic()
         for name in self.supervisor.running():
             child = self.children[name]
             code = child.exit_code()
             if code is None:
-                if _container(child).unhealthy():
+                container = _container(child)
+                if container.unhealthy():
                     log.warning("%s is unhealthy (no heartbeat): killing it", name)
                     child.kill_with_stacks()
+                    # Its next start removes the container, and its log with it.
+                    log.warning(
+                        "%s: the end of its log, its threads' stacks:\n%s",
+                        name,
+                        container.log_tail(STACK_LOG_LINES),
+                    )
                 continue
             decision = self.supervisor.exited(name, code, now)
             if decision.state is State.FINISHED:
@@ -206,7 +216,7 @@ class Controller:
         outers = [c for c in rest if reconcile.is_outer(c.name)]
         for group in (learners, outers, links):
             for child in group:
-                with contextlib.suppress(DockerError):  # gone already: nothing to stop
+                with contextlib.suppress(*ENGINE_ERRORS):  # gone already: nothing to stop
                     child.terminate()
             deadline = time.monotonic() + STOP_GRACE_S
             for child in group:
@@ -214,7 +224,7 @@ class Controller:
                     log.warning("%s did not stop in %.0f s: killing it", child.name, STOP_GRACE_S)
                     child.process.kill()
         for child in self.children.values():
-            self.launch.api.remove(_container(child).name)
+            remove_container(self.launch.client, _container(child).name)
 
 
 def _container(child: Child) -> Container:
@@ -249,13 +259,12 @@ async def wait_until_accepted(settings: NatsSettings) -> None:
 
 async def run_controller(settings: ControllerSettings, stop: asyncio.Event) -> int:
     """Match the job containers with the registry until ``stop`` is set; then stop them all."""
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Docker API call
-    api = DockerApi(settings.docker_socket)
+    client = engine_client(settings.docker_socket)
     own = settings.container or os.environ.get("HOSTNAME", "")
-    template = Template.of(api, own, skip_targets={str(settings.secrets_dir)})
-    for name in remove_children(api, template.project):
+    template = Template.of(client, own, skip_targets={str(settings.secrets_dir)})
+    for name in remove_children(client, template.project):
         log.info("removed %s, left by an earlier controller", name)
-    controller = Controller(settings, ContainerLauncher(api, template), LOGS_DIR)
+    controller = Controller(settings, ContainerLauncher(client, template), LOGS_DIR)
     nc = await connect(settings, "diloco-controller")
     try:
         js = nc.jetstream()
@@ -275,11 +284,11 @@ async def run_controller(settings: ControllerSettings, stop: asyncio.Event) -> i
                 await controller.reconcile(registry)
             except NATS_ERRORS as err:
                 log.warning("registry not read (%s): %s", type(err).__name__, err)
-            except DockerError as err:  # tried again at the next tick
+            except ENGINE_ERRORS as err:  # tried again at the next tick
                 log.warning("a container was not started: %s", err)
             try:
                 controller.heal()
-            except DockerError as err:
+            except ENGINE_ERRORS as err:
                 log.warning("a container was not checked or started again: %s", err)
             liveness.mark(settings.liveness_file)
             with contextlib.suppress(TimeoutError):

@@ -1,4 +1,4 @@
-"""Containers as the controller's children: the Docker Engine API over its Unix socket.
+"""Containers as the controller's children, through the Docker SDK (the ``docker`` package).
 
 :class:`ContainerLauncher` is a ``services.orchestration.children.Launch``: where ``diloco up``
 starts a ``diloco <service>`` process, the controller starts a container of the same image with that
@@ -6,19 +6,22 @@ command line. The container it returns answers what the supervisor asks of a pro
 ``send_signal``, ``kill``, ``wait``, ``pid``), so ``Child``, ``Supervisor`` and ``reconcile`` work
 on containers unchanged.
 
-Each job container is made like the controller's own (its image, networks and the volumes it
+Each job container is made like the controller's own (its image, network and the volumes it
 mounts, but the secrets volume), named ``<project>-<child>`` and labelled with the compose
 project, so that ``docker compose down --remove-orphans`` would find one left behind. A file that
 an environment variable of :data:`COPIED_FILES` names is copied into the container before it
 starts (the container's own NATS credentials and the CA), readable by the container's user
 only: no job container sees another's password or the secrets volume.
+
+Every call of the engine may raise one of :data:`ENGINE_ERRORS`: ``docker.errors.APIError`` when
+the engine refused it (its HTTP status is ``status_code``), a ``requests`` error when the engine
+did not answer (connection refused, timed out).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import re
 import signal
 import subprocess
@@ -26,11 +29,17 @@ import tarfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import httpx
+import docker
+import docker.errors
+import requests
+from docker.models.containers import Container as DockerContainer
+from docker.types import Healthcheck, Mount
 
-API = "http://docker/v1.41"  # Docker 20.10 and newer
+API_VERSION = "1.41"  # Docker 20.10 and newer
+REQUEST_TIMEOUT_S = 60  # any one call of the engine
+#: What a call of the engine may raise (see the module's docstring).
+ENGINE_ERRORS = (docker.errors.DockerException, requests.exceptions.RequestException)
 #: Environment variables that name a file the container gets a copy of, and where it goes.
 COPIED_FILES = {
     "DILOCO_NATS_CREDENTIALS": "nats/credentials.json",
@@ -47,68 +56,27 @@ LIVENESS_VARIABLE = "DILOCO_LIVENESS_FILE"
 HEALTH_MAX_AGE_S = 30
 HEALTH_START_S = 180
 NANOSECONDS = 1_000_000_000
+KILLED = 137  # the exit code of a container that is gone: killed (128 + SIGKILL)
 NOT_FOUND, CONFLICT = 404, 409
 PROJECT_LABEL = "com.docker.compose.project"
 CHILD_LABEL = "io.decoupled-diloco.child"  # the child's name (``<job>/learner-1``)
 
 
-class DockerError(RuntimeError):
-    """The Docker Engine API refused a request (``status``: its HTTP status) or cannot be
-    reached (``status`` None)."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
+class TemplateError(RuntimeError):
+    """The controller's own container cannot serve as the job containers' template."""
 
 
-@dataclass
-class DockerApi:
-    """A small client of the Docker Engine API on a Unix socket."""
+def engine_client(socket: str) -> docker.DockerClient:
+    """A client of the Docker engine on the Unix socket ``socket`` (no call is made yet)."""
+    return docker.DockerClient(
+        base_url=f"unix://{socket}", version=API_VERSION, timeout=REQUEST_TIMEOUT_S
+    )
 
-    socket: str
-    client: httpx.Client = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.client = httpx.Client(transport=httpx.HTTPTransport(uds=self.socket), timeout=60.0)
-
-    def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        """One API call; returns the decoded JSON body (None when empty).
-
-        Raises:
-            DockerError: the engine answered with an error or cannot be reached.
-        """
-        try:
-            response = self.client.request(method, API + path, **kwargs)
-        except httpx.HTTPError as err:
-            raise DockerError(f"{method} {path}: {err}") from err
-        if response.status_code >= 400:
-            raise DockerError(
-                f"{method} {path}: {response.status_code} {response.text.strip()}",
-                response.status_code,
-            )
-        return response.json() if response.content else None
-
-    def inspect(self, container: str) -> dict[str, Any]:
-        """``docker inspect`` of one container."""
-        return self.request("GET", f"/containers/{container}/json")
-
-    def remove(self, container: str) -> None:
-        """Remove a container, running or not; one that does not exist is fine."""
-        try:
-            self.request("DELETE", f"/containers/{container}", params={"force": "true"})
-        except DockerError as err:
-            if err.status != NOT_FOUND:
-                raise
-
-    def signal(self, container: str, sig: int) -> None:
-        """Send ``sig`` to the container's main process; one that is not running is fine."""
-        try:
-            self.request(
-                "POST", f"/containers/{container}/kill", params={"signal": signal.Signals(sig).name}
-            )
-        except DockerError as err:
-            if err.status not in (NOT_FOUND, CONFLICT):  # gone, or not running
-                raise
+def remove_container(client: docker.DockerClient, name: str) -> None:
+    """Remove a container, running or not (``docker rm -f``); one that does not exist is fine."""
+    with contextlib.suppress(docker.errors.NotFound):
+        client.api.remove_container(name, force=True)
 
 
 @dataclass(frozen=True)
@@ -118,23 +86,30 @@ class Template:
     project: str
     image: str
     network: str
-    mounts: tuple[dict[str, Any], ...]
+    mounts: tuple[Mount, ...]
 
     @classmethod
-    def of(cls, api: DockerApi, container: str, skip_targets: set[str]) -> Template:
+    def of(cls, client: docker.DockerClient, container: str, skip_targets: set[str]) -> Template:
         """The template of the container ``container`` (the controller's own): its image, first
-        network and volumes, but those mounted at ``skip_targets``."""
-        info = api.inspect(container)
-        networks = list(info["NetworkSettings"]["Networks"])
+        network and volumes, but those mounted at ``skip_targets``.
+
+        Raises:
+            TemplateError: the container is on no network.
+        """
+        own = client.containers.get(container)
+        networks = list(own.attrs["NetworkSettings"]["Networks"])
         if not networks:
-            raise DockerError(f"container {container} is on no network")
+            raise TemplateError(
+                f"container {container} is on no network: run the controller as a service of "
+                "docker-compose.yml, whose network the job containers join"
+            )
         mounts = tuple(
-            {"Type": "volume", "Source": m["Name"], "Target": m["Destination"]}
-            for m in info["Mounts"]
+            Mount(target=m["Destination"], source=m["Name"], type="volume")
+            for m in own.attrs["Mounts"]
             if m["Type"] == "volume" and m["Destination"] not in skip_targets
         )
-        project = info["Config"]["Labels"].get(PROJECT_LABEL, "diloco")
-        return cls(project, info["Image"], networks[0], mounts)  # the very image, by id
+        project = own.labels.get(PROJECT_LABEL, "diloco")
+        return cls(project, own.attrs["Image"], networks[0], mounts)  # the very image, by id
 
 
 def container_name(project: str, log_path: Path) -> str:
@@ -160,32 +135,46 @@ def _archive(files: dict[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
+def _health_check(liveness_file: str) -> Healthcheck:
+    """Unhealthy once ``liveness_file`` is older than :data:`HEALTH_MAX_AGE_S`."""
+    return Healthcheck(
+        test=["CMD", "python", "-m", "shared.liveness", liveness_file, str(HEALTH_MAX_AGE_S)],
+        interval=5 * NANOSECONDS,
+        timeout=5 * NANOSECONDS,
+        retries=3,
+        start_period=HEALTH_START_S * NANOSECONDS,
+    )
+
+
 @dataclass
 class Container:
     """A running job container, seen as a process (``subprocess.Popen``'s methods the
     supervisor uses)."""
 
-    api: DockerApi
-    name: str
-    pid: int
+    handle: DockerContainer
+    pid: int  # its main process on the engine's host, when it started
     returncode: int | None = None
-    health: str | None = None  # Docker's health status, for a container with a health check
-    _polled: float = 0.0
+    _polled: float = field(default=0.0, repr=False)
+
+    @property
+    def name(self) -> str:
+        """The container's name."""
+        return self.handle.name
 
     def poll(self) -> int | None:
         """The container's exit code once it stopped, else None (asks the engine at most every
-        :data:`POLL_EVERY_S`). A container that is gone counts as killed (137)."""
+        :data:`POLL_EVERY_S`). A container that is gone counts as killed (:data:`KILLED`)."""
         if self.returncode is not None or time.monotonic() - self._polled < POLL_EVERY_S:
             return self.returncode
         self._polled = time.monotonic()
         try:
-            state = self.api.inspect(self.name)["State"]
-        except DockerError as err:
-            if err.status != NOT_FOUND:
-                return None  # the engine is busy: ask again later
-            self.returncode = 137
+            self.handle.reload()
+        except docker.errors.NotFound:
+            self.returncode = KILLED
             return self.returncode
-        self.health = (state.get("Health") or {}).get("Status")
+        except ENGINE_ERRORS:
+            return None  # the engine is busy: ask again later
+        state = self.handle.attrs["State"]
         if state["Running"] or state["Status"] in ("created", "restarting"):
             return None
         self.returncode = int(state["ExitCode"])
@@ -193,15 +182,19 @@ class Container:
 
     def unhealthy(self) -> bool:
         """Whether it runs but its health check fails (as of the last poll)."""
-        return self.returncode is None and self.health == "unhealthy"
+        return self.returncode is None and self.handle.health == "unhealthy"
 
     def send_signal(self, sig: int) -> None:
-        """Signal the container's main process."""
-        self.api.signal(self.name, sig)
+        """Signal the container's main process; one that is gone or stopped is fine."""
+        try:
+            self.handle.kill(signal=signal.Signals(sig).name)
+        except docker.errors.APIError as err:
+            if err.status_code not in (NOT_FOUND, CONFLICT):  # gone, or not running
+                raise
 
     def kill(self) -> None:
         """SIGKILL the container."""
-        self.api.signal(self.name, signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         """Wait for the container to stop; ``subprocess.TimeoutExpired`` after ``timeout``."""
@@ -215,13 +208,17 @@ class Container:
                 raise subprocess.TimeoutExpired(self.name, timeout or 0.0)
             time.sleep(POLL_EVERY_S)
 
+    def log_tail(self, lines: int) -> str:
+        """The last ``lines`` lines of the container's output (``docker logs --tail``)."""
+        return self.handle.logs(tail=lines).decode(errors="replace")
+
 
 @dataclass
 class ContainerLauncher:
     """Starts ``diloco <args>`` as a job container (a
     ``services.orchestration.children.Launch``)."""
 
-    api: DockerApi
+    client: docker.DockerClient
     template: Template
 
     def __call__(self, args: list[str], env: dict[str, str], log_path: Path) -> Container:
@@ -234,56 +231,53 @@ class ContainerLauncher:
             if variable in environment:
                 files[target] = Path(environment[variable]).read_bytes()
                 environment[variable] = f"{HOME}/{target}"
-        self.api.remove(name)
-        body: dict[str, Any] = {
-            "Image": self.template.image,
-            "Cmd": list(args),
-            "Env": [f"{key}={value}" for key, value in environment.items()],
-            "Labels": {PROJECT_LABEL: self.template.project, CHILD_LABEL: log_path.stem},
-            "StopTimeout": STOP_TIMEOUT_S,
-            "HostConfig": {
-                "Mounts": list(self.template.mounts),
-                "NetworkMode": self.template.network,
-                "Init": True,
-            },
-        }
-        if LIVENESS_VARIABLE in environment:
-            check = ["python", "-m", "shared.liveness", environment[LIVENESS_VARIABLE]]
-            body["Healthcheck"] = {
-                "Test": ["CMD", *check, str(HEALTH_MAX_AGE_S)],
-                "Interval": 5 * NANOSECONDS,
-                "Timeout": 5 * NANOSECONDS,
-                "Retries": 3,
-                "StartPeriod": HEALTH_START_S * NANOSECONDS,
-            }
-        self.api.request("POST", "/containers/create", params={"name": name}, json=body)
+        remove_container(self.client, name)
+        api = self.client.api
+        # The low-level call: the SDK's containers.create() has no stop_timeout.
+        created = api.create_container(
+            self.template.image,
+            command=list(args),
+            name=name,
+            environment=environment,
+            labels={PROJECT_LABEL: self.template.project, CHILD_LABEL: log_path.stem},
+            stop_timeout=STOP_TIMEOUT_S,
+            healthcheck=(
+                _health_check(environment[LIVENESS_VARIABLE])
+                if LIVENESS_VARIABLE in environment
+                else None
+            ),
+            host_config=api.create_host_config(
+                mounts=list(self.template.mounts), network_mode=self.template.network, init=True
+            ),
+            use_config_proxy=False,  # the environment is exactly ``env``
+        )
+        handle = self.client.containers.get(created["Id"])
         if files:
-            self.api.request(
-                "PUT",
-                f"/containers/{name}/archive",
-                params={"path": HOME},
-                content=_archive(files),
-                headers={"Content-Type": "application/x-tar"},
-            )
-        self.api.request("POST", f"/containers/{name}/start")
-        pid = int(self.api.inspect(name)["State"]["Pid"])
+            handle.put_archive(HOME, _archive(files))
+        handle.start()
+        handle.reload()
         with open(log_path, "a") as log:
             log.write(f"container {name} started (docker logs {name})\n")
-        return Container(self.api, name, pid)
+        return Container(handle, pid=int(handle.attrs["State"]["Pid"]))
 
 
-def remove_children(api: DockerApi, project: str) -> list[str]:
+def remove_children(client: docker.DockerClient, project: str) -> list[str]:
     """Stop (SIGTERM: learners upload what they have, within :data:`STOP_TIMEOUT_S`) and
     remove every job container of ``project``, left by a controller that was killed; returns
     their names."""
-    filters = json.dumps({"label": [f"{PROJECT_LABEL}={project}", CHILD_LABEL]})
-    found = api.request("GET", "/containers/json", params={"all": "true", "filters": filters})
-    left = [Container(api, c["Names"][0].lstrip("/"), 0) for c in found]
-    for container in left:
+    found = client.containers.list(
+        all=True,
+        filters={"label": [f"{PROJECT_LABEL}={project}", CHILD_LABEL]},
+        ignore_removed=True,
+    )
+    left = [Container(handle, pid=0) for handle in found]
+    running = [container for container in left if container.handle.attrs["State"]["Running"]]
+    for container in running:
         container.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
-    for container in left:
+    for container in running:
         with contextlib.suppress(subprocess.TimeoutExpired):  # then removed by force
             container.wait(max(0.0, deadline - time.monotonic()))
-        api.remove(container.name)
+    for container in left:
+        remove_container(client, container.name)
     return [container.name for container in left]
