@@ -14,7 +14,6 @@ from services.loadtest.settings import LoadtestSettings
 from services.loadtest.stage import Stage
 from shared import records
 from shared.atomic import atomic_write_bytes
-from shared.codec.config import CodecConfig
 from shared.model_config import get_config
 
 POOL_SIZE = 4  # different synthetic pseudo-gradients, sent in turn
@@ -35,7 +34,7 @@ def run_loadtest(settings: LoadtestSettings, out: TextIO = sys.stdout) -> Loadte
 
     model = get_config(settings.model)
     say(f"encoding {POOL_SIZE} synthetic {settings.codec} pseudo-gradients of {model.name}")
-    pool = PayloadPool(model, CodecConfig(settings.codec), POOL_SIZE, settings.seed)
+    pool = PayloadPool(model, settings.codec_config(), POOL_SIZE, settings.seed)
     report = LoadtestReport(
         model=settings.model,
         param_count=model.param_count,

@@ -7,23 +7,24 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from shared.codec.config import CodecName
 from shared.link_spec import LinkSpec, parse_link
 from shared.model_config import ModelSize
-from shared.outer_choices import ParamsCodecName
 from shared.records import MAX_OUTER_UNITS
 from shared.settings import ENV_PREFIX
+from shared.settings.codec import CodecSettings
 
 ParamsFetch = Literal["newest", "none"]
 
 
-class LoadtestSettings(BaseSettings):
+class LoadtestSettings(BaseSettings, CodecSettings):
     """Load-test the outer and the broker with synthetic learner units (no JAX): for each unit
     count of ``--units``, a fresh nats-server and ``diloco outer`` take uploads of realistic
     pseudo-gradients of ``--model`` from that many units, each uploading every
     ``--upload-every-s`` through its own shaped link (``--link``) and fetching the params it
     would adopt. Each stage reports the outer's ingest, sync latency and backlog; the first
-    stage whose ingest falls behind the offered load is the saturation point."""
+    stage whose ingest falls behind the offered load is the saturation point. Uploads are
+    encoded with ``--codec`` and the outer publishes in ``--params-codec`` (the shipped codecs
+    by default); each stands for the work of H inner steps of a default learner."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
 
@@ -46,15 +47,11 @@ class LoadtestSettings(BaseSettings):
     drain_s: float = Field(
         300.0, gt=0, description="longest wait, after a stage, for the outer to apply the rest"
     )
-    codec: CodecName = Field("int8", description="upload codec")
-    params_codec: ParamsCodecName = Field("int8", description="the outer's params codec")
     params_fetch: ParamsFetch = Field(
         "newest",
         description="newest: each unit fetches the newest params whenever a newer version is "
         "announced and no fetch is under way (as a learner does); none: heads only",
     )
-    h_steps: int = Field(30, ge=1, description="inner steps one upload stands for (H)")
-    batch_size: int = Field(16, ge=1, le=4096, description="sequences per inner step")
     link: str = Field(
         "unlimited", description="each unit's link, RATE[/DELAY[/JITTER]] (e.g. 100mbit/25ms)"
     )

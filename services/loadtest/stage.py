@@ -45,10 +45,16 @@ from shared.ledger import balance
 from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
 from shared.retry import NATS_ERRORS
+from shared.settings.algorithm import InnerAlgorithmSettings
 from shared.settings.nats import NatsSettings
+from shared.settings.workload import BudgetSettings
 from shared.transport.connection import connect
 from shared.transport.streams import ensure_streams
 
+# A synthetic upload stands for the work of a learner of the shipped settings: H steps of its
+# batch size.
+H_STEPS = InnerAlgorithmSettings().h_steps
+BATCH_SIZE = BudgetSettings().batch_size
 log = logging.getLogger(__name__)
 
 JOB = "loadtest"
@@ -179,8 +185,8 @@ class Stage:
                 model=s.model,
                 unit=unit,
                 upload_every_s=s.upload_every_s,
-                inner_steps=s.h_steps,
-                tokens=s.h_steps * s.batch_size * self.pool.seq_len,
+                inner_steps=H_STEPS,
+                tokens=H_STEPS * BATCH_SIZE * self.pool.seq_len,
                 fetch_params=s.params_fetch == "newest",
                 max_unsent=s.max_unsent,
                 max_params_bytes=2 * self.pool.fp32_bytes + (1 << 20),

@@ -289,7 +289,10 @@ def _encode(
 
 
 def encode_tensors(
-    tensors: Mapping[str, Any], codec: str = "int8", block_size: int = 256, zstd_level: int = 1
+    tensors: Mapping[str, Any],
+    codec: str,
+    block_size: int = CodecConfig.block_size,
+    zstd_level: int = CodecConfig.zstd_level,
 ) -> tuple[memoryview, Description]:
     """Encode without error feedback; returns ``(payload, description)``. See :func:`encode`."""
     payload, description, _ = encode(tensors, CodecConfig(codec, block_size, zstd_level))

@@ -68,7 +68,8 @@ def check_zstd_level(level: Any) -> int:
 
 @dataclass(frozen=True)
 class CodecConfig:
-    """How pseudo-gradients are encoded; validated on construction.
+    """How pseudo-gradients are encoded; validated on construction. Its defaults are the
+    settings' (``shared.settings.codec``, ``shared.settings.resources``): written here once.
 
     Attributes:
         codec: One of :data:`CODECS`.

@@ -14,18 +14,25 @@ class UploadCodecSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     codec: CodecName = Field(
-        "int8", description=f"pseudo-gradient codec, one of {', '.join(CODECS)}"
+        CodecConfig.codec, description=f"pseudo-gradient codec, one of {', '.join(CODECS)}"
     )
     block_size: int = Field(
-        256, ge=16, le=1 << 20, description="quantization block size (a multiple of 16)"
+        CodecConfig.block_size,
+        ge=16,
+        le=1 << 20,
+        description="quantization block size (a multiple of 16)",
     )
     zstd_level: int = Field(
-        1, ge=-7, le=22, description="zstd level of uploads (negative: faster, larger)"
+        CodecConfig.zstd_level,
+        ge=-7,
+        le=22,
+        description="zstd level of uploads (negative: faster, larger)",
     )
     # Off by default: with the default (Nesterov) outer step it made int2 worse in
     # bench/quality.py --codecs; it helps with --outer-momentum 0 (docs/CODEC.md).
     error_feedback: bool = Field(
-        False, description="carry each upload's quantization error into the next upload"
+        CodecConfig.error_feedback,
+        description="carry each upload's quantization error into the next upload",
     )
 
     @model_validator(mode="after")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shared.codec.config import CodecConfig
+
 
 class LearnerResources(BaseModel):
     """A learner's threads besides training."""
@@ -11,7 +13,10 @@ class LearnerResources(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     codec_threads: int = Field(
-        0, ge=-1, le=256, description="threads encoding uploads of 8 MiB or more (-1: one per CPU)"
+        CodecConfig.threads,
+        ge=-1,
+        le=256,
+        description="threads encoding uploads of 8 MiB or more (-1: one per CPU)",
     )
 
 
