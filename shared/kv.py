@@ -1,6 +1,6 @@
 """Typed records in NATS KV buckets: store a model, read it back parsed, with its age.
 
-Every value is one model of ``shared/records.py``: :func:`put` stores ``records.encode`` of it
+Every value is one model of ``shared/records/``: :func:`put` stores ``records.encode`` of it
 and every read parses with ``records.decode``, so a malformed value is a counted rejection
 that reads as missing, never an exception in the reader.
 

@@ -1,5 +1,5 @@
 """Every stream and bucket is bounded, per unit or per job where one could crowd out the others
-(shared/transport.py ``ensure_streams``), on a real nats-server."""
+(``shared.transport.streams.ensure_streams``), on a real nats-server."""
 
 from __future__ import annotations
 
