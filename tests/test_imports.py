@@ -45,6 +45,7 @@ def imported_heavy_modules(*modules: str) -> list[str]:
         "services.gateway.app",
         "services.gateway.settings",
         "services.learner.settings",
+        "services.learner.accounting",
         "services.outer.settings",
         "services.orchestration.local.settings",
         "services.orchestration.local.run",
