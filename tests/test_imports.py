@@ -46,6 +46,7 @@ def imported_heavy_modules(*modules: str) -> list[str]:
         "services.gateway.settings",
         "services.learner.settings",
         "services.learner.accounting",
+        "shared.unit_counters",
         "services.outer.settings",
         "services.orchestration.local.settings",
         "services.orchestration.local.run",
