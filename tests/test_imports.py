@@ -47,6 +47,7 @@ def imported_heavy_modules(*modules: str) -> list[str]:
         "services.learner.settings",
         "services.learner.accounting",
         "shared.unit_counters",
+        "services.outer.errors",
         "services.outer.settings",
         "services.orchestration.local.settings",
         "services.orchestration.local.run",
