@@ -1,4 +1,4 @@
-"""Settings and the gateway import no implementation: no JAX, optax or Numba.
+"""Settings, the gateway and the vocabularies import no implementation: no JAX, optax or Numba.
 
 ``diloco gateway``, ``diloco jobs|job|unit|units`` and the settings of every service are read
 (and validated) without importing the training code, so the gateway and the client start in

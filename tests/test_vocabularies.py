@@ -8,7 +8,8 @@ vocabulary must be counted somewhere in the services, so that none outlives its 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -122,17 +123,49 @@ def found(scan, where: tuple[str, ...] = SCANNED) -> dict[str, list[str]]:
     return names
 
 
-def test_every_counter_counted_or_read_is_a_counter_name():
-    names = found(counter_names)
-    unknown = {name: places for name, places in names.items() if name not in COUNTER_NAMES}
-    assert not unknown, f"not in shared.unit_counters.CounterName: {unknown}"
-    # The scan sees the readers too (the gateway, diloco up's progress line, the tests).
-    assert {"published", "bytes_sent", "records_rejected"} <= set(names)
+@dataclass(frozen=True)
+class Vocabulary:
+    """One vocabulary: its names, where it is defined, the scan that finds its uses, the folder
+    that must use every name, and names the scan must find (so that it cannot go blind)."""
+
+    names: tuple[str, ...]
+    defined_in: str
+    scan: Callable[[ast.AST], Iterator[tuple[int, str]]]
+    emitted_in: str
+    seen: frozenset[str]
 
 
-def test_every_counter_name_is_counted_by_the_learner():
-    counted = found(counter_names, ("services/learner",))
-    assert set(COUNTER_NAMES) == set(counted), set(COUNTER_NAMES) ^ set(counted)
+VOCABULARIES = {
+    "counters": Vocabulary(
+        COUNTER_NAMES,
+        "shared.unit_counters.CounterName",
+        counter_names,
+        "services/learner",
+        # Readers too: the gateway, diloco up's progress line, the tests.
+        frozenset({"published", "bytes_sent", "records_rejected"}),
+    ),
+    "rejections": Vocabulary(
+        REJECTION_REASONS,
+        "services.outer.errors.RejectionReason",
+        rejection_reasons,
+        "services/outer",
+        frozenset({"too_stale", "bad_envelope", "norm_outlier"}),
+    ),
+}
+
+
+@pytest.mark.parametrize("vocabulary", VOCABULARIES.values(), ids=VOCABULARIES.keys())
+def test_every_name_counted_read_or_compared_is_in_its_vocabulary(vocabulary):
+    names = found(vocabulary.scan)
+    unknown = {name: places for name, places in names.items() if name not in vocabulary.names}
+    assert not unknown, f"not in {vocabulary.defined_in}: {unknown}"
+    assert vocabulary.seen <= set(names)
+
+
+@pytest.mark.parametrize("vocabulary", VOCABULARIES.values(), ids=VOCABULARIES.keys())
+def test_every_name_of_a_vocabulary_is_counted_by_its_service(vocabulary):
+    emitted = found(vocabulary.scan, (vocabulary.emitted_in,))
+    assert set(vocabulary.names) == set(emitted), set(vocabulary.names) ^ set(emitted)
 
 
 def test_the_lifetime_counters_and_the_prometheus_counters_are_counter_names():
@@ -146,18 +179,6 @@ def test_counting_an_unknown_name_fails():
     with pytest.raises(ValueError, match="unknown counter 'publishd'"):
         counters.add("publishd")  # type: ignore[arg-type]
     assert counters.as_dict() == {"published": 1}
-
-
-def test_every_rejection_reason_raised_counted_or_compared_is_a_rejection_reason():
-    names = found(rejection_reasons)
-    unknown = {name: places for name, places in names.items() if name not in REJECTION_REASONS}
-    assert not unknown, f"not in services.outer.errors.RejectionReason: {unknown}"
-    assert {"too_stale", "bad_envelope", "norm_outlier"} <= set(names)
-
-
-def test_every_rejection_reason_is_raised_by_the_outer():
-    raised = found(rejection_reasons, ("services/outer",))
-    assert set(REJECTION_REASONS) == set(raised), set(REJECTION_REASONS) ^ set(raised)
 
 
 def test_the_scan_sees_a_misspelt_name():
