@@ -1,4 +1,4 @@
-"""Settings and the gateway import no implementation: no JAX, optax or Numba.
+"""Settings, the gateway and the vocabularies import no implementation: no JAX, optax or Numba.
 
 ``diloco gateway``, ``diloco jobs|job|unit|units`` and the settings of every service are read
 (and validated) without importing the training code, so the gateway and the client start in
@@ -45,6 +45,9 @@ def imported_heavy_modules(*modules: str) -> list[str]:
         "services.gateway.app",
         "services.gateway.settings",
         "services.learner.settings",
+        "services.learner.accounting",
+        "shared.unit_counters",
+        "services.outer.errors",
         "services.outer.settings",
         "services.orchestration.local.settings",
         "services.orchestration.local.run",

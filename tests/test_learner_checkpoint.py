@@ -18,9 +18,9 @@ from services.learner.checkpoint import (
     take_snapshot,
 )
 from services.learner.core import LearnerCore
+from services.learner.handoff import hand_off
 from services.learner.link import LearnerLink
 from services.learner.records import UnitIdentity, UnitStateFile
-from services.learner.service import hand_off
 from services.learner.settings import LearnerSettings
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from services.learner.unit_state import STATE_FILE, UnitState

@@ -24,6 +24,7 @@ from shared.job_status import JobStatus
 from shared.records.link import LinkStatus
 from shared.records.outer import OuterStatus, outer_liveness
 from shared.records.unit import UNIT_STATES, LatencySummary, UnitStatus, unit_liveness
+from shared.unit_counters import CounterName
 
 #: States the ``diloco_unit_state`` gauge always reports (1 for the current one).
 SHOWN_UNIT_STATES = (*UNIT_STATES, "lost")
@@ -77,7 +78,7 @@ UNIT_LATENCIES: tuple[tuple[str, Callable[[UnitStatus], LatencySummary | None]],
     ("params", lambda s: s.params_latency),
 )
 #: Unit process counters reported as Prometheus counters: (counter, metric name, help).
-UNIT_COUNTERS = (
+UNIT_COUNTERS: tuple[tuple[CounterName, str, str], ...] = (
     ("bytes_sent", "diloco_unit_bytes_sent", "bytes published to NATS"),
     ("payload_bytes_encoded", "diloco_unit_payload_bytes_encoded", "encoded pseudo-gradient bytes"),
     ("published", "diloco_unit_published", "uploads published"),

@@ -48,6 +48,7 @@ from services.learner.records import FragmentSyncRecord, LearnerCheckpointMeta, 
 from services.learner.trainer import InnerState
 from shared import pytree, records
 from shared.atomic import atomic_write
+from shared.unit_counters import CounterName
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +267,7 @@ class CheckpointWriter:
         self,
         path: Path,
         identity: UnitIdentity,
-        on_count: Callable[[str], None] | None = None,
+        on_count: Callable[[CounterName], None] | None = None,
         save: Callable[[Path, Snapshot, UnitIdentity], None] = save_checkpoint,
     ) -> None:
         """Args:
@@ -277,7 +278,7 @@ class CheckpointWriter:
         """
         self.path = path
         self.identity = identity
-        self.counters: collections.Counter[str] = collections.Counter()
+        self.counters: collections.Counter[CounterName] = collections.Counter()
         self.last_written_step: int | None = None
         self._on_count = on_count
         self._save = save
@@ -343,7 +344,7 @@ class CheckpointWriter:
         if final is not None:
             self.write(final)
 
-    def _count(self, name: str) -> None:
+    def _count(self, name: CounterName) -> None:
         with self._count_lock:
             self.counters[name] += 1
         if self._on_count is not None:

@@ -48,6 +48,7 @@ from shared.transport.blobs import chunk_size_for
 from shared.transport.connection import connect_with_retry
 from shared.transport.params import PARAMS_READ_TIMEOUT_S
 from shared.transport.streams import prepare_streams
+from shared.unit_counters import CounterName
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class LearnerLink:
         """
         return self.encoder.residual_copy()
 
-    def count(self, name: str) -> None:
+    def count(self, name: CounterName) -> None:
         """Increment one of this process's counters (thread-safe)."""
         self.counters.add(name)
 

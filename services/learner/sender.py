@@ -32,6 +32,7 @@ from shared.latency import Latencies, SyncLatency
 from shared.retry import retry
 from shared.transport import TransportError
 from shared.transport.blobs import publish_blob
+from shared.unit_counters import LifetimeCounter
 from shared.wire.chunks import upload_id
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ class Sender:
             on_error=self.counters.error,
         )
 
-    def _finish(self, upload: Upload, counter: str) -> None:
+    def _finish(self, upload: Upload, counter: LifetimeCounter) -> None:
         with self._lock:
             if self._queue and self._queue[0] is upload:
                 self._queue.popleft()

@@ -33,11 +33,11 @@ from shared import records
 from shared.atomic import atomic_write_bytes
 from shared.ledger import RoundSet
 from shared.records.jobs import DESIRED_STATES, DesiredState
+from shared.unit_counters import LIFETIME_COUNTERS, LifetimeCounter
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "state.json"
-LIFETIME_COUNTERS = ("published", "dropped_unsent", "rejected_local")
 
 
 def unit_dir(checkpoint_dir: str | Path, job: str, unit: int) -> Path:
@@ -98,7 +98,7 @@ class UnitState:
             self.next_round = next_round
             self._write()
 
-    def record(self, counter: str, round_number: int | None = None) -> None:
+    def record(self, counter: LifetimeCounter, round_number: int | None = None) -> None:
         """Count one ``published``/``dropped_unsent``/``rejected_local`` upload (lifetime).
 
         Args:

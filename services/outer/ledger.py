@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.outer.errors import RejectionReason
 from services.outer.policy import Arrival
 from shared.ledger import RoundSet
 from shared.records.outer import LedgerRecord, UnitLedger
@@ -33,7 +34,8 @@ class OuterLedger:
         deduplicated: Redelivered chunk messages of uploads applied before.
         tokens_applied: Tokens behind the applied uploads.
         clipped: Applied uploads the norm guard scaled down (``norm_guard.py``).
-        rejected: Rejected uploads (and stray chunks) by reason.
+        rejected: Rejected uploads (and stray chunks) by reason (a ``RejectionReason``; a
+            checkpoint of a newer outer may hold others).
         units: Per unit, what was applied of it.
         staleness: Applied uploads by staleness.
         codecs: Accepted uploads by the codec named in their description.
@@ -119,7 +121,7 @@ class OuterLedger:
             stats.tokens += arrival.tokens
             stats.last_train_loss = finite_or_none(arrival.train_loss)
 
-    def reject(self, reason: str, unit_round: tuple[int, int] | None) -> None:
+    def reject(self, reason: RejectionReason, unit_round: tuple[int, int] | None) -> None:
         """Count a rejection by reason; ``unit_round`` names the upload when it is known."""
         self.rejected[reason] += 1
         if unit_round is not None:

@@ -20,6 +20,7 @@ from shared.records import (
     liveness,
 )
 from shared.records.jobs import DesiredState
+from shared.unit_counters import CounterName
 
 #: What a unit reports about itself.
 UnitState = Literal["starting", "idle", "running", "paused", "finishing", "finished", "stopped"]
@@ -106,7 +107,7 @@ class UnitStatus(Record):
     restored_from_step: Count | None = None
     last_error: str = Field("", max_length=MAX_ERROR_CHARS)
 
-    def counter(self, name: str) -> int:
+    def counter(self, name: CounterName) -> int:
         """One of this process's counters (0 when it was never counted)."""
         return self.counters.get(name, 0)
 
