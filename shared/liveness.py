@@ -4,8 +4,8 @@ health check.
 A service given ``--liveness-file`` touches it at each heartbeat; the check
 ``python -m shared.liveness FILE MAX_AGE_S`` exits 0 while the file is younger than
 ``MAX_AGE_S`` seconds and 1 otherwise (missing included). Docker's health checks run it in
-compose's containers (docker-compose.yml, ``services/orchestration/compose``), where an unhealthy job
-container is killed and started again by the controller.
+compose's containers (docker-compose.yml, ``services/orchestration/compose``), where an unhealthy
+job container is killed and started again by the controller.
 """
 
 from __future__ import annotations
