@@ -663,7 +663,7 @@ def test_config_rejects_bad_options(kwargs: dict, match: str) -> None:
 )
 def test_encode_tensors_rejects_bad_options(kwargs: dict) -> None:
     with pytest.raises(CodecError):
-        encode_tensors({"x": np.ones(3)}, **kwargs)
+        encode_tensors({"x": np.ones(3)}, **{"codec": "int8", **kwargs})
 
 
 @pytest.mark.parametrize(
@@ -682,7 +682,7 @@ def test_encode_tensors_rejects_bad_options(kwargs: dict) -> None:
 )
 def test_encode_rejects_bad_tensors(tensors: object, match: str) -> None:
     with pytest.raises(CodecError, match=match):
-        encode_tensors(tensors)  # type: ignore[arg-type]
+        encode_tensors(tensors, "int8")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,7 @@ SETTINGS = settings(max_examples=100, deadline=None)
 
 
 def make_envelope(**changes: object) -> PseudoGradEnvelope:
-    payload, description = encode_tensors({"w": np.linspace(-1, 1, 600).reshape(20, 30)})
+    payload, description = encode_tensors({"w": np.linspace(-1, 1, 600).reshape(20, 30)}, "int8")
     fields = {
         "job": "job-1",
         "unit": 3,
