@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import os
 import random
 import threading
 from collections.abc import Coroutine
@@ -81,6 +82,12 @@ class MemoryNats:
         self._thread.start()
         self._call(self._listen())
         return self
+
+    @property
+    def pid(self) -> int:
+        """The process the broker runs in: the test's own (``diloco up`` records a server's
+        PID)."""
+        return os.getpid()
 
     def alive(self) -> bool:
         """Whether it listens (between :meth:`kill` and :meth:`restart` it does not)."""
