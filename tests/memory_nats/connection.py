@@ -52,7 +52,12 @@ class ClientConnection:
                 line = await self.reader.readline()
                 if not line:
                     return
-                if not await self._command(line.rstrip(CRLF).decode(errors="replace")):
+                try:
+                    go_on = await self._command(line.rstrip(CRLF).decode(errors="replace"))
+                except (ValueError, IndexError):  # a malformed command: the server hangs up
+                    self.send_line(b"-ERR 'Unknown Protocol Operation'")
+                    return
+                if not go_on:
                     return
         except (ConnectionError, asyncio.IncompleteReadError):
             return

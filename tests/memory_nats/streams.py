@@ -9,7 +9,8 @@ them (``server/memstore.go``, ``storeRawMsg``): with ``discard: new`` a full sub
 message; otherwise the oldest messages make room. A message's size is counted as the memory store
 counts it: subject, headers, data and 16 bytes.
 
-Simplified: limits and ages are applied when the stream is next used, not by a timer; subject
+Simplified: limits and ages are applied when the stream is next used, not by a timer; an update
+may change any setting (the server refuses some changes, e.g. of retention or storage); subject
 delete markers (``subject_delete_marker_ttl``), mirrors, sources, republish, message counters and
 schedules, sealing and ``deny_delete``/``deny_purge`` are not modelled (their settings are
 stored and reported back, nothing else).
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -102,7 +103,6 @@ class Stream:
     """A stream's configuration (as the server reports it) and its messages."""
 
     config: dict[str, Any]
-    clock: Callable[[], int] = time.time_ns
     messages: dict[int, StoredMessage] = field(default_factory=dict)  # by sequence, in order
     last_seq: int = 0
     last_time_ns: int = 0
@@ -111,10 +111,11 @@ class Stream:
     _by_subject: dict[str, list[int]] = field(default_factory=dict)
     _msg_ids: dict[str, tuple[int, int]] = field(default_factory=dict)  # id -> (seq, time)
     _bytes: int = 0
+    _with_ttl: int = 0  # messages stored with their own TTL
 
     def __post_init__(self) -> None:
         self.config = with_defaults(self.config)
-        self.created_ns = self.clock()
+        self.created_ns = time.time_ns()
 
     @property
     def name(self) -> str:
@@ -164,10 +165,11 @@ class Stream:
                 raise ApiError(500, 10111, "rollup not permitted")
             if rollup not in ("sub", "all"):
                 raise ApiError(500, 10111, f"rollup value invalid: {rollup!r}")
-        now = max(self.clock(), self.last_time_ns)
+        now = max(time.time_ns(), self.last_time_ns)
         message = StoredMessage(subject, self.last_seq + 1, header_block, data, now)
         if ttl_s:
             message.expires_ns = now + ttl_s * NANOS
+            self._with_ttl += 1
         self._check_room(message, rollup is not None)
         self._append(message)
         if msg_id:
@@ -229,6 +231,8 @@ class Stream:
         if not same_subject:
             del self._by_subject[message.subject]
         self._bytes -= message.size
+        if message.expires_ns is not None:
+            self._with_ttl -= 1
         for listener in list(self.listeners.values()):
             listener.removed(seq)
         return True
@@ -255,21 +259,23 @@ class Stream:
 
     def expire(self) -> None:
         """Drop messages past ``max_age`` or their own TTL, and message ids past the
-        duplicate window."""
-        now = self.clock()
+        duplicate window (both are kept oldest first)."""
+        now = time.time_ns()
         max_age = self.limit("max_age")
-        expired = [
-            m.seq
-            for m in self.messages.values()
-            if (max_age > 0 and now - m.time_ns > max_age)
-            or (m.expires_ns is not None and now >= m.expires_ns)
-        ]
-        for seq in expired:
-            self.remove(seq)
+        if max_age > 0:
+            for message in list(self.messages.values()):
+                if now - message.time_ns <= max_age:
+                    break
+                self.remove(message.seq)
+        if self._with_ttl:
+            for message in list(self.messages.values()):
+                if message.expires_ns is not None and now >= message.expires_ns:
+                    self.remove(message.seq)
         window = self.limit("duplicate_window")
         for msg_id, (_, stamp) in list(self._msg_ids.items()):
-            if now - stamp > window:
-                del self._msg_ids[msg_id]
+            if now - stamp <= window:
+                break
+            del self._msg_ids[msg_id]
 
     def update(self, config: dict[str, Any]) -> None:
         """Apply a new configuration (its limits take effect at once)."""
@@ -339,7 +345,7 @@ class Stream:
             "config": self.config,
             "created": iso(self.created_ns),
             "state": self.state(subjects_filter),
-            "ts": iso(self.clock()),
+            "ts": iso(time.time_ns()),
         }
 
 
