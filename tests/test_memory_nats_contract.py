@@ -2,7 +2,8 @@
 this project relies on: each test runs the same assertions against both (the nats-server runs
 are marked ``nats``).
 
-Covered: ``Nats-Msg-Id`` deduplication; work-queue deletion on ack and redelivery of what a
+Covered: the system's streams and buckets created twice (``ensure_streams``) with the limits
+they report; ``Nats-Msg-Id`` deduplication; work-queue deletion on ack and redelivery of what a
 deleted consumer had not acked; redelivery after a nak, a delayed nak and a lapsed ack wait,
 progress holding it; term; per-subject, byte and size limits with discard old and new; last-value
 and by-sequence reads, direct and not; KV compare-and-set, delete and re-create; the stream-info
@@ -31,7 +32,8 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from shared import kv
+from shared import kv, subjects
+from shared.transport import streams
 
 
 @pytest.fixture(params=["memory_nats", pytest.param("nats_server", marks=pytest.mark.nats)])
@@ -72,6 +74,22 @@ async def fetch_seqs(sub, batch: int = 10, timeout: float = 0.5) -> list[int]:
         return [m.metadata.sequence.stream for m in await sub.fetch(batch, timeout=timeout)]
     except TimeoutError:
         return []
+
+
+async def test_the_systems_streams_are_created_once_and_report_their_limits(nc) -> None:
+    js = nc.jetstream()
+    await streams.ensure_streams(js)
+    await streams.ensure_streams(js)  # idempotent: found, then updated in place
+    grads = (await js.stream_info(subjects.GRADS_STREAM)).config
+    assert (grads.retention, grads.discard) == (RetentionPolicy.WORK_QUEUE, DiscardPolicy.NEW)
+    assert grads.discard_new_per_subject and grads.subjects == [subjects.GRADS_ALL]
+    assert grads.max_msgs_per_subject == streams.GRADS_MAX_CHUNKS_PER_UNIT
+    assert grads.duplicate_window == streams.GRADS_DUPLICATE_WINDOW_S
+    params = (await js.stream_info(subjects.PARAMS_STREAM)).config
+    assert params.allow_direct and params.discard == DiscardPolicy.OLD
+    status = (await js.stream_info(kv.stream_of(subjects.STATUS_BUCKET))).config
+    assert status.max_age == streams.STATUS_TTL_S and status.max_msgs_per_subject == 1
+    assert status.allow_direct
 
 
 async def test_a_message_id_is_stored_once_within_the_duplicate_window(nc) -> None:
