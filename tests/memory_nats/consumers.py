@@ -88,7 +88,7 @@ class PullConsumer:
     delivered_stream_seq: int = 0
     pending: dict[int, Pending] = field(default_factory=dict)  # by stream sequence
     redeliver: list[int] = field(default_factory=list)  # due again, oldest first
-    redelivered: set[int] = field(default_factory=set)
+    redelivered: set[int] = field(default_factory=set)  # pending ones delivered again
     waiting: deque[PullRequest] = field(default_factory=deque)
     _delivery_due: bool = False
 
@@ -138,13 +138,11 @@ class PullConsumer:
         self._deliver()
 
     def _expire(self, request: PullRequest) -> None:
+        """A request's time is up: it ends with how many messages it still wanted."""
         if request in self.waiting:
             self.waiting.remove(request)
-            self._timeout(request)
-
-    def _timeout(self, request: PullRequest) -> None:
-        pairs = [("Nats-Pending-Messages", str(request.remaining)), ("Nats-Pending-Bytes", "0")]
-        self.send(request.inbox, "", headers.encode(pairs, "408 Request Timeout"), b"", None)
+            pairs = [("Nats-Pending-Messages", str(request.remaining)), ("Nats-Pending-Bytes", "0")]
+            self.send(request.inbox, "", headers.encode(pairs, "408 Request Timeout"), b"", None)
 
     def _close(self, request: PullRequest) -> None:
         if request.expires is not None:
@@ -231,6 +229,7 @@ class PullConsumer:
         max_deliver = int(self.config["max_deliver"])
         if 0 < max_deliver <= entry.deliveries:
             del self.pending[seq]  # never delivered again, and never acked
+            self.redelivered.discard(seq)
             return
         if seq not in self.redeliver:
             self.redeliver.append(seq)
@@ -271,6 +270,7 @@ class PullConsumer:
         if entry.timer is not None:
             entry.timer.cancel()
         del self.pending[seq]
+        self.redelivered.discard(seq)
         if seq in self.redeliver:
             self.redeliver.remove(seq)
         if self.stream.config["retention"] == "workqueue":
@@ -288,6 +288,7 @@ class PullConsumer:
         entry = self.pending.pop(seq, None)
         if entry is not None and entry.timer is not None:
             entry.timer.cancel()
+        self.redelivered.discard(seq)
         if seq in self.redeliver:
             self.redeliver.remove(seq)
 
@@ -324,7 +325,7 @@ class PullConsumer:
             },
             "ack_floor": {"consumer_seq": 0, "stream_seq": floor},
             "num_ack_pending": len(self.pending),
-            "num_redelivered": len(self.redelivered & set(self.pending)),
+            "num_redelivered": len(self.redelivered),
             "num_waiting": len(self.waiting),
             "num_pending": self.num_pending(),
             "ts": iso(time.time_ns()),

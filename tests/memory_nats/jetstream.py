@@ -63,8 +63,8 @@ def _request(data: bytes) -> dict[str, Any]:
 class JetStream:
     """Every stream and consumer of the broker.
 
-    ``send(subject, reply, header block, data)`` delivers a message to subscribers;
-    ``has_interest(subject)`` says whether anyone subscribes to a subject.
+    ``send`` delivers a message to subscribers (``consumers.Send``); ``has_interest(subject)``
+    says whether anyone subscribes to a subject.
     """
 
     def __init__(self, send: Send, has_interest: Callable[[str], bool]) -> None:
@@ -133,7 +133,7 @@ class JetStream:
     # ---- the API --------------------------------------------------------------------------
 
     def api(self, subject: str, reply: str, data: bytes) -> Answer:
-        """Answer a ``$JS.API`` request (None: no one answers, or the answer comes later)."""
+        """Answer a ``$JS.API`` request (see :data:`Answer`)."""
         tokens = subject[len(API_PREFIX) :].split(".")
         try:
             if tokens[0] == "DIRECT" and tokens[1:2] == ["GET"]:
