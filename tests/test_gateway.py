@@ -1,6 +1,6 @@
-"""Gateway edges through FastAPI's TestClient and a real nats-server: health and readiness, the
-API token, the body limit and security headers, unknown jobs and units, bad names, and
-malformed records in KV."""
+"""Gateway edges through FastAPI's TestClient and the in-memory NATS server: health and
+readiness, the API token, the body limit and security headers, unknown jobs and units, bad
+names, and malformed records in KV."""
 
 from __future__ import annotations
 
@@ -17,13 +17,14 @@ from hypothesis import strategies as st
 from services.cli import main
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
-from services.orchestration.nats_server import NatsServer, free_port
+from services.orchestration.nats_server import free_port
 from shared import records, subjects
 from shared.records import Record
 from shared.records.jobs import DesiredRecord, JobRecord, JobSpec
 from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
 from tests.helpers import AUTH, GATEWAY_TOKEN, wait_for
+from tests.memory_nats import MemoryNats
 from tests.strategies import json_values
 
 JOB = "g"
@@ -39,8 +40,8 @@ def gateway(nats_url: str, **options) -> Iterator[TestClient]:
 
 
 @pytest.fixture
-def client(nats_server: NatsServer) -> Iterator[TestClient]:
-    with gateway(nats_server.url) as client:
+def client(memory_nats: MemoryNats) -> Iterator[TestClient]:
+    with gateway(memory_nats.url) as client:
         yield client
 
 
@@ -71,7 +72,7 @@ def test_health_and_readiness_without_nats():
 
 
 @pytest.mark.timeout(60)
-def test_readiness_follows_the_outer_heartbeat(nats_server, client):
+def test_readiness_follows_the_outer_heartbeat(memory_nats, client):
     # No outer has ever run for job g: not ready, and the reason says so.
     response = client.get("/readyz")
     assert response.status_code == 503 and "outer of job 'g' not alive" in response.text
@@ -83,7 +84,7 @@ def test_readiness_follows_the_outer_heartbeat(nats_server, client):
     assert ready.status_code == 200, ready.text
     assert ready.json()["job"] == JOB and 0 <= ready.json()["outer_heartbeat_age_s"] < 5
     # The same heartbeat, judged by a gateway with a shorter timeout once it is older.
-    with gateway(nats_server.url, heartbeat_timeout_s=0.5) as strict:
+    with gateway(memory_nats.url, heartbeat_timeout_s=0.5) as strict:
         put(strict, subjects.STATUS_BUCKET, subjects.outer_status_key(JOB), outer_status())
         time.sleep(0.7)
         response = strict.get("/readyz")
@@ -91,14 +92,14 @@ def test_readiness_follows_the_outer_heartbeat(nats_server, client):
 
 
 @pytest.mark.timeout(60)
-def test_a_gateway_of_no_job_is_ready_when_nats_answers(nats_server):
+def test_a_gateway_of_no_job_is_ready_when_nats_answers(memory_nats):
     # compose's gateway: no outer to wait for; NATS answering a round trip is enough.
-    with gateway(nats_server.url, job="") as app:
+    with gateway(memory_nats.url, job="") as app:
         ready = app.get("/readyz")
         assert ready.status_code == 200, ready.text
         assert ready.json() == {"status": "ready", "job": "", "outer_heartbeat_age_s": None}
         assert app.get("/metrics").status_code == 200
-        nats_server.kill()
+        memory_nats.kill()
         response = app.get("/readyz")
         assert response.status_code == 503, response.text
 
@@ -139,8 +140,8 @@ def test_the_token_guards_every_change(client):
 
 
 @pytest.mark.timeout(60)
-def test_an_oversized_body_gets_413_before_it_is_read_and_changes_nothing(nats_server):
-    with gateway(nats_server.url, max_body_bytes=1024) as small:
+def test_an_oversized_body_gets_413_before_it_is_read_and_changes_nothing(memory_nats):
+    with gateway(memory_nats.url, max_body_bytes=1024) as small:
         before = small.get("/jobs").json()
         # Not even JSON: it is refused by its length, never parsed (that would be 422).
         oversized = b"x" * 1025
@@ -174,9 +175,9 @@ def test_security_headers_are_on_every_answer(client):
     assert client.get("/docs").headers["content-security-policy"] == "frame-ancestors 'none'"
 
 
-def test_a_viewer_token_guards_every_read_of_job_data_and_changes_nothing(nats_server):
+def test_a_viewer_token_guards_every_read_of_job_data_and_changes_nothing(memory_nats):
     viewer = "viewer-token-0123456789"
-    with gateway(nats_server.url, viewer_token=viewer) as client:
+    with gateway(memory_nats.url, viewer_token=viewer) as client:
         read_only = {"Authorization": f"Bearer {viewer}"}
         assert client.post("/jobs", json={"job": "v1", "units": 2}, headers=AUTH).status_code == 201
         for path in ("/jobs", "/jobs/v1", "/jobs/v1/metrics", "/metrics", "/jobs/v1/units/0"):
@@ -224,17 +225,17 @@ def test_the_token_comes_from_the_environment_or_a_file_never_a_flag(tmp_path, c
 
 
 @pytest.mark.timeout(60)
-def test_a_local_gateway_needs_no_token(nats_server):
-    with gateway(nats_server.url, token="", local=True) as local:
+def test_a_local_gateway_needs_no_token(memory_nats):
+    with gateway(memory_nats.url, token="", local=True) as local:
         assert local.post("/jobs", json={"job": "loc", "units": 1}).status_code == 201
         assert local.delete("/jobs/loc").status_code == 200
 
 
 @pytest.mark.timeout(120)
-def test_a_gateway_without_token_refuses_to_start(nats_server, monkeypatch, capsys):
+def test_a_gateway_without_token_refuses_to_start(memory_nats, monkeypatch, capsys):
     monkeypatch.delenv("DILOCO_TOKEN", raising=False)
     monkeypatch.delenv("DILOCO_LOCAL", raising=False)
-    assert main(["gateway", "--nats-url", nats_server.url]) == 2
+    assert main(["gateway", "--nats-url", memory_nats.url]) == 2
     assert "needs an API token" in capsys.readouterr().err
 
 

@@ -1,7 +1,7 @@
-"""The gateway's job registry and job/unit control through FastAPI's TestClient and a real
-nats-server: every endpoint, bad input (422 naming the field), unknown jobs and units (404),
-invalid transitions (409), and that a refused call changes nothing; then the ``diloco`` client
-commands against a served gateway."""
+"""The gateway's job registry and job/unit control through FastAPI's TestClient and the
+in-memory NATS server: every endpoint, bad input (422 naming the field), unknown jobs and units
+(404), invalid transitions (409), and that a refused call changes nothing; then the ``diloco``
+client commands against a served gateway."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from fastapi.testclient import TestClient
 from services.cli import main
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
-from services.orchestration.nats_server import NatsServer, free_port
+from services.orchestration.nats_server import free_port
 from shared import kv, subjects
 from shared.records.jobs import DesiredRecord
 from shared.records.unit import UnitStatus
 from tests.helpers import AUTH, GATEWAY_TOKEN, wait_for
+from tests.memory_nats import MemoryNats
 
 SPEC = {"job": "j1", "model": "tiny", "units": 3, "h_steps": 10, "codec": "int4", "seed": 7}
 
@@ -31,9 +32,9 @@ def settings_for(nats_url: str) -> GatewaySettings:
 
 
 @pytest.fixture
-def client(nats_server: NatsServer) -> Iterator[TestClient]:
+def client(memory_nats: MemoryNats) -> Iterator[TestClient]:
     """A gateway app in this process, connected to NATS, sending the token."""
-    with TestClient(create_app(settings_for(nats_server.url)), headers=AUTH) as client:
+    with TestClient(create_app(settings_for(memory_nats.url)), headers=AUTH) as client:
         wait_for(lambda: client.app.state.link.connected, 30, "the gateway to reach NATS")
         yield client
 
@@ -161,7 +162,7 @@ def test_job_registry_lifecycle_and_refusals(client):
 
 
 @pytest.mark.timeout(120)
-def test_a_jobs_corpus_must_resolve_inside_the_data_root(nats_server, tmp_path):
+def test_a_jobs_corpus_must_resolve_inside_the_data_root(memory_nats, tmp_path):
     root = tmp_path / "corpora"
     (root / "books").mkdir(parents=True)
     (root / "books" / "a.txt").write_text("text " * 100)
@@ -173,7 +174,7 @@ def test_a_jobs_corpus_must_resolve_inside_the_data_root(nats_server, tmp_path):
         "missing.txt": "does not exist",
         "/dev/zero": "outside the data root",
     }
-    settings = settings_for(nats_server.url).model_copy(update={"data_root": root})
+    settings = settings_for(memory_nats.url).model_copy(update={"data_root": root})
     with TestClient(create_app(settings), headers=AUTH) as client:
         wait_for(lambda: client.app.state.link.connected, 30, "the gateway to reach NATS")
         for n, (corpus, reason) in enumerate(refused.items()):
@@ -183,7 +184,7 @@ def test_a_jobs_corpus_must_resolve_inside_the_data_root(nats_server, tmp_path):
         assert created.status_code == 201, created.text
         assert created.json()["spec"]["corpus"] == str((root / "books").resolve())
     # Without a data root no job may name a corpus (the built-in one needs none).
-    with TestClient(create_app(settings_for(nats_server.url)), headers=AUTH) as client:
+    with TestClient(create_app(settings_for(memory_nats.url)), headers=AUTH) as client:
         wait_for(lambda: client.app.state.link.connected, 30, "the gateway to reach NATS")
         spec = {**SPEC, "job": "nr", "corpus": str(root / "books")}
         assert_refused(client, "nr", 422, "POST", "/jobs", "--data-root", json=spec)
@@ -284,11 +285,11 @@ def served(nats_url: str) -> Iterator[str]:
 
 
 @pytest.mark.timeout(120)
-def test_cli_drives_the_gateway(nats_server, tmp_path, monkeypatch, capsys):
+def test_cli_drives_the_gateway(memory_nats, tmp_path, monkeypatch, capsys):
     spec = tmp_path / "spec.toml"
     spec.write_text('job = "cli"\nmodel = "tiny"\nunits = 2\n[sync]\nh-steps = 5\ncodec = "int2"\n')
 
-    with served(nats_server.url) as gateway:
+    with served(memory_nats.url) as gateway:
 
         def diloco(*args: str, token: str = GATEWAY_TOKEN) -> tuple[int, str, str]:
             monkeypatch.setenv("DILOCO_TOKEN", token)

@@ -1,4 +1,5 @@
-"""shared.kv and shared.job_status against a real nats-server: keys, typed reads, server ages."""
+"""shared.kv and shared.job_status against the in-memory NATS server: keys, typed reads, server
+ages."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ async def _connect(url: str):
 
 
 def test_snapshot_lists_every_key_including_deleted_ones_and_none_of_other_buckets(
-    nats_server,
+    memory_nats,
 ) -> None:
     async def scenario() -> None:
-        nc = await nats.connect(nats_server.url)
+        nc = await nats.connect(memory_nats.url)
         try:
             js = nc.jetstream()
             things = await js.create_key_value(bucket="things")
@@ -58,9 +59,9 @@ def test_snapshot_lists_every_key_including_deleted_ones_and_none_of_other_bucke
     asyncio.run(scenario())
 
 
-def test_typed_put_get_and_stamped_ages_on_the_server_clock(nats_server) -> None:
+def test_typed_put_get_and_stamped_ages_on_the_server_clock(memory_nats) -> None:
     async def scenario() -> None:
-        nc, js = await _connect(nats_server.url)
+        nc, js = await _connect(memory_nats.url)
         try:
             desired = await js.key_value(subjects.DESIRED_BUCKET)
             await kv.put(desired, "j.0", DesiredRecord(state="paused"))
@@ -95,10 +96,10 @@ def test_typed_put_get_and_stamped_ages_on_the_server_clock(nats_server) -> None
 
 
 def test_job_status_reads_every_unit_and_drops_malformed_or_inconsistent_records(
-    nats_server,
+    memory_nats,
 ) -> None:
     async def scenario() -> None:
-        nc, js = await _connect(nats_server.url)
+        nc, js = await _connect(memory_nats.url)
         try:
             status = await js.key_value(subjects.STATUS_BUCKET)
             for unit in (0, 3, 12):
@@ -128,9 +129,9 @@ def test_job_status_reads_every_unit_and_drops_malformed_or_inconsistent_records
 
 
 @pytest.mark.timeout(300)
-def test_malformed_status_records_never_crash_the_job_status_reader(nats_server) -> None:
+def test_malformed_status_records_never_crash_the_job_status_reader(memory_nats) -> None:
     loop = asyncio.new_event_loop()
-    nc, js = loop.run_until_complete(_connect(nats_server.url))
+    nc, js = loop.run_until_complete(_connect(memory_nats.url))
     status_kv = loop.run_until_complete(js.key_value(subjects.STATUS_BUCKET))
 
     @settings(

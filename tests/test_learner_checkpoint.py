@@ -262,7 +262,7 @@ def test_full_queue_drops_the_oldest_upload_not_being_sent(tmp_path):
 
 
 @pytest.mark.parametrize("fails", [False, True], ids=["compiles", "fails"])
-def test_training_can_wait_for_the_codec_kernels(monkeypatch, nats_server, fails):
+def test_training_can_wait_for_the_codec_kernels(monkeypatch, memory_nats, fails):
     """The codec compiles on the encoder thread from link.start(); the training thread waits
     for it (a cold Numba cache once made a fast unit drop its first uploads) and gets its
     error if compiling fails."""
@@ -274,7 +274,7 @@ def test_training_can_wait_for_the_codec_kernels(monkeypatch, nats_server, fails
             raise RuntimeError("no compiler")
 
     monkeypatch.setattr("services.learner.encoder.codec.warm_up", slow_warm_up)
-    settings = LearnerSettings(job="t", model="tiny", nats_url=nats_server.url)
+    settings = LearnerSettings(job="t", model="tiny", nats_url=memory_nats.url)
     link = LearnerLink(settings, 1 << 20)
     link.start()
     outcome: list[BaseException | float] = []

@@ -1,5 +1,5 @@
-"""What ``diloco up`` reads of the registry (``services.orchestration.registry``) from a real
-nats-server: the jobs but its own, and the desired states of those not stopped; malformed
+"""What ``diloco up`` reads of the registry (``services.orchestration.registry``) from the
+in-memory NATS server: the jobs but its own, and the desired states of those not stopped; malformed
 records read as missing."""
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ async def write_and_read(url: str) -> Registry:
         await nc.close()
 
 
-def test_registry_holds_the_other_jobs_and_their_valid_desired_states(nats_server):
-    registry = asyncio.run(write_and_read(nats_server.url))
+def test_registry_holds_the_other_jobs_and_their_valid_desired_states(memory_nats):
+    registry = asyncio.run(write_and_read(memory_nats.url))
     assert sorted(registry.records) == ["a", "done"]
     assert registry.records["a"] == record("a")
     assert registry.desired == {"a": {0: "paused"}}  # unit 1's record is malformed

@@ -1,7 +1,7 @@
-"""The loop of ``diloco up`` (``services.orchestration.local.run.supervise``) against a real
-nats-server, with stand-in children and status records written by the test: it releases the units
-together, shows progress, notices an unreachable NATS, and ends the run once the books balance. No
-JAX."""
+"""The loop of ``diloco up`` (``services.orchestration.local.run.supervise``) against the
+in-memory NATS server, with stand-in children and status records written by the test: it
+releases the units together, shows progress, notices an unreachable NATS, and ends the run once
+the books balance. No JAX."""
 
 from __future__ import annotations
 
@@ -54,19 +54,19 @@ async def _has_text(path: Path, text: str) -> bool:
 
 
 def test_supervise_releases_the_units_together_and_finishes_when_the_books_balance(
-    nats_server, tmp_path
+    memory_nats, tmp_path
 ):
     settings = UpSettings(job=JOB, learners=2, data_dir=str(tmp_path), progress_every_s=0.2)
     out = io.StringIO()
     cluster = Cluster(settings, out=out, launch=stand_in)
-    cluster.server = nats_server
+    cluster.server = memory_nats
     cluster.services.append(cluster.spawn("outer", ["outer"]))
     for unit in range(2):
         cluster.learners.append(cluster.spawn(f"learner-{unit}", ["learner"], may_finish=True))
 
     async def scenario() -> RunSummary:
-        await release.hold_units(NatsSettings(nats_url=nats_server.url), JOB, 2)
-        nc = await connect(NatsSettings(nats_url=nats_server.url), "test")
+        await release.hold_units(NatsSettings(nats_url=memory_nats.url), JOB, 2)
+        nc = await connect(NatsSettings(nats_url=memory_nats.url), "test")
         js = nc.jetstream()
         status_kv = await js.key_value(subjects.STATUS_BUCKET)
         desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
@@ -109,9 +109,9 @@ def test_supervise_releases_the_units_together_and_finishes_when_the_books_balan
             await kv.put(status_kv, subjects.outer_status_key(JOB), outer)
             await asyncio.sleep(0.5)
             assert not run.done()  # the learners still run
-            nats_server.kill()  # an outage: the loop goes on with the last records read
+            memory_nats.kill()  # an outage: the loop goes on with the last records read
             await until(lambda: _has(out, "NATS unreachable"), "the outage to be noticed")
-            nats_server.restart()
+            memory_nats.restart()
             await until(lambda: _has(out, "NATS reachable again"), "NATS to come back")
             for child in cluster.learners:
                 await until(lambda c=child: _has_text(c.log_path, "ready"), "stand-in ready")

@@ -1,4 +1,5 @@
-"""The outer's checkpoint and leader lease, against a real nats-server (no service processes)."""
+"""The outer's checkpoint and leader lease, against the in-memory NATS server (no service
+processes)."""
 
 from __future__ import annotations
 
@@ -135,9 +136,9 @@ async def _connect(url: str):
     return nc, js
 
 
-def test_store_reads_what_it_wrote_and_detects_torn_or_corrupt(nats_server) -> None:
+def test_store_reads_what_it_wrote_and_detects_torn_or_corrupt(memory_nats) -> None:
     async def scenario() -> None:
-        nc, js = await _connect(nats_server.url)
+        nc, js = await _connect(memory_nats.url)
         try:
             store = checkpoint.CheckpointStore(js, "job1", chunk_size=4096, max_bytes=1 << 20)
             blob = np.random.default_rng(0).bytes(10_000)
@@ -170,9 +171,9 @@ def _pointer(name: str) -> CheckpointPointer:
     return CheckpointPointer(id=name, epoch=1, slot=0, chunks=1, size=0, crc=0, versions=[0])
 
 
-def test_lease_one_holder_takeover_and_fencing(nats_server) -> None:
+def test_lease_one_holder_takeover_and_fencing(memory_nats) -> None:
     async def scenario() -> None:
-        nc, js = await _connect(nats_server.url)
+        nc, js = await _connect(memory_nats.url)
         try:
             kv = await js.key_value(subjects.OUTER_BUCKET)
             p1, p2 = _pointer("p1"), _pointer("p2")
@@ -211,14 +212,14 @@ def test_lease_one_holder_takeover_and_fencing(nats_server) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_leader_that_never_committed_keeps_the_checkpoint_it_restored(nats_server, tmp_path):
+def test_a_leader_that_never_committed_keeps_the_checkpoint_it_restored(memory_nats, tmp_path):
     """Leader 1 commits a checkpoint; leader 2 restores it and stops before it has anything
     new to commit; leader 3 must still find that checkpoint (leader 2 must not delete the
     older epoch's chunks that the committed pointer names)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(256)) * 40)
     settings = OuterSettings(
-        nats_url=nats_server.url, job="keep", model="tiny", corpus=str(corpus), num_units=1
+        nats_url=memory_nats.url, job="keep", model="tiny", corpus=str(corpus), num_units=1
     )
 
     async def lead_then_stop() -> OuterService:

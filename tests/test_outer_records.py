@@ -117,7 +117,7 @@ def test_a_standby_waits_while_the_leader_renews() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_an_outer_starts_over_malformed_lease_status_and_params_head(nats_server, tmp_path):
+def test_an_outer_starts_over_malformed_lease_status_and_params_head(memory_nats, tmp_path):
     """Garbage in the lease record, both status keys and the params head: the outer counts
     them as rejections, takes the lease over once it has not changed for ``lease_s``, starts
     from version 0 and replaces the garbage with records that parse."""
@@ -125,7 +125,7 @@ def test_an_outer_starts_over_malformed_lease_status_and_params_head(nats_server
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(256)) * 40)
     settings = OuterSettings(
-        nats_url=nats_server.url, job=job, model="tiny", corpus=str(corpus), lease_s=0.5
+        nats_url=memory_nats.url, job=job, model="tiny", corpus=str(corpus), lease_s=0.5
     )
     before = {name: rejected(name) for name in ("LeaseRecord", "ParamsHead")}
 

@@ -1,5 +1,5 @@
 """A learner fetches global params by its policy — the newest whenever one is announced, or once
-after each of its uploads — and a slow read is never torn (real nats-server)."""
+after each of its uploads — and a slow read is never torn (in-memory NATS server)."""
 
 from __future__ import annotations
 
@@ -66,9 +66,9 @@ async def running_fetcher(url: str, settings: LearnerSettings) -> AsyncIterator[
         await nc.close()
 
 
-def test_newest_fetches_each_announced_version(nats_server) -> None:
+def test_newest_fetches_each_announced_version(memory_nats) -> None:
     async def scenario() -> None:
-        async with running_fetcher(nats_server.url, SETTINGS) as (js, fetcher):
+        async with running_fetcher(memory_nats.url, SETTINGS) as (js, fetcher):
             for version in (1, 2, 3):
                 await publish(js, version)
                 arrived = await taken(fetcher, 10)
@@ -82,10 +82,10 @@ def test_newest_fetches_each_announced_version(nats_server) -> None:
 
 
 def test_a_version_above_the_newest_head_is_replaced_and_a_bad_head_is_read_once(
-    nats_server,
+    memory_nats,
 ) -> None:
     async def scenario() -> None:
-        async with running_fetcher(nats_server.url, SETTINGS) as (js, fetcher):
+        async with running_fetcher(memory_nats.url, SETTINGS) as (js, fetcher):
             await publish(js, 10**9)  # a forged (or broken) high version
             assert [(f.version, f.rewind) for f in await taken(fetcher, 10)] == [(10**9, False)]
             await publish(js, 4)  # the genuine outer's next version: the newest head
@@ -101,9 +101,9 @@ def test_a_version_above_the_newest_head_is_replaced_and_a_bad_head_is_read_once
     asyncio.run(scenario())
 
 
-def test_after_upload_fetches_one_copy_at_start_and_one_after_each_upload(nats_server) -> None:
+def test_after_upload_fetches_one_copy_at_start_and_one_after_each_upload(memory_nats) -> None:
     async def scenario() -> None:
-        async with running_fetcher(nats_server.url, AFTER_UPLOAD) as (js, fetcher):
+        async with running_fetcher(memory_nats.url, AFTER_UPLOAD) as (js, fetcher):
             await publish(js, 1)
             assert [f.version for f in await taken(fetcher, 10)] == [1]
             # Versions published while nothing is wanted are not fetched.
@@ -128,16 +128,16 @@ def test_after_upload_fetches_one_copy_at_start_and_one_after_each_upload(nats_s
     asyncio.run(scenario())
 
 
-def test_a_slow_read_gets_exactly_the_version_it_started_on(nats_server) -> None:
+def test_a_slow_read_gets_exactly_the_version_it_started_on(memory_nats) -> None:
     """Over a 1 Mbit/s link one copy takes about two seconds; five newer versions published
     meanwhile do not tear it. Past PARAMS_VERSIONS_KEPT newer ones it starts again on the
     newest, and still completes."""
 
     async def read_while_publishing(newer: int) -> tuple[int, bytes]:
-        direct = await nats.connect(nats_server.url)
+        direct = await nats.connect(memory_nats.url)
         js = direct.jetstream()
         await ensure_streams(js)
-        host, port = nats_server.url.removeprefix("nats://").split(":")
+        host, port = memory_nats.url.removeprefix("nats://").split(":")
         proxy = LinkProxy(parse_link("1mbit"), host, int(port))
         slow = await nats.connect(f"nats://127.0.0.1:{await proxy.start()}")
         try:
