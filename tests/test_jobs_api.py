@@ -346,3 +346,30 @@ def test_cli_drives_the_gateway(memory_nats, tmp_path, monkeypatch, capsys):
         assert ok("jobs") == []
     code, _, err = diloco("jobs")
     assert code == 1 and "cannot reach the gateway" in err
+
+
+async def test_a_stale_delete_is_a_conflict_and_changes_nothing(memory_nats: MemoryNats) -> None:
+    """Two deletes of the same read: the second is refused as a conflict (HTTP 409), not as a
+    NATS error (503), and the newer record it did not see stays."""
+    from services.gateway.registry import Conflict, Registry
+    from shared.records.jobs import JobSpec
+    from shared.transport.connection import connect
+    from shared.transport.streams import ensure_streams
+
+    nc = await connect(settings_for(memory_nats.url), "test-registry")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        registry = Registry(
+            nc,
+            await js.key_value(subjects.JOBS_BUCKET),
+            await js.key_value(subjects.DESIRED_BUCKET),
+        )
+        await registry.create_job(JobSpec(**SPEC))
+        record, revision = await registry.read_job("j1")
+        await registry.replace_job(record, revision)  # someone else changed it meanwhile
+        with pytest.raises(Conflict):
+            await registry.delete_job("j1", revision)
+        assert await registry.read_job("j1") is not None
+    finally:
+        await nc.close()

@@ -21,6 +21,10 @@ from shared import kv, records, subjects
 from shared.records.jobs import DesiredRecord, DesiredState, JobRecord, JobSpec
 
 
+#: JetStream's error code for a write whose expected last sequence is not the stream's.
+WRONG_LAST_SEQUENCE = 10071
+
+
 class Conflict(RuntimeError):
     """The record exists already, or changed since it was read (HTTP 409)."""
 
@@ -110,7 +114,11 @@ class Registry:
         """
         try:
             await self.jobs_kv.delete(subjects.job_key(job), last=revision)
-        except nats.js.errors.KeyWrongLastSequenceError:
+        except nats.js.errors.BadRequestError as err:
+            # nats-py's delete(last=) raises the server's "wrong last sequence" (10071) as a
+            # plain BadRequestError, not as KeyWrongLastSequenceError as update() does.
+            if err.err_code != WRONG_LAST_SEQUENCE:
+                raise
             raise Conflict(f"job {job!r} changed concurrently; try again") from None
 
     async def read_desired(self, job: str, unit: int) -> DesiredState | None:
