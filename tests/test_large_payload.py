@@ -29,13 +29,14 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
         job="big",
         model="medium",
         corpus=str(corpus),
+        num_units=1,  # one unit: Delayed Nesterov takes a step per arrival
         staleness_rule="constant",
         outer_momentum=0.9,
         outer_lr=0.7,
     )
     service = OuterService(settings, asyncio.Event())
     service.build_math()
-    template = service.template
+    template = service.evaluator.template
     assert model.param_count(template) >= 10_000_000
 
     rng = np.random.default_rng(0)

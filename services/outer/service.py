@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import threading
 import time
 from typing import Any
@@ -33,8 +32,9 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from services.outer import checkpoint
+from services.outer import checkpoint, restore
 from services.outer.core import MergeResult, OuterCore
+from services.outer.evaluator import EvalCopy, Evaluator
 from services.outer.intake import Intake
 from services.outer.lease import Lease, LeaseLost, new_holder_id
 from services.outer.ledger import OuterLedger
@@ -46,10 +46,8 @@ from shared import data, evaluation, kv, liveness, model, pytree, subjects
 from shared.codec import api as codec
 from shared.records.outer import (
     CheckpointInfo,
-    EvalRecord,
     OuterState,
     OuterStatus,
-    RestoredFrom,
     StandbyStatus,
 )
 from shared.retry import NATS_ERRORS, QUICK, retry
@@ -57,10 +55,7 @@ from shared.runtime import configure_jax
 from shared.transport import TransportError
 from shared.transport.blobs import chunk_size_for
 from shared.transport.connection import connect_with_retry
-from shared.transport.params import read_latest_params
 from shared.transport.streams import prepare_streams
-from shared.wire.chunks import WireError
-from shared.wire.envelope import ParamsEnvelope, unpack_envelope
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +94,10 @@ class OuterService:
             data.load_corpus(s.corpus, s.corpus_max_bytes), s.heldout_fraction
         )
         batches = data.eval_batches(corpus.heldout, cfg.seq_len, s.eval_batch_size, s.eval_batches)
-        self.evaluate = evaluation.make_evaluator(cfg, batches)
-        self.template = model.init_params(cfg, jax.random.PRNGKey(s.seed))
-        self.param_bytes = 4 * model.param_count(self.template)
-        named = pytree.flatten_named(self.template)
+        template = model.init_params(cfg, jax.random.PRNGKey(s.seed))
+        self.evaluator = Evaluator(evaluation.make_evaluator(cfg, batches), template)
+        self.param_bytes = 4 * model.param_count(template)
+        named = pytree.flatten_named(template)
         self.core = OuterCore(named, s.outer_algorithm())
         # Compile the codec kernels beside the outer step (Numba releases the GIL).
         codec_warm_up = threading.Thread(target=codec.warm_up, name="codec-warm-up")
@@ -141,49 +136,16 @@ class OuterService:
         """Continue from the committed checkpoint; without one (a new job, or a lease record
         that was unreadable), from the newest published params, else from version 0."""
         assert self.lease is not None
-        pointer = self.lease.pointer
+        s, pointer = self.settings, self.lease.pointer
         if pointer is not None:
             snapshot = checkpoint.loads(await store.read(pointer))
-            if snapshot.job != self.settings.job or snapshot.model != self.settings.model:
-                raise SystemExit(
-                    f"job {self.settings.job} has a checkpoint of model {snapshot.model!r}, "
-                    f"not {self.settings.model!r}: use another --job or the same --model"
-                )
-            self.core.import_state(snapshot.versions, snapshot.params, snapshot.opt_leaves)
-            self.core.guard.restore(snapshot.norms)
-            self.ledger.load(snapshot.ledger)
-            self.progress.evaluation = snapshot.evaluation
-            self.progress.restored_from = RestoredFrom(
-                kind="checkpoint", id=pointer.id, versions=pointer.versions
+            restore.from_checkpoint(
+                snapshot, pointer, s.job, s.model, self.core, self.ledger, self.progress
             )
-            log.info("restored checkpoint %s (versions %s)", pointer.id, pointer.versions)
             return
-        for fragment in range(self.core.plan.count):
-            fetched = await read_latest_params(
-                js, self.settings.job, fragment, self.max_params_bytes
-            )
-            if fetched is None:
-                continue
-            head, blob = fetched
-            version = head.version
-            envelope = unpack_envelope(blob, max_size=self.max_params_bytes)
-            if not isinstance(envelope, ParamsEnvelope):
-                raise WireError(f"the params stream of fragment {fragment} holds {envelope.kind}")
-            if envelope.model != self.settings.model:
-                raise SystemExit(
-                    f"job {self.settings.job} already has params for model {envelope.model!r}, "
-                    f"not {self.settings.model!r}: use another --job or the same --model"
-                )
-            pieces = codec.decode_tensors(envelope.payload, envelope.codec)
-            self.core.restore(fragment, version, pieces)
-            self.ledger.tokens_applied = max(self.ledger.tokens_applied, envelope.tokens)
-            self.progress.restored_from = RestoredFrom(kind="params", versions=self.core_versions())
-            log.warning(
-                "fragment %d continues from published version %d without a checkpoint "
-                "(outer momentum restarts from zero)",
-                fragment,
-                version,
-            )
+        await restore.from_published_params(
+            js, s.job, s.model, self.max_params_bytes, self.core, self.ledger, self.progress
+        )
         self._dirty = True  # no checkpoint to continue from: one is written at once
 
     async def subscribe(self, js: Any) -> Any:
@@ -278,7 +240,7 @@ class OuterService:
             if not await self._publish(js, fragment):
                 return
         if self.progress.evaluation.last is None:
-            await self._evaluate(*self._eval_snapshot())  # saved by the next commit
+            await self._evaluate(self.evaluator.copy(self.core))  # saved by the next commit
         sub = await self._retry(lambda: self.subscribe(js), "subscribe")
         self.state = "running"
         await self._serve(js, sub, store)
@@ -315,7 +277,7 @@ class OuterService:
                     and (last is None or last.version != self.core.total_version)
                     and (due or (idle and self.settings.eval_when_idle))
                 ):
-                    evaluation = asyncio.create_task(self._evaluate(*self._eval_snapshot()))
+                    evaluation = asyncio.create_task(self._evaluate(self.evaluator.copy(self.core)))
         finally:
             if evaluation is not None:
                 evaluation.cancel()
@@ -477,34 +439,9 @@ class OuterService:
             applied={unit: books.last_round for unit, books in self.ledger.units.items()},
         )
 
-    def _eval_snapshot(self) -> tuple[Any, int, float]:
-        """A copy of the global params and their version, for :meth:`_evaluate`. Take it on
-        the event loop between merges (merges run on a worker thread)."""
-        params = pytree.unflatten_named(self.template, self.core.full_params())
-        return params, self.core.total_version, time.time()
-
-    async def _evaluate(self, params: Any, version: int, taken_at: float) -> None:
-        """Evaluate ``params`` (global version ``version``, copied at ``taken_at``) on held-out
-        data and enter the result (a loss that is not finite, from a diverged model, is entered
-        as None and logged)."""
-        result = await asyncio.get_running_loop().run_in_executor(None, self.evaluate, params)
-        log.info(
-            "eval v%d: %.4f nats/byte (%.4f bits/byte)",
-            version,
-            result.nats_per_byte,
-            result.bits_per_byte,
-        )
-        if not all(map(math.isfinite, (result.nats_per_byte, result.bits_per_byte))):
-            log.warning("the evaluation of version %d is not finite: the model diverged", version)
-        self.progress.evaluated(
-            EvalRecord(
-                version=version,
-                tokens=self.ledger.tokens_applied,
-                nats_per_byte=_finite(result.nats_per_byte),
-                bits_per_byte=_finite(result.bits_per_byte),
-                at=round(taken_at, 3),
-            )
-        )
+    async def _evaluate(self, copy: EvalCopy) -> None:
+        """Evaluate a copy of the global params and enter the result."""
+        self.progress.evaluated(await self.evaluator.run(copy, self.ledger.tokens_applied))
 
     # ---- status ----------------------------------------------------------------------------
 
@@ -536,8 +473,3 @@ class OuterService:
                 log.info("heartbeat: %r", err)
             liveness.mark(self.settings.liveness_file)
             await asyncio.sleep(self.settings.status_interval_s)
-
-
-def _finite(loss: float) -> float | None:
-    """A loss rounded for the status record, or None when it is not finite."""
-    return round(loss, 5) if math.isfinite(loss) else None
