@@ -10,8 +10,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.gateway.app import create_app
 from services.gateway.collector import StatusCollector
+from services.gateway.job_metrics import job_metrics
 from services.gateway.settings import GatewaySettings
-from services.gateway.views import job_metrics, job_view, unit_view, version_lag
+from services.gateway.views import job_view, unit_view, version_lag
 from services.orchestration.nats_server import free_port
 from shared.job_status import JobStatus
 from shared.link_spec import parse_link

@@ -20,7 +20,6 @@ from nats.js.kv import KeyValue
 from shared import kv, records, subjects
 from shared.records.jobs import DesiredRecord, DesiredState, JobRecord, JobSpec
 
-
 #: JetStream's error code for a write whose expected last sequence is not the stream's.
 WRONG_LAST_SEQUENCE = 10071
 

@@ -10,7 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from services.gateway.collector import StatusCollector
 from services.gateway.deps import JobName, LinkDep, NatsDep, RegistryDep, SettingsDep
-from services.gateway.views import NOT_FOUND, JobMetrics, job_metrics
+from services.gateway.job_metrics import JobMetrics, job_metrics
+from services.gateway.views import NOT_FOUND
 from shared import records
 from shared.job_status import JobStatus, jobs_with_status, read_job_status
 
