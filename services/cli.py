@@ -27,7 +27,7 @@ import threading
 
 from shared.runtime import setup_logging
 from shared.settings import SettingsError
-from shared.settings.cli import add_settings_arguments, load_config_file, settings_from_args
+from shared.settings.cli import add_settings_arguments, settings_from_args
 
 log = logging.getLogger("diloco")
 
@@ -58,8 +58,7 @@ def _settings(cls, args: argparse.Namespace):
         LoadtestSettings,
     ):
         known |= set(settings_cls.model_fields)
-    config = load_config_file(args.config or os.environ.get("DILOCO_CONFIG"))
-    return settings_from_args(cls, args, config, known)
+    return settings_from_args(cls, args, args.config or os.environ.get("DILOCO_CONFIG"), known)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from services.cli import build_parser
@@ -11,13 +9,11 @@ from services.learner.settings import LearnerSettings
 from services.link.settings import LinkSettings
 from services.orchestration.local.settings import UpSettings
 from shared.settings import SettingsError
-from shared.settings.cli import add_settings_arguments, settings_from_args
+from shared.settings.cli import settings_from_args
 
 
 def parse(cls, argv):
-    parser = argparse.ArgumentParser()
-    add_settings_arguments(parser, cls)
-    return settings_from_args(cls, parser.parse_args(argv))
+    return settings_from_args(cls, argv)
 
 
 def test_flags_override_environment_which_overrides_defaults(monkeypatch):
@@ -92,7 +88,6 @@ def test_up_help_explains_every_option(capsys):
 
 def test_config_file_sets_options_and_flags_and_env_win(tmp_path, monkeypatch):
     from services.outer.settings import OuterSettings
-    from shared.settings.cli import load_config_file
 
     config = tmp_path / "job.toml"
     config.write_text(
@@ -100,26 +95,23 @@ def test_config_file_sets_options_and_flags_and_env_win(tmp_path, monkeypatch):
         "outer_lr = 0.5\nmin_quorum = 1\n[learner]\nh_steps = 7\n"
     )
     monkeypatch.setenv("DILOCO_OUTER_LR", "0.3")
-    values = load_config_file(str(config))
     known = set(OuterSettings.model_fields) | set(LearnerSettings.model_fields)
-    outer = settings_from_args(OuterSettings, {"num_units": 2}, values, known)
+    outer = settings_from_args(OuterSettings, {"num_units": 2}, str(config), known)
     assert (outer.model, outer.fragments, outer.merge_policy) == ("tiny", 2, "each")
     assert outer.outer_lr == 0.3  # the environment beats the file
-    learner = settings_from_args(LearnerSettings, {"h_steps": 9}, values, known)
+    learner = settings_from_args(LearnerSettings, {"h_steps": 9}, str(config), known)
     assert learner.h_steps == 9  # the flag beats the file
 
 
 def test_config_file_errors_are_clear(tmp_path):
-    from shared.settings.cli import load_config_file
-
     bad = tmp_path / "bad.toml"
     bad.write_text("h_step = 3\n")
     with pytest.raises(SettingsError, match="unknown keys in the config file: h_step"):
-        settings_from_args(LearnerSettings, {}, load_config_file(str(bad)))
+        settings_from_args(LearnerSettings, {}, str(bad))
     broken = tmp_path / "broken.toml"
     broken.write_text("h_steps = = 3\n")
     with pytest.raises(SettingsError, match="cannot read config file"):
-        load_config_file(str(broken))
+        settings_from_args(LearnerSettings, {}, str(broken))
 
 
 @pytest.mark.parametrize(
