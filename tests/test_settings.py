@@ -205,3 +205,62 @@ def test_link_options_give_each_unit_its_link():
     assert parse(UpSettings, []).unit_links() is None
     link = parse(LinkSettings, ["--nats-url", "nats://10.0.0.2:4333", "--name", "outer"])
     assert link.upstream() == ("10.0.0.2", 4333) and link.link_spec().rate_bps is None
+
+
+def _service_settings_classes():
+    from services.gateway.settings import GatewaySettings
+    from services.loadtest.settings import LoadtestSettings
+    from services.orchestration.compose.settings import BrokerSettings, ControllerSettings
+    from services.outer.settings import OuterSettings
+
+    return {
+        "up": UpSettings,
+        "learner": LearnerSettings,
+        "outer": OuterSettings,
+        "gateway": GatewaySettings,
+        "link": LinkSettings,
+        "broker": BrokerSettings,
+        "controller": ControllerSettings,
+        "loadtest": LoadtestSettings,
+    }
+
+
+@pytest.mark.parametrize("command", list(_service_settings_classes()))
+def test_help_gives_every_flag_its_description_default_and_env_var(command, capsys):
+    from shared.settings import is_secret
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    out = capsys.readouterr().out
+    text = " ".join(out.split())  # undo argparse's line wrapping
+    packed = "".join(out.split())  # ... which also breaks words at hyphens
+    for name, field in _service_settings_classes()[command].model_fields.items():
+        flag, env = "--" + name.replace("_", "-"), "DILOCO_" + name.upper()
+        if is_secret(field):  # a command line shows in ps: the environment only
+            assert f"{flag} " not in text and f"[env: {env}]" not in text
+            continue
+        default = "null" if field.default is None else field.default
+        assert f"{flag} " in text
+        assert f"(default: {default}) [env: {env}]" in text
+        assert "".join((field.description or "").split()) in packed
+    if command == "up":
+        assert "--start-together, --no-start-together" in text
+
+
+def test_a_command_line_beats_the_environment_which_beats_the_config_file(tmp_path, monkeypatch):
+    config = tmp_path / "job.toml"
+    config.write_text(
+        "[learner]\nh-steps = 5\ninner_lr = 0.005\nbatch_size = 4\ndynamic-h = false\n"
+    )
+    monkeypatch.setenv("DILOCO_CONFIG", str(config))
+    monkeypatch.setenv("DILOCO_INNER_LR", "0.004")
+    monkeypatch.setenv("DILOCO_BATCH_SIZE", "8")
+    args = build_parser().parse_args(["learner", "--batch-size", "2", "--dynamic-h"])
+    from services.cli import _settings
+
+    learner = _settings(LearnerSettings, args)
+    assert learner.h_steps == 5  # the file
+    assert learner.inner_lr == 0.004  # the environment beats the file
+    assert learner.batch_size == 2  # the flag beats both
+    assert learner.dynamic_h is True  # --dynamic-h beats the file's false
+    assert learner.max_steps == 300  # the default
