@@ -232,11 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
             allow_abbrev=False,  # --token must not pass for --token-file
         )
         add_settings_arguments(sub, settings_cls)
-        sub.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+        sub.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
         sub.add_argument(
             "--config",
             metavar="FILE",
-            help="job configuration file (TOML, keys = option names) [env DILOCO_CONFIG]",
+            help="job configuration file (TOML, keys = option names) [env: DILOCO_CONFIG]",
         )
         sub.set_defaults(handler=handler)
     from services.gateway.client import add_client_commands
