@@ -27,7 +27,7 @@ import threading
 
 from shared.runtime import setup_logging
 from shared.settings import SettingsError
-from shared.settings.cli import add_settings_arguments, load_config_file, settings_from_args
+from shared.settings.cli import add_settings_arguments, settings_from_args
 
 log = logging.getLogger("diloco")
 
@@ -58,8 +58,7 @@ def _settings(cls, args: argparse.Namespace):
         LoadtestSettings,
     ):
         known |= set(settings_cls.model_fields)
-    config = load_config_file(args.config or os.environ.get("DILOCO_CONFIG"))
-    return settings_from_args(cls, args, config, known)
+    return settings_from_args(cls, args, args.config or os.environ.get("DILOCO_CONFIG"), known)
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
@@ -233,11 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
             allow_abbrev=False,  # --token must not pass for --token-file
         )
         add_settings_arguments(sub, settings_cls)
-        sub.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+        sub.add_argument("--log-level", default="INFO", help="logging level (default: INFO)")
         sub.add_argument(
             "--config",
             metavar="FILE",
-            help="job configuration file (TOML, keys = option names) [env DILOCO_CONFIG]",
+            help="job configuration file (TOML, keys = option names) [env: DILOCO_CONFIG]",
         )
         sub.set_defaults(handler=handler)
     from services.gateway.client import add_client_commands

@@ -5,7 +5,6 @@ Fixtures live in ``conftest.py``; everything a test module imports lives here.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -25,14 +24,14 @@ from shared.nats_auth import Identity
 from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
 from shared.settings.algorithm import AlgorithmSettings
-from shared.settings.cli import add_settings_arguments, settings_from_args
+from shared.settings.cli import settings_from_args
 from shared.settings.nats import NatsSettings
 from shared.transport.blobs import chunk_size_for, publish_blob
 from shared.transport.connection import connect
 from shared.transport.streams import ensure_streams, prepare_streams
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
+    from pydantic_settings import BaseSettings
 
     from services.outer.core import OuterAlgorithm
 
@@ -41,7 +40,7 @@ GATEWAY_TOKEN = "test-token-0123456789"  # every gateway a test starts has it (D
 AUTH = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
 
 T = TypeVar("T")
-SettingsT = TypeVar("SettingsT", bound="BaseModel")
+SettingsT = TypeVar("SettingsT", bound="BaseSettings")
 
 
 def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2) -> T:
@@ -362,6 +361,4 @@ def outer_algorithm(num_units: int = 1, **changes: object) -> OuterAlgorithm:
 def service_settings(cls: type[SettingsT], argv: list[str]) -> SettingsT:
     """The settings a service builds from a command line a launcher gives it
     (``argv[0]`` is the service's name, as in ``diloco <service> ...``)."""
-    parser = argparse.ArgumentParser()
-    add_settings_arguments(parser, cls)
-    return settings_from_args(cls, parser.parse_args(argv[1:]))
+    return settings_from_args(cls, argv[1:])

@@ -32,6 +32,8 @@ RUNTIME_LOCK = ROOT / "requirements-runtime.lock"  # what the image installs (Do
 # Package -> the file whose use of its private API the upper bound in pyproject.toml protects.
 PRIVATE_API_USERS = {
     "numba": "shared/codec/quantize.py _float32_at / encode_segment (intrinsic, inttoptr, carray)",
+    "pydantic-settings": "shared/settings/cli.py JobConfigSource._read_file and "
+    "settings_from_args (BaseSettings(_build_sources=...))",
 }
 
 
@@ -136,6 +138,25 @@ def test_the_runtime_lock_has_the_full_locks_pins_without_the_dev_tools() -> Non
         f"{RUNTIME_LOCK.name} has the dev tools {(dev - needed) & names}, which the image does "
         "not need: run `make lock`"
     )
+
+
+# --------------------------------------------------------------------------- pydantic-settings
+
+
+def test_pydantic_settings_file_reading_and_source_order_hooks_still_exist() -> None:
+    import inspect
+
+    from pydantic_settings import BaseSettings, TomlConfigSettingsSource
+
+    checks = {
+        "TomlConfigSettingsSource._read_file": callable(
+            getattr(TomlConfigSettingsSource, "_read_file", None)
+        ),
+        "BaseSettings(_build_sources=...)": "_build_sources"
+        in inspect.signature(BaseSettings.__init__).parameters,
+    }
+    missing = [name for name, present in checks.items() if not present]
+    assert not missing, _broken("pydantic-settings", f"{', '.join(missing)} missing")
 
 
 # --------------------------------------------------------------------------- numba

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 
 from services.cli import build_parser
@@ -11,13 +9,11 @@ from services.learner.settings import LearnerSettings
 from services.link.settings import LinkSettings
 from services.orchestration.local.settings import UpSettings
 from shared.settings import SettingsError
-from shared.settings.cli import add_settings_arguments, settings_from_args
+from shared.settings.cli import settings_from_args
 
 
 def parse(cls, argv):
-    parser = argparse.ArgumentParser()
-    add_settings_arguments(parser, cls)
-    return settings_from_args(cls, parser.parse_args(argv))
+    return settings_from_args(cls, argv)
 
 
 def test_flags_override_environment_which_overrides_defaults(monkeypatch):
@@ -92,7 +88,6 @@ def test_up_help_explains_every_option(capsys):
 
 def test_config_file_sets_options_and_flags_and_env_win(tmp_path, monkeypatch):
     from services.outer.settings import OuterSettings
-    from shared.settings.cli import load_config_file
 
     config = tmp_path / "job.toml"
     config.write_text(
@@ -100,26 +95,23 @@ def test_config_file_sets_options_and_flags_and_env_win(tmp_path, monkeypatch):
         "outer_lr = 0.5\nmin_quorum = 1\n[learner]\nh_steps = 7\n"
     )
     monkeypatch.setenv("DILOCO_OUTER_LR", "0.3")
-    values = load_config_file(str(config))
     known = set(OuterSettings.model_fields) | set(LearnerSettings.model_fields)
-    outer = settings_from_args(OuterSettings, {"num_units": 2}, values, known)
+    outer = settings_from_args(OuterSettings, {"num_units": 2}, str(config), known)
     assert (outer.model, outer.fragments, outer.merge_policy) == ("tiny", 2, "each")
     assert outer.outer_lr == 0.3  # the environment beats the file
-    learner = settings_from_args(LearnerSettings, {"h_steps": 9}, values, known)
+    learner = settings_from_args(LearnerSettings, {"h_steps": 9}, str(config), known)
     assert learner.h_steps == 9  # the flag beats the file
 
 
 def test_config_file_errors_are_clear(tmp_path):
-    from shared.settings.cli import load_config_file
-
     bad = tmp_path / "bad.toml"
     bad.write_text("h_step = 3\n")
     with pytest.raises(SettingsError, match="unknown keys in the config file: h_step"):
-        settings_from_args(LearnerSettings, {}, load_config_file(str(bad)))
+        settings_from_args(LearnerSettings, {}, str(bad))
     broken = tmp_path / "broken.toml"
     broken.write_text("h_steps = = 3\n")
     with pytest.raises(SettingsError, match="cannot read config file"):
-        load_config_file(str(broken))
+        settings_from_args(LearnerSettings, {}, str(broken))
 
 
 @pytest.mark.parametrize(
@@ -213,3 +205,62 @@ def test_link_options_give_each_unit_its_link():
     assert parse(UpSettings, []).unit_links() is None
     link = parse(LinkSettings, ["--nats-url", "nats://10.0.0.2:4333", "--name", "outer"])
     assert link.upstream() == ("10.0.0.2", 4333) and link.link_spec().rate_bps is None
+
+
+def _service_settings_classes():
+    from services.gateway.settings import GatewaySettings
+    from services.loadtest.settings import LoadtestSettings
+    from services.orchestration.compose.settings import BrokerSettings, ControllerSettings
+    from services.outer.settings import OuterSettings
+
+    return {
+        "up": UpSettings,
+        "learner": LearnerSettings,
+        "outer": OuterSettings,
+        "gateway": GatewaySettings,
+        "link": LinkSettings,
+        "broker": BrokerSettings,
+        "controller": ControllerSettings,
+        "loadtest": LoadtestSettings,
+    }
+
+
+@pytest.mark.parametrize("command", list(_service_settings_classes()))
+def test_help_gives_every_flag_its_description_default_and_env_var(command, capsys):
+    from shared.settings import is_secret
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    out = capsys.readouterr().out
+    text = " ".join(out.split())  # undo argparse's line wrapping
+    packed = "".join(out.split())  # ... which also breaks words at hyphens
+    for name, field in _service_settings_classes()[command].model_fields.items():
+        flag, env = "--" + name.replace("_", "-"), "DILOCO_" + name.upper()
+        if is_secret(field):  # a command line shows in ps: the environment only
+            assert f"{flag} " not in text and f"[env: {env}]" not in text
+            continue
+        default = "null" if field.default is None else field.default
+        assert f"{flag} " in text
+        assert f"(default: {default}) [env: {env}]" in text
+        assert "".join((field.description or "").split()) in packed
+    if command == "up":
+        assert "--start-together, --no-start-together" in text
+
+
+def test_a_command_line_beats_the_environment_which_beats_the_config_file(tmp_path, monkeypatch):
+    config = tmp_path / "job.toml"
+    config.write_text(
+        "[learner]\nh-steps = 5\ninner_lr = 0.005\nbatch_size = 4\ndynamic-h = false\n"
+    )
+    monkeypatch.setenv("DILOCO_CONFIG", str(config))
+    monkeypatch.setenv("DILOCO_INNER_LR", "0.004")
+    monkeypatch.setenv("DILOCO_BATCH_SIZE", "8")
+    args = build_parser().parse_args(["learner", "--batch-size", "2", "--dynamic-h"])
+    from services.cli import _settings
+
+    learner = _settings(LearnerSettings, args)
+    assert learner.h_steps == 5  # the file
+    assert learner.inner_lr == 0.004  # the environment beats the file
+    assert learner.batch_size == 2  # the flag beats both
+    assert learner.dynamic_h is True  # --dynamic-h beats the file's false
+    assert learner.max_steps == 300  # the default

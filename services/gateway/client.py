@@ -135,13 +135,13 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gateway",
         default=os.environ.get("DILOCO_GATEWAY", DEFAULT_GATEWAY),
-        help=f"gateway URL [env DILOCO_GATEWAY; default {DEFAULT_GATEWAY}]",
+        help=f"gateway URL (default: {DEFAULT_GATEWAY}) [env: DILOCO_GATEWAY]",
     )
     parser.add_argument(
         "--token-file",
         default=None,
         help="file holding the gateway's API token, needed to change anything (e.g. "
-        "data/token) [or env DILOCO_TOKEN]",
+        "data/token) [or env: DILOCO_TOKEN]",
     )
     parser.set_defaults(handler=run_client)
 
