@@ -6,6 +6,7 @@ Fixtures live in ``conftest.py``; everything a test module imports lives here.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import signal
 import subprocess
@@ -13,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TypeVar
 
@@ -40,6 +41,26 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s
         if value:
             return value
         time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def wait_for_async(
+    predicate: Callable[[], T | Awaitable[T]],
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.05,
+) -> T:
+    """``wait_for`` inside a coroutine: poll ``predicate`` (a function or a coroutine function)
+    until it returns something truthy, the event loop running meanwhile; fail with ``what`` on
+    timeout. The deadline is wall time, also on ``tests.virtual_clock``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        await asyncio.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
