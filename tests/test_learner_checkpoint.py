@@ -265,9 +265,11 @@ def test_training_can_wait_for_the_codec_kernels(monkeypatch, nats_server, fails
     for it (a cold Numba cache once made a fast unit drop its first uploads) and gets its
     error if compiling fails."""
     release = threading.Event()
+    compiled = threading.Event()
 
     def slow_warm_up():
         release.wait(10)
+        compiled.set()
         if fails:
             raise RuntimeError("no compiler")
 
@@ -279,22 +281,26 @@ def test_training_can_wait_for_the_codec_kernels(monkeypatch, nats_server, fails
 
     def wait() -> None:
         try:
-            outcome.append(link.wait_codec_ready())
+            link.wait_codec_ready()
+            outcome.append(compiled.is_set())
         except RuntimeError as err:
             outcome.append(err)
 
     try:
         waiter = threading.Thread(target=wait)
         waiter.start()
+        # A window in which the waiter must not return: compiling has not finished (nothing
+        # marks "blocked" to wait on instead).
         waiter.join(0.3)
-        assert waiter.is_alive() and not outcome  # still compiling
+        assert waiter.is_alive() and not outcome
         release.set()
         waiter.join(5)
         assert len(outcome) == 1
         if fails:
             assert isinstance(outcome[0], RuntimeError) and "no compiler" in str(outcome[0])
         else:
-            assert link.wait_codec_ready() < 0.1  # compiled: returns at once
+            assert outcome == [True]  # it returned once the kernels were compiled
+            link.wait_codec_ready()  # compiled: a later wait blocks on nothing and returns
     finally:
         release.set()
         link.stop(flush_timeout_s=0)
