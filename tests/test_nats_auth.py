@@ -7,7 +7,6 @@ to the client that tried it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import stat
@@ -21,7 +20,7 @@ from shared import kv, nats_auth, subjects, transport
 from shared.nats_auth import Credentials, CredentialsError, Identity
 from shared.records import DesiredRecord, NatsCredentials
 from shared.settings import NatsSettings, SettingsError, settings_from_args
-from tests.helpers import SecureNats
+from tests.helpers import SecureNats, wait_for_async
 
 pytestmark = pytest.mark.nats
 
@@ -60,13 +59,15 @@ class _Client:
     async def _violation(self, what: str, since: int) -> None:
         # nats-py lowercases the server's message.
         wanted = f"permissions violation for {what}".lower()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + DENIED_WAIT_S
-        while loop.time() < deadline:
-            if any(wanted in e.lower() for e in self.errors[since:]):
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"no {wanted!r}: {self.errors[since:]}")
+        try:
+            await wait_for_async(
+                lambda: any(wanted in e.lower() for e in self.errors[since:]),
+                DENIED_WAIT_S,
+                repr(wanted),
+                interval_s=0.02,
+            )
+        except AssertionError as err:
+            raise AssertionError(f"{err}; the errors: {self.errors[since:]}") from None
 
 
 @pytest.fixture
