@@ -14,7 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -23,7 +23,7 @@ from shared import transport
 from shared.job_status import JobStatus, read_job_status
 from shared.kv import KvError
 from shared.nats_auth import Identity
-from shared.records import OuterStatus, UnitStatus
+from shared.records import OuterStatus, Stamped, UnitStatus
 from shared.settings import NatsSettings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,6 +87,42 @@ def read_status(
     """The outer's and every unit's status record of ``job`` (without their ages)."""
     status = job_status(nats_url, job, credentials)
     return status.outer_record(), status.unit_records()
+
+
+def next_heartbeats(
+    nats_url: str,
+    units: Iterable[tuple[str, int]],
+    count: int,
+    timeout_s: float,
+    credentials: str | None = None,
+) -> dict[tuple[str, int], list[UnitStatus]]:
+    """The next ``count`` status records of each ``(job, unit)``, each a new heartbeat (a new
+    revision of its KV entry), as they come.
+
+    A window measured in the units' own heartbeats, in which a test checks what a unit must not
+    do (train while paused, say): it stretches with the units when the machine is busy, where a
+    sleep would not."""
+    wanted = set(units)
+
+    def entries() -> dict[tuple[str, int], Stamped[UnitStatus]]:
+        statuses = {job: job_status(nats_url, job, credentials) for job in {j for j, _ in wanted}}
+        return {
+            (job, unit): entry
+            for job, unit in wanted
+            if (entry := statuses[job].units.get(unit)) is not None
+        }
+
+    since = {who: entry.revision for who, entry in entries().items()}
+    seen: dict[tuple[str, int], dict[int, UnitStatus]] = {who: {} for who in wanted}
+
+    def enough() -> bool:
+        for who, entry in entries().items():
+            if entry.revision > since.get(who, 0):
+                seen[who][entry.revision] = entry.record
+        return all(len(records) >= count for records in seen.values())
+
+    wait_for(enough, timeout_s, f"{count} heartbeats of each of {sorted(wanted)}")
+    return {who: [records[r] for r in sorted(records)] for who, records in seen.items()}
 
 
 class ServiceProcesses:
