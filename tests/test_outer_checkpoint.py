@@ -19,6 +19,7 @@ from services.outer.settings import OuterSettings
 from shared import model, pytree, subjects, transport
 from shared.records import CheckpointPointer, EvalPoint, EvaluationRecord, LedgerRecord, UnitLedger
 from shared.settings import NatsSettings
+from tests.helpers import wait_for_async
 
 
 def _core(seed: int = 0, fragments: int = 1) -> OuterCore:
@@ -217,9 +218,12 @@ def test_a_leader_that_never_committed_keeps_the_checkpoint_it_restored(nats_ser
     async def lead_then_stop() -> OuterService:
         service = OuterService(settings, asyncio.Event())
         run = asyncio.create_task(service.run())
-        while service.state != "running":
+
+        def running() -> bool:
             assert not run.done(), run.exception()
-            await asyncio.sleep(0.05)
+            return service.state == "running"
+
+        await wait_for_async(running, 240, "the outer to run")
         service.stop.set()
         await run
         return service

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
 import nats.js.errors
@@ -16,6 +15,7 @@ from shared import records, subjects, transport
 from shared.job_status import read_job_status
 from shared.records import CheckpointPointer, LeaseRecord, OuterStatus
 from tests import virtual_clock
+from tests.helpers import wait_for_async
 
 GARBAGE = (b"{not json", b'{"holder": 7}', b"[]", b'{"holder": "x", "epoch": -1, "beat": 0}')
 
@@ -140,16 +140,17 @@ def test_an_outer_starts_over_malformed_lease_status_and_params_head(nats_server
         await js.publish(subjects.params_head_subject(job, 0), b'{"version": "v"}')
         service = OuterService(settings, asyncio.Event())
         run = asyncio.create_task(service.run())
-        deadline = time.monotonic() + 240
-        while service.state != "running":
+
+        def running() -> bool:
             assert not run.done(), run.exception()
-            assert time.monotonic() < deadline, "the outer never started"
-            await asyncio.sleep(0.05)
-        status = None
-        while status is None or status.state != "running":  # its next heartbeat says so
-            assert time.monotonic() < deadline, f"no heartbeat of the running outer: {status}"
-            await asyncio.sleep(0.1)
+            return service.state == "running"
+
+        async def heartbeat_says_running() -> OuterStatus | None:
             status = (await read_job_status(nc, js, job)).outer_record()
+            return status if status is not None and status.state == "running" else None
+
+        await wait_for_async(running, 240, "the outer to start")
+        status = await wait_for_async(heartbeat_says_running, 60, "its heartbeat to say running")
         head = await transport.read_params_head(js, job, 0)
         service.stop.set()
         await run
