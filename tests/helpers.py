@@ -6,6 +6,7 @@ Fixtures live in ``conftest.py``; everything a test module imports lives here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import os
 import signal
@@ -179,12 +180,21 @@ class ServiceProcesses:
             if process.poll() is None:
                 process.terminate()
         deadline = time.monotonic() + 20
-        for _, process, _ in self.children:
+        for _, process, log_path in self.children:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                logged = log_path.stat().st_size
                 process.send_signal(signal.SIGUSR1)
-                time.sleep(0.5)
+                with contextlib.suppress(AssertionError):  # killed without its stacks, then
+                    wait_for(
+                        lambda path=log_path, size=logged: (
+                            b"most recent call first" in path.read_bytes()[size:]
+                        ),
+                        5,
+                        "its threads' stacks in its log",
+                        interval_s=0.05,
+                    )
                 process.kill()
                 process.wait()
 
