@@ -1,8 +1,9 @@
-"""Timing claims on the real clock: the link shaper keeps its rate, delay and outage schedule.
+"""Timing claims on the wall clock: the link shaper's rate, delay and outages; a sync round's hold.
 
-The tests prove these behaviours on a virtual clock (``tests/test_link_proxy.py``), where the
-schedule plays out exactly. Here the same schedule runs on the wall clock, on loopback, and
-each claim is a ratio measured within this run:
+The tests prove the link shaper's behaviour on a virtual clock (``tests/test_link_proxy.py``),
+where its schedule plays out exactly. Here the same schedule runs on the wall clock, through the
+same loopback servers (``tests/loopback.py``), and each claim is a ratio measured within this
+run:
 
 * **rate**: two seconds' worth of bytes through a 1, 10 and 100 Mbit/s link; the rate the
   receiver sees, first byte to last, over the cap: within 1 ± 0.1;
@@ -31,7 +32,6 @@ import asyncio
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,12 +45,9 @@ sys.path.insert(0, str(REPO))
 
 from services.link.proxy import LinkProxy
 from services.orchestration.nats_server import start_nats_server
-from shared import transport
-from shared.job_status import read_job_status
-from shared.kv import KvError
 from shared.link_spec import LinkSpec, parse_link, parse_outages
-from shared.records import OuterStatus
-from shared.settings import NatsSettings
+from tests.helpers import ServiceProcesses, read_status, wait_for
+from tests.loopback import Sink, echo_server, port_of, round_trips
 
 SECTION = "## Timing on the real clock"
 RATES_MBIT = [1, 10, 100]
@@ -77,66 +74,28 @@ class Claim:
         return f"≥ {self.low:g}" if self.high == float("inf") else f"{self.low:g} – {self.high:g}"
 
 
-async def receiver() -> tuple[asyncio.Server, list[tuple[float, int]]]:
-    """A TCP server that reads everything, noting when each chunk came (monotonic seconds)."""
-    received: list[tuple[float, int]] = []
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(1 << 16):
-            received.append((time.monotonic(), len(data)))
-        writer.close()
-
-    return await asyncio.start_server(handle, "127.0.0.1", 0), received
-
-
-async def echo() -> asyncio.Server:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(1 << 16):
-            writer.write(data)
-            await writer.drain()
-        writer.close()
-
-    return await asyncio.start_server(handle, "127.0.0.1", 0)
-
-
-def port_of(server: asyncio.Server) -> int:
-    return int(server.sockets[0].getsockname()[1])
-
-
 async def rate_claim(mbit: int) -> Claim:
-    server, received = await receiver()
-    proxy = LinkProxy(LinkSpec(rate_bps=mbit * 1e6), "127.0.0.1", port_of(server))
+    sink = Sink()
+    proxy = LinkProxy(LinkSpec(rate_bps=mbit * 1e6), "127.0.0.1", await sink.start())
     size = int(mbit * 1e6 / 8 * 2.0)
     _, writer = await asyncio.open_connection("127.0.0.1", await proxy.start())
     writer.write(b"\x5a" * size)
     await writer.drain()
-    while sum(n for _, n in received) < size:
+    while sink.total < size:
         await asyncio.sleep(0.005)
-    (first, first_size), (last, _) = received[0], received[-1]
+    (first, first_size), (last, _) = sink.received[0], sink.received[-1]
     writer.close()
     await proxy.close()
-    server.close()
+    await sink.close()
     seen_bps = (size - first_size) * 8 / (last - first)
     return Claim(f"rate at {mbit} Mbit/s: seen / cap", seen_bps / (mbit * 1e6), 0.9, 1.1)
 
 
-async def median_round_trip(port: int, count: int = 20) -> float:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    times = []
-    for _ in range(count):
-        start = time.monotonic()
-        writer.write(b"ping")
-        await reader.readexactly(4)
-        times.append(time.monotonic() - start)
-    writer.close()
-    return statistics.median(times)
-
-
 async def delay_claim() -> Claim:
-    server = await echo()
-    direct = await median_round_trip(port_of(server))
+    server = await echo_server()
+    direct = statistics.median(await round_trips(port_of(server), 20))
     proxy = LinkProxy(LinkSpec(delay_s=DELAY_S), "127.0.0.1", port_of(server))
-    shaped = await median_round_trip(await proxy.start())
+    shaped = statistics.median(await round_trips(await proxy.start(), 20))
     await proxy.close()
     server.close()
     return Claim(
@@ -145,15 +104,16 @@ async def delay_claim() -> Claim:
 
 
 async def outage_claims() -> list[Claim]:
-    server = await echo()
+    server = await echo_server()
     proxy = LinkProxy(parse_link("unlimited"), "127.0.0.1", port_of(server))
     await proxy.start()
-    started = time.monotonic()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
     outages = parse_outages(OUTAGES)
     schedule = asyncio.create_task(proxy.run_outages(outages))
     seen: list[tuple[float, str | None]] = []
     while not schedule.done():
-        seen.append((time.monotonic() - started, proxy.counters().outage))
+        seen.append((loop.time() - started, proxy.counters().outage))
         await asyncio.sleep(0.005)
     await proxy.close()
     server.close()
@@ -181,55 +141,25 @@ async def link_claims() -> list[Claim]:
     return claims + await outage_claims()
 
 
-def outer_status(url: str, job: str) -> OuterStatus | None:
-    async def read() -> OuterStatus | None:
-        nc = await transport.connect(NatsSettings(nats_url=url), "bench-timing")
-        try:
-            return (await read_job_status(nc, nc.jetstream(), job)).outer_record()
-        finally:
-            await nc.close()
-
-    try:
-        return asyncio.run(read())
-    except KvError:  # no status bucket yet: no outer has started
-        return None
-
-
-def until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.2)
-
-
 def sync_hold_claim() -> Claim:
     job = "timing-sync"
     with tempfile.TemporaryDirectory() as tmp:
         server = start_nats_server(Path(tmp, "nats"))
+        services = ServiceProcesses(Path(tmp), Path(tmp, "jax-cache"))
         flags = [
             *("--nats-url", server.url, "--job", job, "--model", "tiny", "--seed", "1"),
             *("--mode", "sync", "--sync-timeout-s", str(SYNC_TIMEOUT_S), "--num-units", "3"),
         ]
-        env = {**os.environ, "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false"}
-        processes: list[subprocess.Popen[bytes]] = []
-
-        def start(*args: str) -> subprocess.Popen[bytes]:
-            command = [sys.executable, "-m", "services.cli", *args]
-            with open(Path(tmp, f"{len(processes)}.log"), "wb") as log:
-                process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=log)
-            processes.append(process)
-            return process
-
         try:
-            start("outer", *flags, "--eval-every-s", "60")
-            until(
-                lambda: (s := outer_status(server.url, job)) is not None and s.state == "running",
+            services.start("outer", "outer", *flags, "--eval-every-s", "60")
+            wait_for(
+                lambda: (s := read_status(server.url, job)[0]) is not None and s.state == "running",
                 300,
                 "the outer to run",
             )
             learners = [
-                start(
+                services.start(
+                    f"learner-{unit}",
                     "learner",
                     *flags,
                     *("--unit", str(unit), "--max-steps", "100000", "--h-steps", "10"),
@@ -239,16 +169,16 @@ def sync_hold_claim() -> Claim:
             ]
 
             def every_unit_applied_twice() -> bool:
-                status = outer_status(server.url, job)
+                status = read_status(server.url, job)[0]
                 ledger = status.units if status is not None else {}
                 return all(u in ledger and ledger[u].applied >= 2 for u in range(3))
 
-            until(every_unit_applied_twice, 300, "two rounds of every unit applied")
+            wait_for(every_unit_applied_twice, 300, "two rounds of every unit applied")
             learners[2].send_signal(signal.SIGKILL)
             killed_at = time.monotonic()
             changes, version = [killed_at], None
             while time.monotonic() - killed_at < SYNC_WATCH_S:
-                status = outer_status(server.url, job)
+                status = read_status(server.url, job)[0]
                 if status is not None:
                     if version is not None and status.version != version:
                         changes.append(time.monotonic())
@@ -256,13 +186,7 @@ def sync_hold_claim() -> Claim:
                 time.sleep(0.1)
             changes.append(time.monotonic())
         finally:
-            for process in processes:
-                process.terminate()
-            for process in processes:
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+            services.stop_all()
             server.stop()
     longest = max(b - a for a, b in zip(changes[:-1], changes[1:], strict=True))
     name = f"sync hold: longest gap between versions after a kill / {SYNC_TIMEOUT_S:g} s timeout"

@@ -22,6 +22,7 @@ from shared.link_spec import (
 )
 from tests import virtual_clock
 from tests.helpers import wait_for_async
+from tests.loopback import Sink, echo_server, port_of, round_trips
 
 # ---- the spec ---------------------------------------------------------------------------------
 
@@ -118,43 +119,6 @@ def test_jitter_stays_within_its_bounds_and_never_reorders(times, seed) -> None:
 # the real clock comes to the schedule is bench/timing.py's claim.
 
 
-class Sink:
-    """A TCP server that reads everything, noting when (on the loop's clock) each chunk came."""
-
-    def __init__(self) -> None:
-        self.received: list[tuple[float, int]] = []
-        self.digest = hashlib.sha256()
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        return int(self.server.sockets[0].getsockname()[1])
-
-    @property
-    def total(self) -> int:
-        return sum(n for _, n in self.received)
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(1 << 16):
-            self.received.append((asyncio.get_running_loop().time(), len(data)))
-            self.digest.update(data)
-        writer.close()
-
-    async def close(self) -> None:
-        assert self.server is not None
-        self.server.close()
-
-
-async def echo_server() -> asyncio.Server:
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(1 << 16):
-            writer.write(data)
-            await writer.drain()
-        writer.close()
-
-    return await asyncio.start_server(handle, "127.0.0.1", 0)
-
-
 async def all_arrived(sink: Sink, size: int) -> None:
     await wait_for_async(lambda: sink.total >= size, 30, f"{size} bytes", interval_s=0.005)
 
@@ -199,21 +163,9 @@ def test_delay_adds_its_one_way_time_each_way_and_jitter_spreads_it() -> None:
     """A round trip over a 25 ms link takes 50 ms more than without it; with ±10 ms of jitter
     the round trips spread, within their bounds."""
 
-    async def round_trips(port: int, count: int) -> list[float]:
-        loop = asyncio.get_running_loop()
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        times = []
-        for _ in range(count):
-            start = loop.time()
-            writer.write(b"ping")
-            await reader.readexactly(4)
-            times.append(loop.time() - start)
-        writer.close()
-        return times
-
     async def run() -> tuple[list[float], list[float], list[float]]:
         echo = await echo_server()
-        echo_port = echo.sockets[0].getsockname()[1]
+        echo_port = port_of(echo)
         direct = await round_trips(echo_port, 20)
         steady = LinkProxy(parse_link("unlimited/25ms"), "127.0.0.1", echo_port)
         jittery = LinkProxy(parse_link("unlimited/25ms/10ms"), "127.0.0.1", echo_port, seed=1)
@@ -268,7 +220,7 @@ def test_a_cut_closes_connections_and_refuses_new_ones_until_it_ends() -> None:
     async def run() -> None:
         loop = asyncio.get_running_loop()
         echo = await echo_server()
-        proxy = LinkProxy(LinkSpec(), "127.0.0.1", echo.sockets[0].getsockname()[1])
+        proxy = LinkProxy(LinkSpec(), "127.0.0.1", port_of(echo))
         port = await proxy.start()
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"hello")
@@ -308,7 +260,7 @@ def test_scheduled_outages_run_at_their_times() -> None:
     async def run() -> dict[float, str | None]:
         loop = asyncio.get_running_loop()
         echo = await echo_server()
-        proxy = LinkProxy(LinkSpec(), "127.0.0.1", echo.sockets[0].getsockname()[1])
+        proxy = LinkProxy(LinkSpec(), "127.0.0.1", port_of(echo))
         started = loop.time()
         await proxy.start()
         schedule = asyncio.create_task(proxy.run_outages(parse_outages("0.2s+0.2s,0.6s+0.2s:cut")))
