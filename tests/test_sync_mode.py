@@ -56,10 +56,12 @@ def test_sync_rounds_go_on_without_a_killed_unit(nats_server, services):
     learners[2].send_signal(signal.SIGKILL)
 
     def went_on_without_unit_2():
+        # Two more rounds of each survivor: unit 2's last upload may ride the round under way
+        # at the kill, so the second is one merged without it.
         outer = read_status(nats_server.url, job)[0]
         assert outer is not None
         survivors = all(outer.units[u].applied >= before.units[u].applied + 2 for u in (0, 1))
-        return outer if survivors and outer.version >= before.version + 2 else None
+        return outer if survivors else None
 
     outer = wait_for(went_on_without_unit_2, 120, "two more rounds of the survivors merged")
     _, units = read_status(nats_server.url, job)
