@@ -93,6 +93,7 @@ bench: $(STAMP)  ## the benchmarks that write BENCHMARKS.md (~1 h on 2 cores in 
 	$(BIN)/python bench/quality.py --codecs --write
 	$(BIN)/python bench/throughput.py --write
 	$(BIN)/python bench/chaos.py --minutes 5 --write
+	$(BIN)/python bench/timing.py --write
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

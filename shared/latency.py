@@ -8,7 +8,7 @@ import collections
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from shared.records.unit import LatencySummary
 
@@ -52,18 +52,22 @@ class Latencies:
 class TimeSpent:
     """Seconds spent inside measured calls, summed (thread-safe)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        """Args:
+        clock: what the blocks are timed with (seconds).
+        """
+        self._clock = clock
         self._lock = threading.Lock()
         self._seconds = 0.0
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
         """Add the time the ``with`` block takes."""
-        started = time.perf_counter()
+        started = self._clock()
         try:
             yield
         finally:
-            elapsed = time.perf_counter() - started
+            elapsed = self._clock() - started
             with self._lock:
                 self._seconds += elapsed
 

@@ -6,6 +6,8 @@ Fixtures live in ``conftest.py``; everything a test module imports lives here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import inspect
 import os
 import signal
 import subprocess
@@ -13,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from pydantic_settings import BaseSettings
 
     from services.outer.core import OuterAlgorithm
+from shared.records import Stamped
 
 REPO = Path(__file__).resolve().parents[1]
 GATEWAY_TOKEN = "test-token-0123456789"  # every gateway a test starts has it (DILOCO_TOKEN)
@@ -51,6 +54,26 @@ def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s
         if value:
             return value
         time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+async def wait_for_async(
+    predicate: Callable[[], T | Awaitable[T]],
+    timeout_s: float,
+    what: str,
+    interval_s: float = 0.05,
+) -> T:
+    """``wait_for`` inside a coroutine: poll ``predicate`` (a function or a coroutine function)
+    until it returns something truthy, the event loop running meanwhile; fail with ``what`` on
+    timeout. The deadline is wall time, also on ``tests.virtual_clock``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value  # type: ignore[return-value]
+        await asyncio.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
@@ -77,6 +100,42 @@ def read_status(
     """The outer's and every unit's status record of ``job`` (without their ages)."""
     status = job_status(nats_url, job, credentials)
     return status.outer_record(), status.unit_records()
+
+
+def next_heartbeats(
+    nats_url: str,
+    units: Iterable[tuple[str, int]],
+    count: int,
+    timeout_s: float,
+    credentials: str | None = None,
+) -> dict[tuple[str, int], list[UnitStatus]]:
+    """The next ``count`` status records of each ``(job, unit)``, each a new heartbeat (a new
+    revision of its KV entry), as they come.
+
+    A window measured in the units' own heartbeats, in which a test checks what a unit must not
+    do (train while paused, say): it stretches with the units when the machine is busy, where a
+    sleep would not."""
+    wanted = set(units)
+
+    def entries() -> dict[tuple[str, int], Stamped[UnitStatus]]:
+        statuses = {job: job_status(nats_url, job, credentials) for job in {j for j, _ in wanted}}
+        return {
+            (job, unit): entry
+            for job, unit in wanted
+            if (entry := statuses[job].units.get(unit)) is not None
+        }
+
+    since = {who: entry.revision for who, entry in entries().items()}
+    seen: dict[tuple[str, int], dict[int, UnitStatus]] = {who: {} for who in wanted}
+
+    def enough() -> bool:
+        for who, entry in entries().items():
+            if entry.revision > since.get(who, 0):
+                seen[who][entry.revision] = entry.record
+        return all(len(records) >= count for records in seen.values())
+
+    wait_for(enough, timeout_s, f"{count} heartbeats of each of {sorted(wanted)}")
+    return {who: [records[r] for r in sorted(records)] for who, records in seen.items()}
 
 
 class ServiceProcesses:
@@ -133,12 +192,21 @@ class ServiceProcesses:
             if process.poll() is None:
                 process.terminate()
         deadline = time.monotonic() + 20
-        for _, process, _ in self.children:
+        for _, process, log_path in self.children:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                logged = log_path.stat().st_size
                 process.send_signal(signal.SIGUSR1)
-                time.sleep(0.5)
+                with contextlib.suppress(AssertionError):  # killed without its stacks, then
+                    wait_for(
+                        lambda path=log_path, size=logged: (
+                            b"most recent call first" in path.read_bytes()[size:]
+                        ),
+                        5,
+                        "its threads' stacks in its log",
+                        interval_s=0.05,
+                    )
                 process.kill()
                 process.wait()
 

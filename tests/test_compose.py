@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -205,9 +204,19 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
     # Pause unit 1: it stops stepping; resumed, it goes on.
     assert client.post(f"/jobs/{job}/units/1/pause").status_code == 200
     wait_for(lambda: unit_view(client, job, 1)["state"] == "paused", 60, "unit 1 paused")
-    paused_at = unit_view(client, job, 1)["step"]
-    time.sleep(3)
-    assert unit_view(client, job, 1)["step"] == paused_at
+    paused = unit_view(client, job, 1)
+    steps_by_heartbeat: dict[float, int] = {}
+
+    def three_more_heartbeats() -> bool:
+        view = unit_view(client, job, 1)
+        if view["last_heartbeat"] != paused["last_heartbeat"]:
+            steps_by_heartbeat[view["last_heartbeat"]] = view["step"]
+        return len(steps_by_heartbeat) >= 3
+
+    # Over three more of its own heartbeats it trains no further.
+    wait_for(three_more_heartbeats, 60, "three heartbeats of the paused unit 1")
+    assert set(steps_by_heartbeat.values()) == {paused["step"]}, steps_by_heartbeat
+    paused_at = paused["step"]
     assert client.post(f"/jobs/{job}/units/1/resume").status_code == 200
     wait_for(lambda: unit_view(client, job, 1)["step"] > paused_at, 120, "unit 1 to go on")
     # Every job container's health check passes while its heartbeat goes on.

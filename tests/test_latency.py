@@ -3,7 +3,7 @@ sync latency (pure)."""
 
 from __future__ import annotations
 
-import time
+import pytest
 
 from shared.latency import Latencies, SyncLatency, TimeSpent
 
@@ -21,11 +21,16 @@ def test_latencies_summarise_the_most_recent_durations():
 
 
 def test_time_spent_adds_up_the_measured_blocks():
-    spent = TimeSpent()
-    for _ in range(3):
+    now = [100.0]
+    spent = TimeSpent(clock=lambda: now[0])
+    for block_s in (0.25, 0.5, 1.0):
         with spent.measure():
-            time.sleep(0.01)
-    assert 0.03 <= spent.seconds < 0.5
+            now[0] += block_s
+        now[0] += 7.0  # time between blocks does not count
+    with pytest.raises(RuntimeError), spent.measure():  # a block that raised counts too
+        now[0] += 2.0
+        raise RuntimeError
+    assert spent.seconds == 3.75
 
 
 def test_sync_latency_ends_when_a_head_includes_the_round():

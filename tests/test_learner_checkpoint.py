@@ -1,4 +1,5 @@
-"""Self-healing learner units: the state file, round reservation, checkpoints and their writer."""
+"""Self-healing learner units: the state file, round reservation, checkpoints and their writer,
+and the link the training thread hands its uploads to."""
 
 from __future__ import annotations
 
@@ -17,17 +18,20 @@ from services.learner.checkpoint import (
     save_checkpoint,
     take_snapshot,
 )
-from services.learner.core import LearnerCore
+from services.learner.core import LearnerCore, Upload
 from services.learner.handoff import hand_off
 from services.learner.link import LearnerLink
 from services.learner.records import UnitIdentity, UnitStateFile
 from services.learner.settings import LearnerSettings
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from services.learner.unit_state import STATE_FILE, UnitState
+from services.link.proxy import LinkProxy
 from shared import model, pytree, records
 from shared.atomic import temp_file
+from shared.link_spec import LinkSpec
 from shared.records.outer import OuterStatus, UnitLedger
 from shared.settings.algorithm import InnerAlgorithmSettings
+from tests.helpers import read_status, wait_for
 
 CFG = model.get_config("tiny")
 TOKENS = 4 * CFG.seq_len
@@ -261,15 +265,63 @@ def test_full_queue_drops_the_oldest_upload_not_being_sent(tmp_path):
     assert UnitState(tmp_path / STATE_FILE).lifetime["dropped_unsent"] == 2
 
 
+def test_the_training_threads_calls_return_while_the_link_is_stalled(nats_server, tmp_path):
+    """The training thread never waits for the network: with every byte between the link and
+    NATS held, it queues an upload (which stays unsent), takes new params (none) and sets its
+    status."""
+    proxy_loop = asyncio.new_event_loop()
+    threading.Thread(target=proxy_loop.run_forever, daemon=True).start()
+
+    def on_proxy_loop(coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, proxy_loop)
+
+    async def outage() -> str | None:
+        return proxy.counters().outage
+
+    host, port = nats_server.url.removeprefix("nats://").split(":")
+    proxy = LinkProxy(LinkSpec(), host, int(port))
+    listen_port = on_proxy_loop(proxy.start()).result(10)
+    settings = LearnerSettings(
+        job="t", model="tiny", nats_url=f"nats://127.0.0.1:{listen_port}", status_interval_s=0.2
+    )
+    link = LearnerLink(settings, 1 << 20, UnitState(tmp_path / STATE_FILE))
+    link.start()
+    stall = None
+    try:
+        wait_for(lambda: read_status(nats_server.url, "t")[1].get(0), 60, "the link's heartbeat")
+        stall = on_proxy_loop(proxy.stall(3600))
+        wait_for(lambda: on_proxy_loop(outage()).result(10) == "stall", 10, "the stall")
+        returned = threading.Event()
+
+        def training_thread() -> None:
+            values = np.ones(64, np.float32)
+            link.submit(Upload(0, 0, 0, 1, TOKENS, 3.0, {"w": values}))
+            link.take_new_params()
+            link.set_status(step=1)
+            returned.set()
+
+        threading.Thread(target=training_thread, daemon=True).start()
+        assert returned.wait(10), "a call of the training thread waited for the stalled link"
+        assert link.unsent() == 1  # queued: it cannot have crossed
+    finally:
+        if stall is not None:
+            stall.cancel()
+        link.stop(flush_timeout_s=0)
+        on_proxy_loop(proxy.close()).result(10)
+        proxy_loop.call_soon_threadsafe(proxy_loop.stop)
+
+
 @pytest.mark.parametrize("fails", [False, True], ids=["compiles", "fails"])
 def test_training_can_wait_for_the_codec_kernels(monkeypatch, memory_nats, fails):
     """The codec compiles on the encoder thread from link.start(); the training thread waits
     for it (a cold Numba cache once made a fast unit drop its first uploads) and gets its
     error if compiling fails."""
     release = threading.Event()
+    compiled = threading.Event()
 
     def slow_warm_up():
         release.wait(10)
+        compiled.set()
         if fails:
             raise RuntimeError("no compiler")
 
@@ -281,22 +333,26 @@ def test_training_can_wait_for_the_codec_kernels(monkeypatch, memory_nats, fails
 
     def wait() -> None:
         try:
-            outcome.append(link.wait_codec_ready())
+            link.wait_codec_ready()
+            outcome.append(compiled.is_set())
         except RuntimeError as err:
             outcome.append(err)
 
     try:
         waiter = threading.Thread(target=wait)
         waiter.start()
+        # A window in which the waiter must not return: compiling has not finished (nothing
+        # marks "blocked" to wait on instead).
         waiter.join(0.3)
-        assert waiter.is_alive() and not outcome  # still compiling
+        assert waiter.is_alive() and not outcome
         release.set()
         waiter.join(5)
         assert len(outcome) == 1
         if fails:
             assert isinstance(outcome[0], RuntimeError) and "no compiler" in str(outcome[0])
         else:
-            assert link.wait_codec_ready() < 0.1  # compiled: returns at once
+            assert outcome == [True]  # it returned once the kernels were compiled
+            link.wait_codec_ready()  # compiled: a later wait blocks on nothing and returns
     finally:
         release.set()
         link.stop(flush_timeout_s=0)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.orchestration.local import files, release
+from services.orchestration.local import files, release, run
 from services.orchestration.local.cluster import Cluster
 from services.orchestration.local.records import RunSummary
 from services.orchestration.local.run import supervise
@@ -22,6 +22,7 @@ from shared.records.outer import EvalRecord, EvaluationRecord, OuterStatus
 from shared.records.unit import UnitStatus
 from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
+from tests.helpers import wait_for_async
 
 JOB = "own"
 # Says it is ready, runs until SIGTERM, then exits 0 as a learner that uploaded what it had.
@@ -34,28 +35,24 @@ def stand_in(args: list[str], env: dict[str, str], log_path: Path) -> subprocess
         return subprocess.Popen([sys.executable, "-c", STAND_IN], stdout=log_file)
 
 
-async def until(predicate, what: str, timeout_s: float = 20.0) -> None:
-    async def poll() -> None:
-        while not await predicate():
-            await asyncio.sleep(0.05)
-
-    try:
-        await asyncio.wait_for(poll(), timeout_s)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for {what}") from None
+async def until(predicate, what: str) -> None:
+    await wait_for_async(predicate, 20, what)
 
 
-async def _has(out: io.StringIO, text: str) -> bool:
-    return text in out.getvalue()
+def _has(out: io.StringIO, *parts: str, lines: int = 1) -> bool:
+    """Whether ``lines`` lines of ``out`` each hold every one of ``parts``."""
+    found = [line for line in out.getvalue().splitlines() if all(p in line for p in parts)]
+    return len(found) >= lines
 
 
-async def _has_text(path: Path, text: str) -> bool:
+def _has_text(path: Path, text: str) -> bool:
     return text in path.read_text()
 
 
 def test_supervise_releases_the_units_together_and_finishes_when_the_books_balance(
-    memory_nats, tmp_path
+    memory_nats, tmp_path, monkeypatch
 ):
+    monkeypatch.setattr(run, "TICK_S", 0.1)  # the loop's period (0.5 s in diloco up)
     settings = UpSettings(job=JOB, learners=2, data_dir=str(tmp_path), progress_every_s=0.2)
     out = io.StringIO()
     cluster = Cluster(settings, out=out, launch=stand_in)
@@ -79,11 +76,13 @@ def test_supervise_releases_the_units_together_and_finishes_when_the_books_balan
             await kv.put(status_kv, subjects.unit_status_key(JOB, status.unit), status)
 
         stop = asyncio.Event()
-        run = asyncio.create_task(supervise(cluster, stop))
+        loop = asyncio.create_task(supervise(cluster, stop))
         try:
             await put_unit(UnitStatus(unit=0, state="paused"))
-            await asyncio.sleep(0.5)
-            assert await desired(1) == "paused"  # unit 1 has not reported ready yet
+            # A progress line shows a status the loop has read and acted on (it releases the
+            # units before it prints): unit 1 has not reported ready, so neither is released.
+            await until(lambda: _has(out, "| u0 paus 0"), "unit 0 seen paused")
+            assert [await desired(0), await desired(1)] == ["paused", "paused"]
             await put_unit(UnitStatus(unit=1, state="paused"))
 
             async def released() -> bool:
@@ -107,8 +106,13 @@ def test_supervise_releases_the_units_together_and_finishes_when_the_books_balan
                 evaluation=EvaluationRecord(init=last, last=last),
             )
             await kv.put(status_kv, subjects.outer_status_key(JOB), outer)
-            await asyncio.sleep(0.5)
-            assert not run.done()  # the learners still run
+            # Two progress lines show the balanced books: the loop judged them at least once
+            # (after the first line) and went on, since the learners still run.
+            await until(
+                lambda: _has(out, "v6 ", "| u0 fini 30", "| u1 fini 30", lines=2),
+                "two looks at the balanced books",
+            )
+            assert not loop.done()
             memory_nats.kill()  # an outage: the loop goes on with the last records read
             await until(lambda: _has(out, "NATS unreachable"), "the outage to be noticed")
             memory_nats.restart()
@@ -116,7 +120,7 @@ def test_supervise_releases_the_units_together_and_finishes_when_the_books_balan
             for child in cluster.learners:
                 await until(lambda c=child: _has_text(c.log_path, "ready"), "stand-in ready")
                 child.terminate()
-            return await asyncio.wait_for(run, 20)
+            return await asyncio.wait_for(loop, 20)
         finally:
             stop.set()
             await nc.close()

@@ -7,7 +7,6 @@ to the client that tried it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import stat
@@ -26,7 +25,7 @@ from shared.settings.cli import settings_from_args
 from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
 from shared.transport.streams import prepare_streams
-from tests.helpers import SecureNats
+from tests.helpers import SecureNats, wait_for_async
 
 pytestmark = pytest.mark.nats
 
@@ -65,13 +64,15 @@ class _Client:
     async def _violation(self, what: str, since: int) -> None:
         # nats-py lowercases the server's message.
         wanted = f"permissions violation for {what}".lower()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + DENIED_WAIT_S
-        while loop.time() < deadline:
-            if any(wanted in e.lower() for e in self.errors[since:]):
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"no {wanted!r}: {self.errors[since:]}")
+        try:
+            await wait_for_async(
+                lambda: any(wanted in e.lower() for e in self.errors[since:]),
+                DENIED_WAIT_S,
+                repr(wanted),
+                interval_s=0.02,
+            )
+        except AssertionError as err:
+            raise AssertionError(f"{err}; the errors: {self.errors[since:]}") from None
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import jax
@@ -17,7 +18,7 @@ from services.outer.policy import Arrival, MergePolicy
 from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
 from shared import fragments, model, pytree
-from tests.helpers import outer_algorithm
+from tests.helpers import outer_algorithm, wait_for_async
 
 # The plain Nesterov step with uniform weights, the algorithm these tests check by hand.
 NESTEROV = {"outer_optimizer": "nesterov", "token_weighting": "uniform"}
@@ -238,34 +239,35 @@ def test_the_outer_event_loop_keeps_running_while_a_merge_is_slow(tmp_path, monk
     service = OuterService(settings, asyncio.Event())
     service.build_math()
     merge = service.core.merge
+    merging = threading.Event()
+    loop_ran = threading.Event()
+    merge_saw_the_loop_run: list[bool] = []
 
-    def slow_merge(fragment):
-        time.sleep(1.5)
+    def merge_held_until_the_loop_runs(fragment):
+        # The merge does not finish before the event loop has run other work: on the loop
+        # itself it would wait out its 10 s and see none.
+        merging.set()
+        merge_saw_the_loop_run.append(loop_ran.wait(timeout=10))
         return merge(fragment)
 
-    monkeypatch.setattr(service.core, "merge", slow_merge)
+    monkeypatch.setattr(service.core, "merge", merge_held_until_the_loop_runs)
     zeros = {k: np.zeros(v.shape, np.float32) for k, v in service.core.fragments[0].params.items()}
     service.core.offer(0, dataclasses.replace(arrival(0, zeros), messages=[], train_loss=3.0))
     service.intake.buffered.add("u0r0")
 
     async def scenario():
-        ticks = 0
+        async def other_work():
+            await wait_for_async(merging.is_set, 30, "the merge to start", interval_s=0.01)
+            loop_ran.set()  # on the event loop, while the merge is in progress
 
-        async def tick():
-            nonlocal ticks
-            while True:
-                await asyncio.sleep(0.05)
-                ticks += 1
-
-        ticker = asyncio.create_task(tick())
-        await asyncio.sleep(0)
+        other = asyncio.create_task(other_work())
         results = await service.merge_due(time.monotonic())
-        ticker.cancel()
-        return results, ticks
+        await other
+        return results
 
-    results, ticks = asyncio.run(scenario())
+    results = asyncio.run(scenario())
     assert [r.version for r in results] == [1]
-    assert ticks >= 5, ticks  # the loop ran during the 1.5 s merge (~30 ticks; 0 if blocked)
+    assert merge_saw_the_loop_run == [True]
     assert service.ledger.applied == 1 and service.ledger.merges == 1
     assert service.ledger.units[0].last_train_loss == 3.0
     assert service.intake.buffered == set()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
 import nats.js.errors
@@ -18,6 +17,8 @@ from shared.records.outer import CheckpointPointer, LeaseRecord, OuterStatus
 from shared.transport.connection import connect
 from shared.transport.params import read_params_head
 from shared.transport.streams import ensure_streams
+from tests import virtual_clock
+from tests.helpers import wait_for_async
 
 GARBAGE = (b"{not json", b'{"holder": 7}', b"[]", b'{"holder": "x", "epoch": -1, "beat": 0}')
 
@@ -70,16 +71,18 @@ def test_an_unreadable_lease_is_taken_over_after_lease_s_without_a_change(garbag
         before = rejected("LeaseRecord")
         lease = Lease(store, "job", "b", lease_s=0.5)
         waited: list[str] = []
-        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         assert await asyncio.wait_for(lease.acquire(lambda: False, waited.append), timeout=10)
-        assert time.monotonic() - started >= 0.5
+        # Once unchanged for lease_s, at the next look (polls come every poll_s ± 20%).
+        assert lease.lease_s <= loop.time() - started <= lease.lease_s + 1.2 * lease.poll_s
         assert waited and set(waited) == {UNREADABLE}
         assert lease.epoch == revision + 1 and lease.pointer is None
         assert rejected("LeaseRecord") > before
         stored = records.decode(LeaseRecord, store.entries["job"].value)
         assert stored is not None and (stored.holder, stored.epoch) == ("b", revision + 1)
 
-    asyncio.run(scenario())
+    virtual_clock.run(scenario())
 
 
 def test_a_leader_whose_record_is_overwritten_with_garbage_loses_the_lease() -> None:
@@ -106,14 +109,14 @@ def test_a_standby_waits_while_the_leader_renews() -> None:
         seen: list[str] = []
         stop = asyncio.Event()
         waiter = asyncio.create_task(b.acquire(stop.is_set, seen.append))
-        for _ in range(8):
+        for _ in range(8):  # the leader renews every lease_s / 5 for 1.6 lease_s
             await asyncio.sleep(0.1)
             await a.renew()
         assert not waiter.done() and seen[-1] == "a"
         stop.set()
         assert await asyncio.wait_for(waiter, timeout=5) is False
 
-    asyncio.run(scenario())
+    virtual_clock.run(scenario())
 
 
 @pytest.mark.timeout(300)
@@ -140,16 +143,17 @@ def test_an_outer_starts_over_malformed_lease_status_and_params_head(memory_nats
         await js.publish(subjects.params_head_subject(job, 0), b'{"version": "v"}')
         service = OuterService(settings, asyncio.Event())
         run = asyncio.create_task(service.run())
-        deadline = time.monotonic() + 240
-        while service.state != "running":
+
+        def running() -> bool:
             assert not run.done(), run.exception()
-            assert time.monotonic() < deadline, "the outer never started"
-            await asyncio.sleep(0.05)
-        status = None
-        while status is None or status.state != "running":  # its next heartbeat says so
-            assert time.monotonic() < deadline, f"no heartbeat of the running outer: {status}"
-            await asyncio.sleep(0.1)
+            return service.state == "running"
+
+        async def heartbeat_says_running() -> OuterStatus | None:
             status = (await read_job_status(nc, js, job)).outer_record()
+            return status if status is not None and status.state == "running" else None
+
+        await wait_for_async(running, 240, "the outer to start")
+        status = await wait_for_async(heartbeat_says_running, 60, "its heartbeat to say running")
         head = await read_params_head(js, job, 0)
         service.stop.set()
         await run

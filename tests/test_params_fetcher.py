@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import nats
 import numpy as np
+import pytest
 
+from services.learner import params_fetcher
 from services.learner.counters import Counters
-from services.learner.params_fetcher import PARAMS_POLL_S, GlobalFragment, ParamsFetcher
+from services.learner.params_fetcher import GlobalFragment, ParamsFetcher
 from services.learner.settings import LearnerSettings
 from services.link.proxy import LinkProxy
 from services.outer.publishing import params_envelope
@@ -20,10 +23,14 @@ from shared.link_spec import parse_link
 from shared.transport.params import PARAMS_VERSIONS_KEPT, publish_params, read_latest_params
 from shared.transport.streams import ensure_streams
 from shared.wire.envelope import unpack_envelope
+from tests.helpers import wait_for_async
 
 JOB = "fetch"
 SETTINGS = LearnerSettings(job=JOB, model="tiny", unit=0, num_units=2)
 AFTER_UPLOAD = SETTINGS.model_copy(update={"params_fetch": "after_upload"})
+#: The fetcher's fallback poll in these tests (PARAMS_POLL_S, 2 s in a learner), so that a
+#: window of several polls is short.
+POLL_S = 0.1
 
 
 def values(version: int, size: int) -> np.ndarray:
@@ -37,15 +44,40 @@ async def publish(js, version: int, size: int = 1000) -> None:
     await publish_params(js, JOB, 0, version, blob, 4096, params_checksum=checksum)
 
 
-async def taken(fetcher: ParamsFetcher, timeout_s: float) -> list[GlobalFragment]:
-    """What the training thread would take within ``timeout_s``."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
+async def arrival(fetcher: ParamsFetcher) -> list[GlobalFragment]:
+    """What the training thread takes once the fetcher has fetched something."""
+    return await wait_for_async(fetcher.take_new, 10, "fetched params")
+
+
+async def nothing_fetched(fetcher: ParamsFetcher, polls: int = 5) -> bool:
+    """Whether the training thread finds nothing to take for ``polls`` of the fetcher's poll
+    intervals: a window in which the fetcher must not fetch (a pass that decides not to leaves
+    nothing to wait for)."""
+    deadline = asyncio.get_running_loop().time() + polls * POLL_S
     while asyncio.get_running_loop().time() < deadline:
-        arrived = fetcher.take_new()
-        if arrived:
-            return arrived
-        await asyncio.sleep(0.05)
-    return []
+        if fetcher.take_new():
+            return False
+        await asyncio.sleep(POLL_S / 4)
+    return True
+
+
+class Calls:
+    """Counts the calls of the coroutine function ``module.name``, which still runs."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: object, name: str) -> None:
+        self.count = 0
+        original = getattr(module, name)
+
+        async def counted(*args, **kwargs):
+            self.count += 1
+            return await original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+
+@pytest.fixture(autouse=True)
+def quick_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(params_fetcher, "PARAMS_POLL_S", POLL_S)
 
 
 @contextlib.asynccontextmanager
@@ -71,81 +103,106 @@ def test_newest_fetches_each_announced_version(memory_nats) -> None:
         async with running_fetcher(memory_nats.url, SETTINGS) as (js, fetcher):
             for version in (1, 2, 3):
                 await publish(js, version)
-                arrived = await taken(fetcher, 10)
+                arrived = await arrival(fetcher)
                 assert [f.version for f in arrived] == [version]
                 assert np.array_equal(arrived[0].pieces["w"], values(version, 1000))
             fetcher.want_after_upload(0)  # changes nothing: every newer version is wanted
             await publish(js, 4)
-            assert [f.version for f in await taken(fetcher, 10)] == [4]
+            assert [f.version for f in await arrival(fetcher)] == [4]
 
     asyncio.run(scenario())
 
 
 def test_a_version_above_the_newest_head_is_replaced_and_a_bad_head_is_read_once(
-    memory_nats,
+    memory_nats, monkeypatch
 ) -> None:
     async def scenario() -> None:
         async with running_fetcher(memory_nats.url, SETTINGS) as (js, fetcher):
             await publish(js, 10**9)  # a forged (or broken) high version
-            assert [(f.version, f.rewind) for f in await taken(fetcher, 10)] == [(10**9, False)]
+            assert [(f.version, f.rewind) for f in await arrival(fetcher)] == [(10**9, False)]
             await publish(js, 4)  # the genuine outer's next version: the newest head
-            assert [(f.version, f.rewind) for f in await taken(fetcher, 10)] == [(4, True)]
+            assert [(f.version, f.rewind) for f in await arrival(fetcher)] == [(4, True)]
             # Params of another model under a head: rejected once, not re-read at every poll.
+            looks = Calls(monkeypatch, params_fetcher, "read_params_head")
+            reads = Calls(monkeypatch, params_fetcher, "read_latest_params")
             blob, _ = params_envelope(JOB, "small", 0, 5, 0, {"w": values(5, 10)}, "fp32")
             await publish_params(js, JOB, 0, 5, blob, 4096)
-            assert await taken(fetcher, PARAMS_POLL_S * 2.5) == []
-            assert fetcher.counters["params_rejected"] == 1
+            await wait_for_async(
+                lambda: fetcher.counters["params_rejected"] == 1, 10, "the rejection"
+            )
+            looked = looks.count
+            await wait_for_async(lambda: looks.count >= looked + 3, 10, "three more polls")
+            assert reads.count == 1 and fetcher.counters["params_rejected"] == 1
+            assert fetcher.take_new() == []
             await publish(js, 6)
-            assert [(f.version, f.rewind) for f in await taken(fetcher, 10)] == [(6, False)]
+            assert [(f.version, f.rewind) for f in await arrival(fetcher)] == [(6, False)]
 
     asyncio.run(scenario())
 
 
 def test_after_upload_fetches_one_copy_at_start_and_one_after_each_upload(memory_nats) -> None:
     async def scenario() -> None:
+        began = time.monotonic()
+
+        async def head_seen(version: int) -> None:
+            await wait_for_async(lambda: fetcher.head_version(0) == version, 10, f"head {version}")
+
         async with running_fetcher(memory_nats.url, AFTER_UPLOAD) as (js, fetcher):
             await publish(js, 1)
-            assert [f.version for f in await taken(fetcher, 10)] == [1]
+            assert [f.version for f in await arrival(fetcher)] == [1]
             # Versions published while nothing is wanted are not fetched.
             await publish(js, 2)
             await publish(js, 3)
-            assert await taken(fetcher, 1.0) == []
+            await head_seen(3)
+            assert await nothing_fetched(fetcher)
             # An upload: the next version after the newest head seen (3) is wanted, not 3.
-            await asyncio.sleep(0.3)  # the heads' notifications have arrived
             fetcher.want_after_upload(0)
-            assert await taken(fetcher, 1.0) == []
+            assert await nothing_fetched(fetcher)
             await publish(js, 4)
-            arrived = await taken(fetcher, 10)
+            arrived = await arrival(fetcher)
             assert [f.version for f in arrived] == [4]
             assert np.array_equal(arrived[0].pieces["w"], values(4, 1000))
             # And once only: later versions wait for the next upload.
             await publish(js, 5)
-            assert await taken(fetcher, 1.0) == []
+            await head_seen(5)
+            assert await nothing_fetched(fetcher)
             assert fetcher.counters["params_received"] == 2
             latency = fetcher.params_latency.summary()
-            assert latency is not None and latency.count == 2 and latency.max_s < 10
+            # Both takes measured, each from its head's notification within this test.
+            assert latency is not None and latency.count == 2
+            assert 0 <= latency.max_s <= time.monotonic() - began
 
     asyncio.run(scenario())
 
 
 def test_a_slow_read_gets_exactly_the_version_it_started_on(memory_nats) -> None:
-    """Over a 1 Mbit/s link one copy takes about two seconds; five newer versions published
-    meanwhile do not tear it. Past PARAMS_VERSIONS_KEPT newer ones it starts again on the
-    newest, and still completes."""
+    """A read of one copy that is under way over a slow link, which is held while five newer
+    versions are published, is not torn by them. Past PARAMS_VERSIONS_KEPT newer ones it
+    starts again on the newest, and still completes."""
 
     async def read_while_publishing(newer: int) -> tuple[int, bytes]:
         direct = await nats.connect(memory_nats.url)
         js = direct.jetstream()
         await ensure_streams(js)
         host, port = memory_nats.url.removeprefix("nats://").split(":")
-        proxy = LinkProxy(parse_link("1mbit"), host, int(port))
+        proxy = LinkProxy(parse_link("10mbit"), host, int(port))
         slow = await nats.connect(f"nats://127.0.0.1:{await proxy.start()}")
         try:
-            await publish(js, 1, size=60_000)
+            await publish(js, 1, size=60_000)  # 240 kB, in 4 kB chunks: ten 20 ms slices
             read = asyncio.create_task(read_latest_params(slow.jetstream(), JOB, 0, 1 << 22))
+            # Once the read has its head and some chunks, the link holds it while the newer
+            # versions are published.
+            await wait_for_async(
+                lambda: proxy.counters().bytes_down > 16_000, 30, "the read", interval_s=0.001
+            )
+            stall = asyncio.create_task(proxy.stall(3600))
+            await asyncio.sleep(0)  # the stall begins
+            assert not read.done()
             for version in range(2, 2 + newer):
-                await asyncio.sleep(0.02)
                 await publish(js, version, size=60_000)
+            stall.cancel()  # the stall ends
+            with contextlib.suppress(asyncio.CancelledError):
+                await stall
             result = await asyncio.wait_for(read, 60)
             assert result is not None
             head, blob = result

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from services.orchestration.nats_server import free_port
-from tests.helpers import AUTH, read_status, wait_for
+from tests.helpers import AUTH, next_heartbeats, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -99,7 +97,17 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
         outer_before, units_before = wait_for(
             outer_caught_up_with_unit1, 60, "the outer to apply unit 1's uploads"
         )
-        time.sleep(6)
+
+        def the_others_went_on():
+            outer, units = read_status(nats_server.url, JOB)
+            published = units[0].counter("published")
+            went_on = published >= units_before[0].counter("published") + 2
+            return went_on and outer.version > outer_before.version
+
+        # The window: unit 0 publishes twice more and the version moves on, and unit 1
+        # reports twice more after that (its record is no older than the window).
+        wait_for(the_others_went_on, 60, "unit 0 and the version to go on")
+        next_heartbeats(nats_server.url, [(JOB, 1)], 2, 30)
         outer_after, units_after = read_status(nats_server.url, JOB)
 
         # The paused unit neither trains nor publishes...

@@ -158,13 +158,15 @@ def test_cluster_run_ends_when_the_outer_is_left_dead_but_not_for_the_gateway(fa
 
 def test_cluster_does_not_restart_while_stopping(fake_cluster):
     cluster = fake_cluster
+    cluster.supervisor = Supervisor(RestartPolicy(initial_backoff_s=0.0, max_restarts=1))
     cluster.services.append(cluster.spawn("outer", ["crash"]))
     cluster.services[0].process.wait()
-    cluster.heal(lambda: True)
-    time.sleep(0.1)
+    cluster.heal(lambda: True)  # notices the exit; with no backoff the restart is due at once
     assert cluster.heal(lambda: True) is None
     assert cluster.supervisor.state("outer") is State.WAITING
     assert cluster.supervisor.restarts() == {"outer": 0}
+    assert cluster.heal(lambda: False) is None  # not stopping: the due restart happens
+    assert cluster.supervisor.restarts() == {"outer": 1}
 
 
 # --- nats-server restarted in place -------------------------------------------------------------

@@ -1,12 +1,12 @@
 """`--mode sync` (synchronous DiLoCo) with real processes: three units train, one is killed with
 SIGKILL; the others wait at their sync points, the outer drops the dead unit from the round after
-the timeout, and training goes on. (Under the decoupled default nothing waits for a killed unit:
+the timeout (on the policy's clock: tests/test_outer_core.py; on the wall clock: bench/timing.py),
+and training goes on. (Under the decoupled default nothing waits for a killed unit:
 ``tests/test_faults.py::test_killed_unit_does_not_stop_the_others_and_rejoins_within_30s``.)"""
 
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 
@@ -15,13 +15,10 @@ from tests.helpers import read_status, wait_for
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
 TIMEOUT_S = 6.0  # --sync-timeout-s
-WATCH_S = 12.0  # how long versions are watched after the kill
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_unit_holds_a_sync_round_up_to_the_timeout_then_training_goes_on(
-    nats_server, services
-):
+def test_sync_rounds_go_on_without_a_killed_unit(nats_server, services):
     job = "mode-sync"
     flags = [
         *("--nats-url", nats_server.url, "--job", job, "--model", "tiny", "--seed", "1"),
@@ -54,29 +51,24 @@ def test_a_killed_unit_holds_a_sync_round_up_to_the_timeout_then_training_goes_o
     wait_for(every_unit_applied_twice, 180, "two rounds of every unit applied")
     before = read_status(nats_server.url, job)[0]
     assert before is not None
+    # Rounds combine the units' uploads: fewer merges than uploads applied.
+    assert before.merges < before.applied, before
     learners[2].send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    version = None
-    changes = [killed_at]  # when the outer's version changed, from the kill on
-    while time.monotonic() - killed_at < WATCH_S:
+
+    def went_on_without_unit_2():
+        # Two more rounds of each survivor: unit 2's last upload may ride the round under way
+        # at the kill, so the second is one merged without it.
         outer = read_status(nats_server.url, job)[0]
         assert outer is not None
-        if version is not None and outer.version != version:
-            changes.append(time.monotonic())
-        version = outer.version
-        time.sleep(0.1)
-    changes.append(time.monotonic())
-    longest = max(b - a for a, b in zip(changes[:-1], changes[1:], strict=True))
-    outer, units = read_status(nats_server.url, job)
-    assert outer is not None
-    # Training went on without unit 2: a round was merged without it, and the survivors'
-    # uploads kept being applied. (Until unit 2 has been silent for three upload intervals,
-    # each round waits for it up to the timeout.)
-    assert len(changes) >= 3, changes
-    assert all(outer.units[unit].applied > before.units[unit].applied for unit in (0, 1)), (
-        outer.units
-    )
-    # A round waited for the dead unit, up to the timeout; the survivors waited with it.
-    assert longest >= 0.7 * TIMEOUT_S, (longest, changes)
-    assert all(units[unit].sync_wait_s > 0 for unit in (0, 1))
+        survivors = all(outer.units[u].applied >= before.units[u].applied + 2 for u in (0, 1))
+        return outer if survivors else None
+
+    outer = wait_for(went_on_without_unit_2, 120, "two more rounds of the survivors merged")
+    _, units = read_status(nats_server.url, job)
+    # Training went on without unit 2: rounds were merged without it, and the survivors, which
+    # wait at every sync point for the round's global, got it every time (none gave up).
+    # How long a round waits for a silent unit is the merge policy's, asserted on its clock in
+    # tests/test_outer_core.py; bench/timing.py measures it here, on the wall clock.
+    for unit in (0, 1):
+        assert units[unit].sync_wait_s > 0 and units[unit].counter("sync_waits_abandoned") == 0
     assert outer.rejected.keys() <= {"incomplete_upload"}, outer.rejected  # the killed upload

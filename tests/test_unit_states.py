@@ -5,14 +5,12 @@ registered waits idle until it is started through the gateway."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from services.orchestration.nats_server import free_port
 from shared.records.unit import UnitStatus
-from tests.helpers import AUTH, read_status, wait_for
+from tests.helpers import AUTH, next_heartbeats, read_status, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -60,9 +58,10 @@ def test_learners_idle_until_started_and_exit_when_stopped(nats_server, services
         )
         for job in (MANAGED, WAITING):
             wait_for(lambda j=job: unit_status(j).state == "idle", 180, f"{job}'s unit to idle")
-        time.sleep(3)
-        for job in (MANAGED, WAITING):
-            assert (unit_status(job).step, unit_status(job).state) == (0, "idle"), job
+        # Idle over three more heartbeats each: nothing trained before it is started.
+        beats = next_heartbeats(nats_server.url, [(MANAGED, 0), (WAITING, 0)], 3, 60)
+        for (job, _), records in beats.items():
+            assert [(r.step, r.state) for r in records] == [(0, "idle")] * 3, job
         view = client.get(f"/jobs/{MANAGED}").json()
         assert view["units"][0]["state"] == "idle" and view["units"][0]["desired"] == "idle"
 

@@ -56,10 +56,11 @@ def test_units_train_through_shaped_links_and_a_stall_loses_nothing(tmp_path, ja
     assert summary.ledger.balanced and summary.ledger.rejected == 0, summary.ledger
     assert {u: s.step for u, s in summary.units.items()} == {0: STEPS, 1: STEPS}
     for status in summary.units.values():
-        # Measured on the unit's clock; the training loop never waits for the network.
+        # Measured on the unit's clock. (That the training loop never waits for the network is
+        # tests/test_learner_checkpoint.py's, with a stalled link; its share of the training
+        # time, bench/links.py's.)
         assert status.upload_latency is not None and status.upload_latency.count >= 5
         assert status.params_latency is not None and status.params_latency.count >= 1
-        assert status.network_wait_s < 1.0, status.network_wait_s
         # Versions came faster than copies crossed (some were skipped), yet a newer one was
         # adopted at least once every two uploads, and no read failed.
         received, published = status.counter("params_received"), status.counter("published")

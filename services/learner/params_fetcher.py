@@ -113,6 +113,10 @@ class ParamsFetcher:
             self.params_latency.add(now - fragment.seen_at)
         return arrived
 
+    def head_version(self, fragment: int) -> int:
+        """The version of the latest params head of ``fragment`` seen (-1: none yet)."""
+        return self._head_versions[fragment]
+
     def want_after_upload(self, fragment: int) -> None:
         """With ``after_upload``: fetch ``fragment`` once more, its first version published
         after now (the merge that applies the upload JetStream just accepted, or a later one).

@@ -33,7 +33,6 @@ import logging
 import os
 import random
 import socket
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -64,16 +63,18 @@ def new_holder_id() -> str:
 
 
 class _Watch:
-    """How long a record's revision has gone unchanged, on this process's monotonic clock."""
+    """How long a record's revision has gone unchanged, on this process's monotonic clock (the
+    running event loop's, which also paces the polls, so that a test can drive both)."""
 
     def __init__(self) -> None:
+        self._clock = asyncio.get_running_loop().time
         self.revision = -1
-        self.since = time.monotonic()
+        self.since = self._clock()
 
     def unchanged_s(self, revision: int) -> float:
         if revision != self.revision:
-            self.revision, self.since = revision, time.monotonic()
-        return time.monotonic() - self.since
+            self.revision, self.since = revision, self._clock()
+        return self._clock() - self.since
 
 
 class Lease:
