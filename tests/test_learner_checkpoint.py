@@ -265,7 +265,7 @@ def test_full_queue_drops_the_oldest_upload_not_being_sent(tmp_path):
     assert UnitState(tmp_path / STATE_FILE).lifetime["dropped_unsent"] == 2
 
 
-def test_the_training_threads_calls_return_while_the_link_is_stalled(nats_server, tmp_path):
+def test_the_training_threads_calls_return_while_the_link_is_stalled(memory_nats, tmp_path):
     """The training thread never waits for the network: with every byte between the link and
     NATS held, it queues an upload (which stays unsent), takes new params (none) and sets its
     status."""
@@ -278,7 +278,7 @@ def test_the_training_threads_calls_return_while_the_link_is_stalled(nats_server
     async def outage() -> str | None:
         return proxy.counters().outage
 
-    host, port = nats_server.url.removeprefix("nats://").split(":")
+    host, port = memory_nats.url.removeprefix("nats://").split(":")
     proxy = LinkProxy(LinkSpec(), host, int(port))
     listen_port = on_proxy_loop(proxy.start()).result(10)
     settings = LearnerSettings(
@@ -288,7 +288,7 @@ def test_the_training_threads_calls_return_while_the_link_is_stalled(nats_server
     link.start()
     stall = None
     try:
-        wait_for(lambda: read_status(nats_server.url, "t")[1].get(0), 60, "the link's heartbeat")
+        wait_for(lambda: read_status(memory_nats.url, "t")[1].get(0), 60, "the link's heartbeat")
         stall = on_proxy_loop(proxy.stall(3600))
         wait_for(lambda: on_proxy_loop(outage()).result(10) == "stall", 10, "the stall")
         returned = threading.Event()
