@@ -303,6 +303,9 @@ def test_the_training_threads_calls_return_while_the_link_is_stalled(memory_nats
         threading.Thread(target=training_thread, daemon=True).start()
         assert returned.wait(10), "a call of the training thread waited for the stalled link"
         assert link.unsent() == 1  # queued: it cannot have crossed
+        # Told to stop at once, the link gives up the publish held by the stall and ends.
+        assert link.stop(flush_timeout_s=0), "the link's thread outlived stop()"
+        assert link.unsent() == 1
     finally:
         if stall is not None:
             stall.cancel()

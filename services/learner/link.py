@@ -55,7 +55,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CLOSE_TIMEOUT_S = 5.0
-STOP_JOIN_SLACK_S = 8.0  # beyond the flush timeout: the last heartbeat and closing NATS
+# Beyond the flush timeout: the last heartbeat, then closing both connections (each of the two
+# steps bounded by CLOSE_TIMEOUT_S).
+STOP_JOIN_SLACK_S = 2 * CLOSE_TIMEOUT_S + 1.0
 
 
 class LearnerLink:
@@ -183,11 +185,13 @@ class LearnerLink:
         """Tokens/s of every running unit that reported a speed (for DyLU)."""
         return self.control.unit_rates
 
-    def stop(self, flush_timeout_s: float) -> None:
-        """Publish what is queued (up to ``flush_timeout_s``), send a last heartbeat, close."""
+    def stop(self, flush_timeout_s: float) -> bool:
+        """Publish what is queued (up to ``flush_timeout_s``; a publish under way then is given
+        up), send a last heartbeat, close. Returns whether the NATS thread ended in time."""
         self.sender.finish(flush_timeout_s)
         self._stopping.set()
         self._thread.join(timeout=flush_timeout_s + STOP_JOIN_SLACK_S)
+        return not self._thread.is_alive()
 
     # ---- the background thread ---------------------------------------------------------------
 
@@ -250,9 +254,11 @@ class LearnerLink:
         self.encoder.shutdown()
         try:
             await asyncio.wait_for(final_status, timeout=CLOSE_TIMEOUT_S)
-            await self.params.close()
-            await asyncio.wait_for(params_nc.close(), timeout=CLOSE_TIMEOUT_S)
-            await asyncio.wait_for(nc.close(), timeout=CLOSE_TIMEOUT_S)
+        except NATS_ERRORS as err:
+            log.warning("the last heartbeat: %s", err)
+        closing = asyncio.gather(self.params.close(), params_nc.close(), nc.close())
+        try:
+            await asyncio.wait_for(closing, timeout=CLOSE_TIMEOUT_S)
         except NATS_ERRORS as err:
             log.warning("closing NATS: %s", err)
 

@@ -80,6 +80,7 @@ class Sender:
         self._flush_deadline = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queue_changed: asyncio.Event | None = None
+        self._deadline_passed: asyncio.Event | None = None
 
     # ---- any thread ----------------------------------------------------------------------------
 
@@ -115,15 +116,21 @@ class Sender:
             return len(self._queue)
 
     def finish(self, flush_timeout_s: float) -> None:
-        """Publish what is queued for at most ``flush_timeout_s`` more, then end :meth:`run`."""
+        """Publish what is queued for at most ``flush_timeout_s`` more, then end :meth:`run`
+        (a publish still under way then is given up: the upload stays unsent)."""
         self._flush_deadline = time.monotonic() + flush_timeout_s
         self._stopping.set()
+        loop, passed = self._loop, self._deadline_passed
+        if loop is not None and passed is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has ended: nothing to end
+                loop.call_soon_threadsafe(loop.call_later, flush_timeout_s, passed.set)
         self._wake()
 
     def _wake(self) -> None:
         loop, event = self._loop, self._queue_changed
         if loop is not None and event is not None:
-            loop.call_soon_threadsafe(event.set)
+            with contextlib.suppress(RuntimeError):  # the loop has ended: nothing to wake
+                loop.call_soon_threadsafe(event.set)
 
     def _past_deadline(self) -> bool:
         return self._stopping.is_set() and time.monotonic() > self._flush_deadline
@@ -135,6 +142,7 @@ class Sender:
         was called and the queue is empty or the flush deadline has passed."""
         self._loop = asyncio.get_running_loop()
         self._queue_changed = asyncio.Event()
+        self._deadline_passed = asyncio.Event()
         while True:
             with self._lock:
                 upload = self._queue[0] if self._queue else None
@@ -163,13 +171,36 @@ class Sender:
             if following is not None:
                 self.encoder.encoding(following)  # encoded while this one is being sent
             try:
-                await self._publish(js, upload, blob, chunk_size)
+                published = await self._publish_before_deadline(js, upload, blob, chunk_size)
             except PUBLISH_ERRORS:
+                published = False
+            if not published:
                 log.warning("flush deadline passed with %d uploads unsent", self.unsent())
                 return
             self.counters.add("bytes_sent", len(blob))
             self._finish(upload, "published")
             self.on_published(upload.fragment)
+
+    async def _publish_before_deadline(
+        self, js: Any, upload: Upload, blob: bytes, chunk_size: int
+    ) -> bool:
+        """Publish ``blob``; False when the flush deadline passed first (the publish is given
+        up: a publish waiting on an unreachable server could otherwise hold the unit's exit
+        for one more publish timeout)."""
+        assert self._deadline_passed is not None
+        publish = asyncio.ensure_future(self._publish(js, upload, blob, chunk_size))
+        deadline = asyncio.ensure_future(self._deadline_passed.wait())
+        try:
+            await asyncio.wait({publish, deadline}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            deadline.cancel()
+            if not publish.done():
+                publish.cancel()
+        await asyncio.gather(publish, return_exceptions=True)
+        if publish.cancelled():
+            return False
+        publish.result()
+        return True
 
     async def _publish(self, js: Any, upload: Upload, blob: bytes, chunk_size: int) -> None:
         """Publish ``blob`` until JetStream accepts it; raises once past the flush deadline."""

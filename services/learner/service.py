@@ -290,7 +290,8 @@ def finish(unit: Unit, account: TrainingAccount, status: StatusReport, handoff: 
     handoff.close(account.tokens)
     status.state = "finished" if core.step >= settings.max_steps else "stopped"
     status.report(force=True)
-    link.stop(flush_timeout_s=max(0.0, deadline - time.monotonic()))
+    if not link.stop(flush_timeout_s=max(0.0, deadline - time.monotonic())):
+        log.warning("the NATS thread did not end in time; exiting without it")
     summary = {
         "unit": settings.unit,
         "steps": core.step,
