@@ -20,7 +20,12 @@ from services.link.proxy import LinkProxy
 from services.outer.publishing import params_envelope
 from shared.codec import api as codec
 from shared.link_spec import parse_link
-from shared.transport.params import PARAMS_VERSIONS_KEPT, publish_params, read_latest_params
+from shared.transport.params import (
+    PARAMS_READ_TIMEOUT_S,
+    PARAMS_VERSIONS_KEPT,
+    publish_params,
+    read_latest_params,
+)
 from shared.transport.streams import ensure_streams
 from shared.wire.envelope import unpack_envelope
 from tests.helpers import wait_for_async
@@ -220,3 +225,41 @@ def test_a_slow_read_gets_exactly_the_version_it_started_on(memory_nats) -> None
     assert version == 1 and np.array_equal(read_values(blob), values(1, 60_000))
     version, blob = asyncio.run(read_while_publishing(PARAMS_VERSIONS_KEPT + 4))
     assert version > 1 and np.array_equal(read_values(blob), values(version, 60_000))
+
+
+def test_a_read_under_way_when_the_connection_drops_is_given_up(memory_nats) -> None:
+    """A params read crossing a slow link when the connection drops is given up at once
+    (nats-py would keep its requests waiting out their timeout, which allows for a whole chunk
+    over a 1 Mbit/s link): once reconnected, the fetcher reads the newest version."""
+
+    async def scenario() -> None:
+        direct = await nats.connect(memory_nats.url)
+        js = direct.jetstream()
+        await ensure_streams(js)
+        host, port = memory_nats.url.removeprefix("nats://").split(":")
+        proxy = LinkProxy(parse_link("200kbit"), host, int(port))
+        fetcher = ParamsFetcher(SETTINGS, 1 << 22, Counters())
+        slow = await nats.connect(
+            f"nats://127.0.0.1:{await proxy.start()}",
+            reconnect_time_wait=0.1,
+            disconnected_cb=fetcher.on_disconnected,
+        )
+        runner = asyncio.create_task(fetcher.run(slow.jetstream(timeout=PARAMS_READ_TIMEOUT_S)))
+        try:
+            await publish(js, 1, size=60_000)  # 240 kB: about 10 s over the link
+            await wait_for_async(
+                lambda: proxy.counters().bytes_down > 16_000, 30, "the read", interval_s=0.01
+            )
+            await proxy.cut(0.2)
+            await publish(js, 2)
+            arrived = await wait_for_async(fetcher.take_new, 8, "the newest version")
+            assert [f.version for f in arrived] == [2]
+            assert fetcher.counters["params_read_failed"] >= 1
+        finally:
+            runner.cancel()
+            await asyncio.gather(runner, return_exceptions=True)
+            await slow.close()
+            await proxy.close()
+            await direct.close()
+
+    asyncio.run(scenario())

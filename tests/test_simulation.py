@@ -12,8 +12,9 @@ from shared.settings.workload import WorkloadSettings
 from sim import training as sim
 
 # Only the workload is made small: the algorithm and the codecs are the shipped defaults.
-WORKLOAD = WorkloadSettings(model="tiny", max_steps=64)
+WORKLOAD = WorkloadSettings(model="tiny", max_steps=60)
 SETUP = sim.SimSetup(workload=WORKLOAD, num_units=2, evals=2)
+SPEEDS = [1.0, 2.0]  # slowdowns of the two units
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_every_method_learns_and_reports_a_curve(work, start):
     results = [
         sim.data_parallel(work, start),
         sim.sync_diloco(work, start),
-        sim.async_run(work, start, [1.0, 2.0]),
+        sim.async_run(work, start, SPEEDS),
     ]
     for result in results:
         assert result.curve[0][0] == 0 and result.curve[-1][1] == result.final_eval
@@ -53,7 +54,7 @@ def test_async_with_quorum_and_dylu_merges_equal_speed_units_together(work, star
     quorum = sim.changed(
         SETUP.algorithm, outer_optimizer="nesterov", merge_policy="quorum", min_quorum=1
     )
-    result = sim.async_run(work, start, [1.0, 2.0], algorithm=quorum)
+    result = sim.async_run(work, start, SPEEDS, algorithm=quorum)
     # With DyLU the slow unit does H/2 steps per round, so both arrive together: every merge
     # takes both updates and nothing is stale.
     assert result.merged_per_step == 2.0
@@ -61,6 +62,7 @@ def test_async_with_quorum_and_dylu_merges_equal_speed_units_together(work, star
 
 
 def test_simulation_is_deterministic(work, start):
-    first = sim.async_run(work, start, [1.0, 3.0])
-    second = sim.async_run(work, start, [1.0, 3.0])
+    # The speeds of the test above: the jitted trainers of its units are reused.
+    first = sim.async_run(work, start, SPEEDS)
+    second = sim.async_run(work, start, SPEEDS)
     assert first.final_eval == second.final_eval and first.staleness == second.staleness

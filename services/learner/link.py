@@ -216,6 +216,7 @@ class LearnerLink:
             f"learner-{self.settings.job}-{self.settings.unit}-params",
             stopping=self._stopping.is_set,
             on_error=self.counters.error,
+            disconnected_cb=self.params.on_disconnected,
         )
         if params_nc is None:
             await nc.close()

@@ -101,6 +101,7 @@ class ParamsFetcher:
         self.sync_latency = SyncLatency()
         self._head_seen: asyncio.Event | None = None
         self._subscription: Any = None
+        self._fetching: asyncio.Future[None] | None = None  # the read under way
 
     def take_new(self) -> list[GlobalFragment]:
         """Global fragments fetched since the last call (the newest version of each);
@@ -150,8 +151,9 @@ class ParamsFetcher:
         head_seen = self._head_seen or asyncio.Event()
         while True:
             for fragment in range(self.settings.fragments):
+                self._fetching = asyncio.ensure_future(self._fetch(js, fragment))
                 try:
-                    await self._fetch(js, fragment)
+                    await self._fetching
                 except (WireError, CodecError) as err:
                     self.counters.add("params_rejected")
                     self.counters.error(f"bad global params: {err}")
@@ -159,9 +161,25 @@ class ParamsFetcher:
                 except (TransportError, *NATS_ERRORS) as err:
                     self.counters.add("params_read_failed")
                     log.info("params fetch: %r", err)
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is not None and task.cancelling():
+                        raise  # this loop itself is being cancelled
+                    self.counters.add("params_read_failed")  # given up: the connection dropped
+                    log.info("params fetch given up: the connection dropped")
+                finally:
+                    self._fetching = None
             head_seen.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(head_seen.wait(), timeout=PARAMS_POLL_S)
+
+    async def on_disconnected(self) -> None:
+        """The params connection dropped: a read under way waits for replies that will never
+        come (nats-py keeps a request waiting out its timeout, which allows for a whole chunk
+        over the slowest link), so it is given up; the loop reads again once reconnected."""
+        fetching = self._fetching
+        if fetching is not None and not fetching.done():
+            fetching.cancel()
 
     def _note_head(self, fragment: int, version: int) -> None:
         # The latest head, not the highest: a forged huge version must not outlive the next
