@@ -243,6 +243,7 @@ def test_a_read_under_way_when_the_connection_drops_is_given_up(memory_nats) -> 
             f"nats://127.0.0.1:{await proxy.start()}",
             reconnect_time_wait=0.1,
             disconnected_cb=fetcher.on_disconnected,
+            reconnected_cb=fetcher.on_reconnected,
         )
         runner = asyncio.create_task(fetcher.run(slow.jetstream(timeout=PARAMS_READ_TIMEOUT_S)))
         try:

@@ -217,6 +217,7 @@ class LearnerLink:
             stopping=self._stopping.is_set,
             on_error=self.counters.error,
             disconnected_cb=self.params.on_disconnected,
+            reconnected_cb=self.params.on_reconnected,
         )
         if params_nc is None:
             await nc.close()

@@ -102,6 +102,7 @@ class ParamsFetcher:
         self._head_seen: asyncio.Event | None = None
         self._subscription: Any = None
         self._fetching: asyncio.Future[None] | None = None  # the read under way
+        self._connected = True  # whether the params connection is up (no read starts if not)
 
     def take_new(self) -> list[GlobalFragment]:
         """Global fragments fetched since the last call (the newest version of each);
@@ -150,7 +151,7 @@ class ParamsFetcher:
         """Fetch every fragment whose head is newer, after each notification or poll (forever)."""
         head_seen = self._head_seen or asyncio.Event()
         while True:
-            for fragment in range(self.settings.fragments):
+            for fragment in range(self.settings.fragments if self._connected else 0):
                 self._fetching = asyncio.ensure_future(self._fetch(js, fragment))
                 try:
                     await self._fetching
@@ -174,12 +175,20 @@ class ParamsFetcher:
                 await asyncio.wait_for(head_seen.wait(), timeout=PARAMS_POLL_S)
 
     async def on_disconnected(self) -> None:
-        """The params connection dropped: a read under way waits for replies that will never
-        come (nats-py keeps a request waiting out its timeout, which allows for a whole chunk
-        over the slowest link), so it is given up; the loop reads again once reconnected."""
+        """The params connection dropped: a read under way, or started before it is back,
+        waits for replies that never come (nats-py keeps a request waiting out its timeout,
+        which allows for a whole chunk over the slowest link). So the read under way is given
+        up, and none starts until :meth:`on_reconnected`."""
+        self._connected = False
         fetching = self._fetching
         if fetching is not None and not fetching.done():
             fetching.cancel()
+
+    async def on_reconnected(self) -> None:
+        """The params connection is back: read at once."""
+        self._connected = True
+        if self._head_seen is not None:
+            self._head_seen.set()
 
     def _note_head(self, fragment: int, version: int) -> None:
         # The latest head, not the highest: a forged huge version must not outlive the next
