@@ -16,7 +16,6 @@ import stat
 import subprocess
 import tarfile
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from services.orchestration.compose.settings import BrokerSettings, ControllerSe
 from shared import liveness, nats_auth
 from shared.nats_auth import Credentials, CredentialsError, Identity
 from tests.fake_docker import FakeDockerServer
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -196,8 +196,12 @@ def test_a_job_container_answers_like_a_process(engine: FakeDockerServer, tmp_pa
         container.wait(timeout=0.1)
     # A failing health check shows at the next poll; the engine's log can be read back.
     engine.engine.find(container.name)["State"]["Health"] = {"Status": "unhealthy"}
-    time.sleep(docker_api.POLL_EVERY_S)  # the next poll asks the engine
-    assert container.poll() is None and container.unhealthy()
+    wait_for(
+        lambda: container.poll() is None and container.unhealthy(),
+        5,
+        "a poll to ask the engine",
+        interval_s=0.05,
+    )
     engine.engine.logs[container.name] = b"step 1\nThread 0x7f (most recent call first):\n"
     assert container.log_tail(2).endswith("(most recent call first):\n")
     (logs,) = engine.engine.named("GET", f"/containers/{container.handle.id}/logs")
@@ -219,7 +223,13 @@ def test_an_engine_error_keeps_its_http_status(engine: FakeDockerServer, tmp_pat
     assert refused.value.status_code == 500
     # A poll the engine cannot answer is tried again later; a removed container was killed.
     engine.engine.refuse[("GET", "json")] = 500
-    time.sleep(docker_api.POLL_EVERY_S)
+    reads = len(engine.engine.requests)
+    wait_for(
+        lambda: container.poll() is None and len(engine.engine.requests) > reads,
+        5,
+        "a poll the engine refuses",
+        interval_s=0.05,
+    )
     assert container.poll() is None
     del engine.engine.refuse[("GET", "json")]
     docker_api.remove_container(container.handle.client, container.name)
@@ -266,7 +276,8 @@ def test_a_hung_containers_stacks_go_into_the_controllers_log(
     name = "diloco-demo-learner-0"
     engine.engine.find(name)["State"]["Health"] = {"Status": "unhealthy"}
     engine.engine.logs[name] = b'Thread 0x7f (most recent call first):\n  File "learner.py"\n'
-    time.sleep(docker_api.POLL_EVERY_S)
+    container = controller.children["demo/learner-0"].process
+    wait_for(lambda: container.poll() is None and container.unhealthy(), 5, "the next poll")
     with caplog.at_level(logging.WARNING, logger="diloco.controller"):
         controller.heal()
     assert "demo/learner-0 is unhealthy" in caplog.text
