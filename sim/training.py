@@ -130,8 +130,9 @@ class Workload:
         """The same workload with another data order (jitted trainers are shared)."""
         other = Workload.__new__(Workload)
         other.__dict__.update(self.__dict__)
-        workload = self.setup.workload.model_copy(update={"seed": seed})
-        other.setup = dataclasses.replace(self.setup, workload=workload)
+        other.setup = dataclasses.replace(
+            self.setup, workload=changed(self.setup.workload, seed=seed)
+        )
         other.samplers = other._samplers(seed)
         return other
 

@@ -38,7 +38,7 @@ BOOKS = """
 import asyncio, json, sys
 from shared import ledger
 from shared.job_status import read_job_status
-from shared.settings import NatsSettings
+from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
 async def main():
     nc = await connect(NatsSettings(), "books")
