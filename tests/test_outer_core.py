@@ -58,7 +58,7 @@ def test_one_fragment_reproduces_the_non_fragmented_outer_step_exactly():
     core.offer(0, arrival(0, delta))
     core.merge(0)
     optimizer = make_outer_optimizer("nesterov", 0.7, 0.9)
-    expected, _ = make_outer_step(optimizer)(named, optimizer.init(named), delta)
+    expected = make_outer_step(optimizer)(named, optimizer.init(named), delta).params
     for key, value in core.full_params().items():
         np.testing.assert_array_equal(value, np.asarray(expected[key]))
 

@@ -16,6 +16,7 @@ from services.outer.optimizer import (
     DelayedNesterovState,
     make_outer_optimizer,
     make_outer_step,
+    momentum_of,
 )
 from services.outer.staleness import StalenessRule
 
@@ -379,7 +380,7 @@ def _run(name, lr, grads, momentum=0.9, period=1, params=None):
     step = make_outer_step(opt)
     history = []
     for g in grads:
-        params, state = step(params, state, g)
+        params, state, *_ = step(params, state, g)
         history.append(params)
     return history, state
 
@@ -470,14 +471,14 @@ def test_delayed_nesterov_between_milestones_is_sgd_on_g_over_n():
     params, state = theta0, opt.init(theta0)
     # One full period first so the momentum is nonzero.
     for _ in range(period):
-        params, state = step(params, state, rand_tree(rng))
+        params, state, *_ = step(params, state, rand_tree(rng))
     momentum = to_np(state.momentum)
     assert any(np.abs(v).max() > 0 for v in momentum.values())
     acc = {k: np.zeros(shape) for k, shape in SHAPES.items()}
     for i in range(period - 1):
         g = rand_tree(rng)
         before = to_np(params)
-        params, state = step(params, state, g)
+        params, state, *_ = step(params, state, g)
         expected = {k: before[k] - lr * to_np(g)[k] / period for k in SHAPES}
         assert_tree_close(params, expected)
         assert_tree_close(state.momentum, momentum, rtol=0, atol=0)  # untouched
@@ -493,7 +494,7 @@ def test_outer_step_is_jitted_and_does_not_retrace():
     params = rand_tree(rng)
     state = opt.init(params)
     for _ in range(7):
-        params, state = step(params, state, rand_tree(rng))
+        params, state, *_ = step(params, state, rand_tree(rng))
     assert step._cache_size() == 1
     assert state.count.dtype == jnp.int32
     for leaf in jax.tree_util.tree_leaves((params, state)):
@@ -528,3 +529,23 @@ def test_valid_edge_hyperparameters_build():
     sgd, _ = _run("sgd", 0.3, grads, params=theta0)
     for a, b in zip(nest, sgd, strict=True):
         assert_tree_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["sgd", "nesterov", "delayed_nesterov"])
+def test_outer_step_reports_the_size_of_its_change_and_of_the_momentum(name):
+    opt = make_outer_optimizer(name, 0.7, 0.9, 2)
+    step = make_outer_step(opt)
+    rng = np.random.default_rng(70)
+    params = rand_tree(rng)
+    state = opt.init(params)
+    for _ in range(3):
+        before = to_np(params)
+        params, state, update_norm, momentum_norm = step(params, state, rand_tree(rng))
+        change = np.sqrt(sum(np.sum((to_np(params)[k] - before[k]) ** 2) for k in SHAPES))
+        np.testing.assert_allclose(float(update_norm), change, rtol=1e-4)
+        momentum = momentum_of(state)
+        if name == "sgd":
+            assert momentum is None and float(momentum_norm) == 0.0
+        else:
+            expected = np.sqrt(sum(np.sum(v**2) for v in to_np(momentum).values()))
+            np.testing.assert_allclose(float(momentum_norm), expected, rtol=1e-5)

@@ -56,6 +56,7 @@ class OuterAlgorithm:
     sync_rounds: bool  # synchronous DiLoCo's rounds (MergePolicy.sync_rounds)
     norm_guard: str  # reject, clip or off (norm_guard.py)
     norm_guard_factor: float
+    momentum_max_age: float  # momentum periods after which an arrival brings no momentum
 
     def __post_init__(self) -> None:
         # Fail at start-up, not at the first merge: build everything once to validate.
@@ -77,12 +78,15 @@ class OuterAlgorithm:
 
 @dataclass
 class MergeResult:
-    """One outer step: which fragment, its new version, and what went into it."""
+    """One outer step: which fragment, its new version, what went into it, and the L2 norms of
+    the change it made to the fragment's params and of the momentum it leaves."""
 
     fragment: int
     version: int
     arrivals: list[Arrival]
     staleness: list[int]
+    update_norm: float
+    momentum_norm: float
 
 
 @dataclass
@@ -229,6 +233,14 @@ class OuterCore:
 
     # ---- arrivals and merges -----------------------------------------------------------------
 
+    def _freshness(self, staleness: list[int]) -> float:
+        """How much of a merge the outer momentum may build on (``delayed_nesterov``): per
+        arrival clip(L − s/N, 0, 1), its age s/N counted in momentum periods (N arrivals) and
+        L = ``momentum_max_age``; the mean over the merge's arrivals."""
+        a = self.algorithm
+        limit, period = a.momentum_max_age, max(1, a.dn_period)
+        return float(np.mean([min(1.0, max(0.0, limit - s / period)) for s in staleness]))
+
     def offer(self, fragment: int, arrival: Arrival) -> None:
         """Buffer a validated arrival for ``fragment``.
 
@@ -306,7 +318,15 @@ class OuterCore:
             # work enters the global params with the same total weight however it is batched).
             share = len({arr.unit for arr in arrivals}) / a.num_units
             merged = jax.tree_util.tree_map(lambda x: x * share, merged)
-        state.params, state.opt_state = self._step(state.params, state.opt_state, merged)
+        step = self._step(state.params, state.opt_state, merged, self._freshness(staleness))
+        state.params, state.opt_state = step.params, step.opt_state
         state.version += 1
         self.guard.merged(fragment, [arr.norm for arr in arrivals if arr.norm is not None])
-        return MergeResult(fragment, state.version, arrivals, staleness)
+        return MergeResult(
+            fragment,
+            state.version,
+            arrivals,
+            staleness,
+            float(step.update_norm),
+            float(step.momentum_norm),
+        )

@@ -26,15 +26,27 @@ from shared.outer_choices import OPTIMIZERS
 
 
 class DelayedNesterovState(NamedTuple):
-    """State of Delayed Nesterov: momentum, the sum of buffered arrivals, arrivals so far."""
+    """State of Delayed Nesterov: momentum, the sum of buffered arrivals, arrivals so far, and
+    the sum of the buffered arrivals' freshness."""
 
     momentum: Any
     accumulated: Any
     count: jax.Array
+    freshness: jax.Array
 
 
-def delayed_nesterov(lr: float, momentum: float, period: int) -> optax.GradientTransformation:
-    """Delayed Nesterov (arXiv 2401.09135, Alg. 3, c = 0) as an optax transform.
+def delayed_nesterov(
+    lr: float, momentum: float, period: int
+) -> optax.GradientTransformationExtraArgs:
+    """Delayed Nesterov (arXiv 2401.09135, Alg. 3, c = 0) as an optax transform, whose momentum
+    follows the freshness of what it merges.
+
+    Each arrival comes with its freshness f in [0, 1] (``update(..., freshness=f)``; 1 when not
+    given). At a milestone the momentum is ``β·f̄`` instead of β, f̄ the mean freshness of the
+    period's arrivals: fresh arrivals give Delayed Nesterov, stale ones plain SGD on the mean,
+    with nothing of the old momentum kept. Momentum applied to updates computed against old
+    params keeps pushing where the outer has already gone (the units have not seen its moves
+    yet); over slow links that made training diverge (docs/ALGORITHMS.md, "Staleness").
 
     Args:
         lr: outer learning rate ε.
@@ -46,28 +58,33 @@ def delayed_nesterov(lr: float, momentum: float, period: int) -> optax.GradientT
 
     def init(params: Any) -> DelayedNesterovState:
         zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
-        return DelayedNesterovState(zeros, zeros, jnp.zeros([], jnp.int32))
+        return DelayedNesterovState(
+            zeros, zeros, jnp.zeros([], jnp.int32), jnp.zeros([], jnp.float32)
+        )
 
-    def update(grads: Any, state: DelayedNesterovState, params: Any = None):
+    def update(grads: Any, state: DelayedNesterovState, params: Any = None, **extra: Any):
         del params
+        freshness = state.freshness + jnp.asarray(extra.get("freshness", 1.0), jnp.float32)
+        beta = momentum * freshness / period  # used at a milestone only, when it is the mean
         accumulated = jax.tree_util.tree_map(jnp.add, state.accumulated, grads)
         milestone = (state.count + 1) % period == 0
         new_momentum = jax.tree_util.tree_map(
-            lambda m, acc: jnp.where(milestone, momentum * m + acc / period, m),
+            lambda m, acc: jnp.where(milestone, beta * m + acc / period, m),
             state.momentum,
             accumulated,
         )
         updates = jax.tree_util.tree_map(
-            lambda m, g: -lr * (jnp.where(milestone, momentum * m, 0.0) + g / period),
+            lambda m, g: -lr * (jnp.where(milestone, beta * m, 0.0) + g / period),
             new_momentum,
             grads,
         )
         accumulated = jax.tree_util.tree_map(
             lambda acc: jnp.where(milestone, jnp.zeros_like(acc), acc), accumulated
         )
-        return updates, DelayedNesterovState(new_momentum, accumulated, state.count + 1)
+        freshness = jnp.where(milestone, 0.0, freshness)
+        return updates, DelayedNesterovState(new_momentum, accumulated, state.count + 1, freshness)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def make_outer_optimizer(
@@ -83,18 +100,52 @@ def make_outer_optimizer(
     if lr <= 0 or not 0 <= momentum < 1:
         raise ValueError(f"need lr > 0 and 0 <= momentum < 1, got lr={lr}, momentum={momentum}")
     if name == "sgd":
-        return optax.sgd(learning_rate=lr)
+        return optax.with_extra_args_support(optax.sgd(learning_rate=lr))
     if name == "nesterov":
-        return optax.sgd(learning_rate=lr, momentum=momentum, nesterov=True)
+        return optax.with_extra_args_support(
+            optax.sgd(learning_rate=lr, momentum=momentum, nesterov=True)
+        )
     return delayed_nesterov(lr, momentum, period)
 
 
-def make_outer_step(optimizer: optax.GradientTransformation):
-    """Return a jitted ``step(params, opt_state, pseudo_grad) -> (params, opt_state)``."""
+def momentum_of(opt_state: Any) -> Any:
+    """The momentum buffer inside an outer optimizer's state (None for plain SGD)."""
+    if isinstance(opt_state, DelayedNesterovState):
+        return opt_state.momentum
+    if isinstance(opt_state, optax.TraceState):
+        return opt_state.trace
+    if isinstance(opt_state, tuple):
+        for part in opt_state:
+            found = momentum_of(part)
+            if found is not None:
+                return found
+    return None
+
+
+class OuterStep(NamedTuple):
+    """What one outer step did: the new params and state, the size of the change it made to
+    the params and of the momentum it leaves (0 without momentum)."""
+
+    params: Any
+    opt_state: Any
+    update_norm: jax.Array
+    momentum_norm: jax.Array
+
+
+def make_outer_step(optimizer: optax.GradientTransformationExtraArgs):
+    """Return a jitted ``step(params, opt_state, pseudo_grad, freshness=1.0) -> OuterStep``
+    (``freshness``: see :func:`delayed_nesterov`; the other optimizers ignore it)."""
 
     @jax.jit
-    def step(params: Any, opt_state: Any, pseudo_grad: Any):
-        updates, opt_state = optimizer.update(pseudo_grad, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+    def step(params: Any, opt_state: Any, pseudo_grad: Any, freshness: Any = 1.0) -> OuterStep:
+        updates, opt_state = optimizer.update(pseudo_grad, opt_state, params, freshness=freshness)
+        momentum = momentum_of(opt_state)
+        momentum_norm = jnp.zeros([]) if momentum is None else optax.tree.norm(momentum)
+        return OuterStep(
+            optax.apply_updates(params, updates),
+            opt_state,
+            optax.tree.norm(updates),
+            momentum_norm,
+        )
 
     return step

@@ -119,6 +119,14 @@ class OuterAlgorithmSettings(BaseModel):
         le=MAX_DN_PERIOD,
         description="Delayed Nesterov: arrivals per momentum update (N; 0 = number of units)",
     )
+    momentum_max_age: float = Field(
+        2.0,
+        ge=0,
+        le=1000,
+        description="Delayed Nesterov: an arrival as stale as this many momentum periods (N "
+        "arrivals) brings no momentum, one period younger brings it in full (linear between); "
+        "a period's momentum is scaled by the mean (docs/ALGORITHMS.md, 'Staleness')",
+    )
     merge_policy: MergePolicyName = Field(
         "each", description="each (apply every arrival alone) or quorum (quorum + grace window)"
     )
@@ -198,6 +206,7 @@ class OuterAlgorithmSettings(BaseModel):
             sync_rounds=False,
             norm_guard=self.norm_guard,
             norm_guard_factor=self.norm_guard_factor,
+            momentum_max_age=self.momentum_max_age,
         )
         if sync.mode != "sync":
             return algorithm
