@@ -6,7 +6,13 @@ import jax
 import numpy as np
 import pytest
 
-from services.learner.core import STEPS_IN_FLIGHT, LearnerCore, SyncSchedule, dynamic_h
+from services.learner.core import (
+    STEPS_IN_FLIGHT,
+    Adoption,
+    LearnerCore,
+    SyncSchedule,
+    dynamic_h,
+)
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from shared import model, pytree
 from shared.codec import api as codec
@@ -64,6 +70,7 @@ def test_adopting_a_global_keeps_exactly_the_unsent_progress():
     assert core.offer_global(0, 5, new_global)
     assert core.adopt_globals() == [0]
     assert core.base_versions() == [5]
+    assert list(core.adoptions) == [Adoption(core.step, 0, 5, 0)]
     params, anchor = named(core.state.params), named(core.state.anchor)
     for key in params:
         np.testing.assert_allclose(anchor[key], new_global[key], atol=1e-6)

@@ -8,6 +8,7 @@ import types
 import pytest
 
 from services.learner.accounting import TrainingAccount
+from services.learner.core import Adoption
 from services.learner.link import LearnerLink
 from services.learner.settings import LearnerSettings
 from services.learner.status_report import StatusReport
@@ -25,7 +26,11 @@ def parts():
     wall = FakeClock(1_700_000_000.0)
     unit_state = UnitState()
     account = TrainingAccount(unit_state, 640, clock=clock, wall_clock=wall)
-    core = types.SimpleNamespace(step=7, round=3, tokens_per_step=64, base_versions=lambda: [2, 5])
+    # Fragment 1 adopted version 5 at step 6, after version 2: versions 3 and 4 were skipped.
+    adoptions = [Adoption(step=3, fragment=0, version=2, previous=1), Adoption(6, 1, 5, 2)]
+    core = types.SimpleNamespace(
+        step=7, round=3, tokens_per_step=64, base_versions=lambda: [2, 5], adoptions=adoptions
+    )
     link = LearnerLink(SETTINGS, 1 << 20, unit_state)  # not started
     return StatusReport(SETTINGS, core, account, link, clock=clock), account, clock, link
 
@@ -39,6 +44,10 @@ def test_the_report_joins_core_account_and_settings(parts):
     status = link.heartbeat.record()
     assert (status.unit, status.state, status.step, status.max_steps) == (1, "running", 7, 50)
     assert (status.round, status.base_version, status.base_versions) == (3, 7, [2, 5])
+    assert [(a.step, a.fragment, a.version, a.skipped) for a in status.adoptions] == [
+        (3, 0, 2, 0),
+        (6, 1, 5, 2),
+    ]
     assert (status.tokens, status.tokens_per_s, status.tokens_per_step) == (704, 21.3, 64)
     assert (status.train_loss, status.training_s, status.lifetime_s) == (2.1235, 3.0, 0.0)
     assert (status.model, status.num_units, status.slowdown) == ("tiny", 3, 2.0)

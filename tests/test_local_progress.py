@@ -14,7 +14,7 @@ from shared.goodput import Goodput
 from shared.ledger import balance
 from shared.link_spec import parse_link
 from shared.records.link import LinkStatus
-from shared.records.outer import EvalRecord, EvaluationRecord, OuterStatus
+from shared.records.outer import EvalRecord, EvaluationRecord, MergePoint, OuterStatus
 from shared.records.unit import LatencySummary, UnitStatus
 
 OUTER = OuterStatus(
@@ -33,6 +33,18 @@ OUTER = OuterStatus(
         init=EvalRecord(version=0, tokens=0, nats_per_byte=5.54521, bits_per_byte=8.0),
         last=EvalRecord(version=26, tokens=1000, nats_per_byte=4.60781, bits_per_byte=6.64771),
     ),
+    merge_history=[
+        MergePoint(
+            fragment=0,
+            version=v,
+            tokens=1000 * v,
+            at=float(v),
+            uploads=[],
+            update_norm=u,
+            momentum_norm=m,
+        )
+        for v, u, m in ((25, 0.5, 2.25), (26, 0.25, 1.5))
+    ],
 )
 UNITS = {
     0: UnitStatus(
@@ -72,6 +84,8 @@ def test_summary_lines_of_a_finished_run():
         "global version      26  (25 pseudo-gradients applied, rejected {'stale': 2})",
         "outer merges        24  (staleness of applied updates: median 1, p90 9, max 9)",
         "tokens applied      123,456",
+        "outer step norms    update max 0.5 (last 0.25), momentum max 2.25 (last 1.5) over the "
+        "last 2 merges",
         "training throughput 1,234 tokens/s (all units)",
         "held-out eval loss  5.5452 -> 4.6078 nats/byte (6.6477 bits/byte) at version 26",
         "ledger              balanced: 27 rounds published, 25 applied once, 2 rejected",

@@ -22,8 +22,9 @@ from shared.records.outer import (
     EvalPoint,
     EvalRecord,
     EvaluationRecord,
+    MergedUpload,
+    MergePoint,
     OuterStatus,
-    TrainPoint,
     UnitLedger,
 )
 from shared.records.unit import LatencySummary, UnitStatus
@@ -61,12 +62,29 @@ def outer_record(**overrides) -> OuterStatus:
                 EvalPoint(version=10, tokens=36864, nats_per_byte=3.25),
             ],
         ),
-        train_history=[
-            TrainPoint(tokens=4096, train_loss=5.4),
-            TrainPoint(tokens=8192, train_loss=5.1),
+        merge_history=[
+            merge_point(1, 4096, [5.4]),
+            merge_point(2, 8192, [5.0, 5.2]),
+            merge_point(3, 9000, [None]),  # no loss reported: no train point
         ],
     )
     return record.model_copy(update=overrides)
+
+
+def merge_point(version: int, tokens: int, losses: list[float | None]) -> MergePoint:
+    uploads = [
+        MergedUpload(unit=u, round=version, staleness=1, train_loss=loss)
+        for u, loss in enumerate(losses)
+    ]
+    return MergePoint(
+        fragment=0,
+        version=version,
+        tokens=tokens,
+        at=1.0,
+        uploads=uploads,
+        update_norm=0.1,
+        momentum_norm=0.2,
+    )
 
 
 def unit_record(unit: int, **overrides) -> UnitStatus:
@@ -185,6 +203,7 @@ def test_job_metrics_combine_outer_histories_and_unit_heartbeats():
     assert (metrics.eval_init_nats_per_byte, metrics.eval_nats_per_byte) == (5.5, 3.25)
     assert [p.nats_per_byte for p in metrics.eval_history] == [5.5, 3.25]
     assert [(p.tokens, p.train_loss) for p in metrics.train_history] == [(4096, 5.4), (8192, 5.1)]
+    assert [m.version for m in metrics.merge_history] == [1, 2, 3]
     assert metrics.bytes_sent == 18000 and metrics.payload_bytes == 123456
     first, second = metrics.units
     assert (first.state, first.desired, first.version_lag, first.applied) == (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from services.outer.core import MergeResult
 from services.outer.ledger import OuterLedger
 from services.outer.policy import Arrival
 from services.outer.status import (
@@ -23,6 +24,7 @@ from shared.records.outer import (
     OuterStatus,
     RestoredFrom,
     StandbyStatus,
+    TrainPoint,
 )
 from shared.records.unit import UnitStatus
 
@@ -64,6 +66,14 @@ def test_the_books_survive_a_record_round_trip() -> None:
     assert record.units[0].applied == 2 and again.units[0].applied == 3
 
 
+def merge_result(train_losses: list[float | None]) -> MergeResult:
+    """A merge of one upload per train loss, unit u's with staleness u."""
+    arrivals = [
+        Arrival(u, 0, 0, 10, 100, None, 0.0, train_loss=loss) for u, loss in enumerate(train_losses)
+    ]
+    return MergeResult(0, 7, arrivals, list(range(len(arrivals))), 0.5, 1.25)
+
+
 def test_the_leader_status_carries_the_books_and_balances() -> None:
     ledger = busy_ledger()
     progress = Progress(
@@ -74,8 +84,8 @@ def test_the_leader_status_carries_the_books_and_balances() -> None:
     for version in range(EVAL_HISTORY + 5):
         record = EvalRecord(version=version, tokens=version, nats_per_byte=5.0, bits_per_byte=7.2)
         progress.evaluated(record)
-    progress.merged(250, [3.0, None, math.nan, 2.0])
-    progress.merged(260, [math.inf])  # nothing finite: no point
+    progress.merged(merge_result([3.0, None, math.nan, 2.0]), 250)
+    progress.merged(merge_result([math.inf]), 260)  # nothing finite: no train point
     status = leader_status(
         state="running",
         model="tiny",
@@ -94,7 +104,18 @@ def test_the_leader_status_carries_the_books_and_balances() -> None:
     assert stored.evaluation.last.version == EVAL_HISTORY + 4
     assert len(stored.evaluation.history) == STATUS_EVAL_HISTORY
     assert len(progress.evaluation.history) == EVAL_HISTORY  # the checkpoint keeps more
-    assert [(p.tokens, p.train_loss) for p in stored.train_history] == [(250, 2.5)]
+    assert [p.train_point() for p in stored.merge_history] == [
+        TrainPoint(tokens=250, train_loss=2.5),
+        None,
+    ]
+    first = stored.merge_history[0]
+    assert [(u.unit, u.staleness, u.train_loss) for u in first.uploads] == [
+        (0, 0, 3.0),
+        (1, 1, None),
+        (2, 2, None),
+        (3, 3, 2.0),
+    ]
+    assert (first.version, first.update_norm, first.momentum_norm) == (7, 0.5, 1.25)
     assert stored.next_round(0) == 2 and stored.next_round(5) == 0
     units = {
         0: UnitStatus(unit=0, published_rounds=[(0, 1)]),

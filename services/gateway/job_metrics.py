@@ -17,7 +17,7 @@ from services.gateway.views import (
 )
 from shared.job_status import JobStatus
 from shared.records.jobs import DesiredState
-from shared.records.outer import EvalPoint, TrainPoint, outer_liveness
+from shared.records.outer import EvalPoint, MergePoint, TrainPoint, outer_liveness
 
 
 class JobMetrics(BaseModel):
@@ -39,6 +39,10 @@ class JobMetrics(BaseModel):
     eval_nats_per_byte: float | None
     eval_history: list[EvalPoint]
     train_history: list[TrainPoint]
+    merge_history: list[MergePoint] = Field(
+        description="the outer's newest merges: each upload's unit and staleness, and the "
+        "norms of the update and of the outer momentum"
+    )
     units: list[UnitView] = Field(description="the units that reported")
 
     model_config = {
@@ -107,6 +111,7 @@ def job_metrics(
         now: the gateway's time of the answer.
     """
     outer = status.outer_record()
+    merges = outer.merge_history if outer is not None else []
     units = unit_views(status, set(status.units), desired, timeout_s)
     initial, last = eval_losses(outer)
     ledger = books(outer)
@@ -126,6 +131,7 @@ def job_metrics(
         eval_init_nats_per_byte=initial,
         eval_nats_per_byte=last,
         eval_history=outer.evaluation.history if outer is not None else [],
-        train_history=outer.train_history if outer is not None else [],
+        train_history=[point for merge in merges if (point := merge.train_point()) is not None],
+        merge_history=merges,
         units=units,
     )

@@ -27,7 +27,13 @@ from shared.records.outer import (
     OuterStatus,
     outer_liveness,
 )
-from shared.records.unit import LatencySummary, UnitState, UnitStatus, unit_liveness
+from shared.records.unit import (
+    AdoptionPoint,
+    LatencySummary,
+    UnitState,
+    UnitStatus,
+    unit_liveness,
+)
 
 #: What a unit does when no desired state was ever written for it, and it never reported one.
 DEFAULT_DESIRED: DesiredState = "running"
@@ -151,6 +157,9 @@ class UnitView(BaseModel):
     base_version: int | None = Field(None, description="global version its params are based on")
     outer_version: int | None = Field(None, description="the outer's global version")
     version_lag: int | None = Field(None, description="outer_version minus base_version")
+    adoptions: list[AdoptionPoint] = Field(
+        [], description="the unit's newest adoptions of global versions (step, version, skipped)"
+    )
     applied: int = Field(0, description="uploads of this unit the outer has applied")
     last_staleness: int | None = Field(None, description="staleness of its last applied upload")
     published: int = Field(0, description="uploads published by the unit's process")
@@ -282,6 +291,7 @@ def unit_view(
         train_loss=status.train_loss,
         base_version=status.base_version,
         version_lag=version_lag(outer, status),
+        adoptions=status.adoptions,
         published=status.counter("published"),
         bytes_sent=status.counter("bytes_sent"),
         payload_bytes_encoded=status.counter("payload_bytes_encoded"),

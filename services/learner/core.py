@@ -23,6 +23,7 @@ see new globals, pauses and stops only at the next upload.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,21 @@ class FragmentSync:
     pending: tuple[int, dict[str, np.ndarray]] | None = None
 
 
+#: Adoptions a unit remembers for its status record.
+ADOPTION_HISTORY = 60
+
+
+@dataclass(frozen=True)
+class Adoption:
+    """A global version of a fragment the unit adopted: at which step, and the version it
+    replaced (the versions between them were skipped)."""
+
+    step: int
+    fragment: int
+    version: int
+    previous: int
+
+
 def dynamic_h(h_steps: int, own_rate: float | None, rates: Mapping[int, float]) -> int:
     """Dynamic Local Updates (arXiv 2401.09135, Eq. 6): H scaled by speed relative to the
     fastest unit, so that slower units upload after fewer steps, with fresher bases.
@@ -137,6 +153,8 @@ class LearnerCore:
         self.round = first_round
         self.step = 0
         self.current_h = schedule.h_steps
+        # The newest adoptions, oldest first.
+        self.adoptions: collections.deque[Adoption] = collections.deque(maxlen=ADOPTION_HISTORY)
         # Losses of the steps since the last read, on the device, in step order.
         self._unread_losses: list[jax.Array] = []
 
@@ -298,6 +316,7 @@ class LearnerCore:
             )
             self.plan.insert(params, p, {k: new_base[k] + (local[k] - base[k]) for k in local})
             self.plan.insert(anchor, p, new_base)
+            self.adoptions.append(Adoption(self.step, p, version, sync.base_version))
             sync.base_version = version
             sync.pending = None
             # The next round of p starts now: H more steps from the adoption. Every unit adopts a

@@ -20,7 +20,7 @@ from services.learner.accounting import Tally, TrainingAccount
 from services.learner.core import LearnerCore
 from services.learner.link import LearnerLink
 from services.learner.settings import LearnerSettings
-from shared.records.unit import UnitState
+from shared.records.unit import AdoptionPoint, UnitState
 
 
 class StatusReport:
@@ -80,6 +80,15 @@ class StatusReport:
             "round": self.core.round,
             "base_version": sum(versions),
             "base_versions": versions,
+            "adoptions": [
+                AdoptionPoint(
+                    step=a.step,
+                    fragment=a.fragment,
+                    version=a.version,
+                    skipped=max(0, a.version - a.previous - 1),
+                )
+                for a in self.core.adoptions
+            ],
             "tokens": tally.tokens,
             "train_loss": round(tally.train_loss, 4) if math.isfinite(tally.train_loss) else None,
             "tokens_per_s": round(tally.tokens_per_s, 1),

@@ -358,9 +358,7 @@ class OuterService:
             self._dirty = True
             self.ledger.merged(result.arrivals, result.staleness)
             self.intake.merged(result.arrivals)
-            self.progress.merged(
-                self.ledger.tokens_applied, [a.train_loss for a in result.arrivals]
-            )
+            self.progress.merged(result, self.ledger.tokens_applied)
         return results
 
     def _merge_all_due(self, now: float) -> list[MergeResult]:

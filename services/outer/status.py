@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Sequence
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from services.outer.ledger import OuterLedger
 from shared import subjects
@@ -20,16 +21,20 @@ from shared.records.outer import (
     EvalPoint,
     EvalRecord,
     EvaluationRecord,
+    MergedUpload,
+    MergePoint,
     OuterState,
     OuterStatus,
     RestoredFrom,
     StandbyStatus,
-    TrainPoint,
 )
+
+if TYPE_CHECKING:
+    from services.outer.core import MergeResult
 
 EVAL_HISTORY = 200  # evaluations kept in checkpoints
 STATUS_EVAL_HISTORY = 50  # the newest of them shown in the status record
-TRAIN_HISTORY = 200  # merges whose mean train loss the status record shows
+MERGE_HISTORY = 120  # merges the status record shows
 
 
 @dataclass
@@ -39,16 +44,17 @@ class Progress:
     Attributes:
         evaluation: The first and the last held-out evaluation and a bounded history (saved in
             checkpoints).
-        train_history: Per merge, the tokens applied and the mean train loss the merged uploads
-            reported (status only: it starts empty after a restart).
+        merge_history: The newest merges: what each applied (units, staleness, train losses)
+            and the norms of its update and of the momentum (status only: it starts empty
+            after a restart).
         checkpoints: Checkpoints this process committed.
         last_checkpoint: The newest of them.
         restored_from: What this leader started from.
     """
 
     evaluation: EvaluationRecord = field(default_factory=EvaluationRecord)
-    train_history: collections.deque[TrainPoint] = field(
-        default_factory=lambda: collections.deque(maxlen=TRAIN_HISTORY)
+    merge_history: collections.deque[MergePoint] = field(
+        default_factory=lambda: collections.deque(maxlen=MERGE_HISTORY)
     )
     checkpoints: int = 0
     last_checkpoint: CheckpointInfo | None = None
@@ -68,12 +74,33 @@ class Progress:
             history=[*self.evaluation.history, point][-EVAL_HISTORY:],
         )
 
-    def merged(self, tokens_applied: int, train_losses: Sequence[float | None]) -> None:
-        """Enter a merge: the mean of the finite train losses its uploads reported, if any."""
-        finite = [loss for loss in train_losses if loss is not None and math.isfinite(loss)]
-        if finite:
-            mean = round(sum(finite) / len(finite), 5)
-            self.train_history.append(TrainPoint(tokens=tokens_applied, train_loss=mean))
+    def merged(self, result: MergeResult, tokens_applied: int) -> None:
+        """Enter a merge, ``tokens_applied`` the outer's total after it."""
+        uploads = [
+            MergedUpload(
+                unit=a.unit,
+                round=a.round,
+                staleness=s,
+                train_loss=a.train_loss if finite(a.train_loss) else None,
+            )
+            for a, s in zip(result.arrivals, result.staleness, strict=True)
+        ]
+        self.merge_history.append(
+            MergePoint(
+                fragment=result.fragment,
+                version=result.version,
+                tokens=tokens_applied,
+                at=round(time.time(), 3),
+                uploads=uploads,
+                update_norm=round(result.update_norm, 6),
+                momentum_norm=round(result.momentum_norm, 6),
+            )
+        )
+
+
+def finite(value: float | None) -> bool:
+    """Whether ``value`` is a finite number (a unit may report none, or a diverged one)."""
+    return value is not None and math.isfinite(value)
 
 
 def status_key(job: str, state: OuterState, holder: str) -> str:
@@ -124,7 +151,7 @@ def leader_status(
             last=evaluation.last,
             history=evaluation.history[-STATUS_EVAL_HISTORY:],
         ),
-        train_history=list(progress.train_history),
+        merge_history=list(progress.merge_history),
     )
 
 

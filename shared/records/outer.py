@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import (
     Field,
+    FiniteFloat,
     NonNegativeFloat,
     model_validator,
 )
@@ -95,6 +96,36 @@ class TrainPoint(Record):
     train_loss: float = Field(description="mean train loss reported by the merged uploads")
 
 
+class MergedUpload(Record):
+    """One upload a merge applied: whose, how stale, and the train loss its unit reported."""
+
+    unit: Count
+    round: Count
+    staleness: Count = Field(description="versions merged since the one it was computed on")
+    train_loss: FiniteFloat | None = None
+
+
+class MergePoint(Record):
+    """One merge of the outer: what it applied and what it did to the global params."""
+
+    fragment: Count
+    version: Count = Field(description="the fragment's version the merge made")
+    tokens: Count = Field(description="tokens applied by the outer after the merge")
+    at: NonNegativeFloat = Field(description="when it merged (unix seconds, outer's clock)")
+    uploads: list[MergedUpload]
+    update_norm: NonNegativeFloat = Field(description="L2 norm of the change to the params")
+    momentum_norm: NonNegativeFloat = Field(
+        description="L2 norm of the outer momentum after the merge (0 without momentum)"
+    )
+
+    def train_point(self) -> TrainPoint | None:
+        """The mean of the train losses its uploads reported, if any."""
+        losses = [u.train_loss for u in self.uploads if u.train_loss is not None]
+        if not losses:
+            return None
+        return TrainPoint(tokens=self.tokens, train_loss=round(sum(losses) / len(losses), 5))
+
+
 class EvaluationRecord(Record):
     """The outer's evaluations: the first, the last, and a bounded history."""
 
@@ -134,7 +165,9 @@ class OuterStatus(LedgerRecord):
     last_checkpoint: CheckpointInfo | None = None
     restored_from: RestoredFrom = RestoredFrom()
     evaluation: EvaluationRecord = EvaluationRecord()
-    train_history: list[TrainPoint] = []
+    merge_history: list[MergePoint] = Field(
+        [], description="the newest merges (status only: it starts empty after a restart)"
+    )
 
     def unit_ledger(self, unit: int) -> UnitLedger | None:
         """The outer's ledger of one unit (None before it applied anything of it)."""

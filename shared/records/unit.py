@@ -41,6 +41,15 @@ class LatencySummary(Record):
     max_s: NonNegativeFloat
 
 
+class AdoptionPoint(Record):
+    """A global version of a fragment the unit adopted, at one of its inner steps."""
+
+    step: Count
+    fragment: Count
+    version: Count
+    skipped: Count = Field(description="versions published since the one it replaced, unseen")
+
+
 class UnitStatus(Record):
     """A learner unit's heartbeat (every ``--status-interval-s``)."""
 
@@ -52,6 +61,7 @@ class UnitStatus(Record):
     round: Count = Field(0, description="the next round number this unit hands out")
     base_version: Count = Field(0, description="sum of the fragments' base versions")
     base_versions: list[Count] = []
+    adoptions: list[AdoptionPoint] = Field([], description="the unit's newest adoptions")
     train_loss: float | None = None
     tokens: Count = Field(0, description="tokens trained, across restarts (with checkpoints)")
     tokens_per_s: NonNegativeFloat = Field(0.0, description="recent training speed")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from services.orchestration.local.records import RunSummary
 from shared.bandwidth import link_usage
 from shared.records.link import LinkStatus
-from shared.records.outer import EvaluationRecord, LedgerRecord, OuterStatus
+from shared.records.outer import EvaluationRecord, LedgerRecord, MergePoint, OuterStatus
 from shared.records.unit import LatencySummary, UnitStatus
 
 SMALL_HISTOGRAM = 6  # a staleness histogram with at most this many values is shown whole
@@ -81,6 +81,19 @@ def staleness_summary(histogram: Mapping[int, int]) -> str:
     return f"median {marks['median']}, p90 {marks['p90']}, max {counts[-1][0]}"
 
 
+def norm_lines(merges: Sequence[MergePoint]) -> list[str]:
+    """The sizes of the outer's steps over its newest merges: of the change each made to the
+    params and of the momentum it left (a momentum that keeps growing is a diverging run)."""
+    if not merges:
+        return []
+    update = [m.update_norm for m in merges]
+    momentum = [m.momentum_norm for m in merges]
+    return [
+        f"outer step norms    update max {max(update):.3g} (last {update[-1]:.3g}), momentum "
+        f"max {max(momentum):.3g} (last {momentum[-1]:.3g}) over the last {len(merges)} merges"
+    ]
+
+
 def summary_lines(summary: RunSummary) -> list[str]:
     """The end-of-run summary: initial vs final held-out loss, versions, tokens, the ledger,
     restarts and each unit's last state."""
@@ -97,6 +110,7 @@ def summary_lines(summary: RunSummary) -> list[str]:
         f"outer merges        {ledger.merges}  (staleness of applied updates: "
         f"{staleness_summary(ledger.staleness)})",
         f"tokens applied      {ledger.tokens_applied:,}",
+        *norm_lines(outer.merge_history if outer is not None else []),
         f"training throughput {_fmt(summary.tokens_per_s, ',.0f')} tokens/s (all units)",
         f"held-out eval loss  {_fmt(init.nats_per_byte if init else None, '.4f')} -> "
         f"{_fmt(final.nats_per_byte if final else None, '.4f')} nats/byte "
