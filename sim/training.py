@@ -36,6 +36,7 @@ from services.outer.policy import Arrival
 from shared import data, model, pytree
 from shared.codec import api as codec
 from shared.evaluation import EvalResult
+from shared.link_spec import LinkSpec
 from shared.settings.algorithm import AlgorithmSettings, InnerAlgorithmSettings
 from shared.settings.codec import CodecSettings
 from shared.settings.workload import DEFAULT_UNITS, WorkloadSettings
@@ -63,7 +64,13 @@ class SimSetup:
             inner optimizer, H and outer step).
         codec: the upload and params codecs.
         step_time_s: simulated seconds of one inner step of a unit of slowdown 1.
-        latency_s: simulated seconds an upload or a published global takes to arrive.
+        latency_s: simulated seconds an upload or a published global takes to arrive, when
+            ``link`` is None.
+        link: every unit's shaped link (rate each way, one-way delay), as ``diloco up
+            --link``: an upload or a copy of the params occupies its direction for its bytes
+            over the rate (one after another), then arrives one delay later; a unit fetches the
+            newest wanted version whenever no copy is crossing its link (so a slow link skips
+            versions). None: every transfer takes ``latency_s``.
         evals: evaluations along the run (plus one at the start and one at the end).
     """
 
@@ -73,6 +80,7 @@ class SimSetup:
     num_units: int = DEFAULT_UNITS
     step_time_s: float = 0.5
     latency_s: float = 0.25
+    link: LinkSpec | None = None
     evals: int = 8
 
     @property
@@ -101,6 +109,40 @@ class SimResult:
     outer_steps: int = 0
     staleness: dict[int, int] = field(default_factory=dict)
     merged_per_step: float = 0.0
+    merges: list[MergeTrace] = field(default_factory=list)
+    bytes_up: int = 0
+    bytes_down: int = 0
+
+
+@dataclass(frozen=True)
+class MergeTrace:
+    """One outer step of an asynchronous run: when, which version, the staleness of what went
+    into it, and the norms of the change and of the momentum (``MergeResult``)."""
+
+    time_s: float
+    version: int
+    staleness: tuple[int, ...]
+    update_norm: float
+    momentum_norm: float
+
+
+class _Line:
+    """One unit's shaped link: a serial line each way (``services/link/pacing.py``'s model)."""
+
+    def __init__(self, link: LinkSpec | None, latency_s: float) -> None:
+        self.rate = None if link is None else link.rate_bytes_per_s
+        self.delay = latency_s if link is None else link.delay_s
+        self.free = {"up": 0.0, "down": 0.0}
+        self.bytes = {"up": 0, "down": 0}
+
+    def send(self, direction: str, now: float, nbytes: int) -> float:
+        """Send ``nbytes`` from ``now``: when they have all arrived at the other end."""
+        self.bytes[direction] += nbytes
+        if self.rate is None:
+            return now + self.delay
+        start = max(now, self.free[direction])
+        self.free[direction] = start + nbytes / self.rate
+        return self.free[direction] + self.delay
 
 
 class Workload:
@@ -207,7 +249,7 @@ def sync_diloco(work: Workload, params: Any) -> SimResult:
             states[unit] = state
             deltas.append(jax.tree_util.tree_map(lambda g, p: g - p, global_params, state.params))
         mean = jax.tree_util.tree_map(lambda *d: sum(d) / len(d), *deltas)
-        global_params, opt_state = outer_step(global_params, opt_state, mean)
+        global_params, opt_state, *_ = outer_step(global_params, opt_state, mean)
         outer_steps += 1
         step += h
         tokens = step * s.num_units * s.tokens_per_step
@@ -226,6 +268,7 @@ def async_run(
     name: str = "async",
     algorithm: AlgorithmSettings | None = None,
     codec_settings: CodecSettings | None = None,
+    delta_codec: str | None = None,
 ) -> SimResult:
     """Decoupled DiLoCo on a simulated clock: units never wait; the outer merges by policy.
 
@@ -234,8 +277,9 @@ def async_run(
     ``algorithm`` and ``codec_settings`` default to the setup's. Uploads go through the upload
     codec as on the wire, each unit with its own error-feedback state; globals reach a unit in
     the params codec, as the learner fetches them (``params_fetch``, decided by the learner's
-    own :class:`~services.learner.fetch_rule.FetchRule`; no link is slow here, so ``newest``
-    delivers every version).
+    own :class:`~services.learner.fetch_rule.FetchRule`): over ``setup.link``, a unit fetches
+    the newest wanted version whenever no copy is crossing its link, so ``newest`` skips the
+    versions published meanwhile; without a link it gets every version.
     """
     s = work.setup
     algorithm = algorithm or s.algorithm
@@ -266,9 +310,50 @@ def async_run(
     counter = itertools.count()
     events: list[tuple[float, int, str, Any]] = []
     fetch = [FetchRule(algorithm.params_fetch, fragments) for _ in range(s.num_units)]
+    lines = [_Line(s.link, s.latency_s) for _ in range(s.num_units)]
+    # The newest published version of each fragment (version, params as a unit decodes them,
+    # encoded size), and per unit the fragments whose copy is crossing its link.
+    published: list[tuple[int, dict[str, np.ndarray], int] | None] = [None] * fragments
+    crossing: list[set[int]] = [set() for _ in range(s.num_units)]
+    sent = [[-1] * fragments for _ in range(s.num_units)]  # newest version sent to each unit
 
     def push(time: float, kind: str, payload: Any) -> None:
         heapq.heappush(events, (time, next(counter), kind, payload))
+
+    def send_global(unit: int, fragment: int, now: float) -> None:
+        """Start a copy of the newest version to ``unit`` if it wants it and its link is free."""
+        newest = published[fragment]
+        rule = fetch[unit]
+        if newest is None or fragment in crossing[unit] or not rule.wants(fragment, newest[0]):
+            return
+        version, pieces, nbytes = newest
+        if version <= sent[unit][fragment]:
+            return
+        sent[unit][fragment] = version
+        if delta_codec is not None:
+            pieces, nbytes = delta_to(unit, fragment, pieces)
+        rule.fetched(fragment, rule.wanted(fragment))
+        if s.link is not None:
+            crossing[unit].add(fragment)
+        arrives = lines[unit].send("down", now, nbytes)
+        push(arrives, "global", (unit, fragment, version, pieces))
+
+    held: list[list[dict[str, np.ndarray] | None]] = [[None] * fragments for _ in cores]
+
+    def delta_to(unit: int, fragment: int, exact: dict[str, np.ndarray]) -> tuple[dict, int]:
+        """The unit's new copy and the bytes of the message that makes it: a delta against
+        what it holds in ``delta_codec`` (the outer keeps the error), or an int8 keyframe."""
+        mine = held[unit][fragment]
+        if mine is None:
+            payload, description = codec.encode_tensors(exact, "int8")
+            mine = {k: np.array(v) for k, v in codec.decode_tensors(payload, description).items()}
+        else:
+            delta = {k: exact[k] - mine[k] for k in exact}
+            payload, description = codec.encode_tensors(delta, delta_codec)
+            decoded = codec.decode_tensors(payload, description)
+            mine = {k: mine[k] + decoded[k] for k in mine}
+        held[unit][fragment] = mine
+        return {k: v.copy() for k, v in mine.items()}, len(payload)
 
     def publish(now: float) -> None:
         for fragment in outer.due(now):
@@ -276,16 +361,26 @@ def async_run(
             for staleness in result.staleness:
                 stats[staleness] = stats.get(staleness, 0) + 1
             merged_sizes.append(len(result.arrivals))
+            traces.append(
+                MergeTrace(
+                    now,
+                    result.version,
+                    tuple(result.staleness),
+                    result.update_norm,
+                    result.momentum_norm,
+                )
+            )
             pieces = outer.fragment_params(fragment)
-            if params_codec != "fp32":
+            nbytes = 4 * sum(v.size for v in pieces.values())
+            if params_codec != "fp32" and delta_codec is None:
                 exact = {k: np.asarray(v) for k, v in pieces.items()}
                 payload, description = codec.encode_tensors(exact, params_codec)
                 pieces = codec.decode_tensors(payload, description)
+                nbytes = len(payload)
+            published[fragment] = (result.version, pieces, nbytes)
             for unit in range(s.num_units):
-                rule = fetch[unit]
-                if rule.wants(fragment, result.version):
-                    rule.fetched(fragment, rule.wanted(fragment))
-                    push(now + s.latency_s, "global", (unit, fragment, result.version, pieces))
+                # A unit hears of the version one delay later, then asks for it.
+                send_global(unit, fragment, now + lines[unit].delay)
         deadline = outer.next_deadline()
         if deadline is not None:
             push(max(deadline, now), "wake", None)
@@ -299,7 +394,7 @@ def async_run(
             state = codec.extend_state(wire_codec, codec_states[unit], shapes)
             payload, description, codec_states[unit] = codec.encode(up.tensors, wire_codec, state)
             received = codec.decode_tensors(payload, description)
-            fetch[unit].uploaded(up.fragment, outer.version(up.fragment))
+            arrives = lines[unit].send("up", now, len(payload))
             arrival = Arrival(
                 unit,
                 up.round,
@@ -307,13 +402,14 @@ def async_run(
                 up.inner_steps,
                 up.tokens,
                 received,
-                now + s.latency_s,
+                arrives,
                 f"u{unit}r{up.round}",
             )
-            push(now + s.latency_s, "arrival", (up.fragment, arrival))
+            push(arrives, "arrival", (up.fragment, arrival))
 
     stats: dict[int, int] = {}
     merged_sizes: list[int] = []
+    traces: list[MergeTrace] = []
     for unit in range(s.num_units):
         push(s.step_time_s * slowdowns[unit], "step", unit)
     tokens_done = 0
@@ -326,6 +422,8 @@ def async_run(
         same_instant = bool(events) and events[0][0] == now
         if kind == "arrival":
             fragment, arrival = payload
+            # JetStream has it: with after_upload the unit wants the first version after now.
+            fetch[arrival.unit].uploaded(fragment, outer.version(fragment))
             outer.offer(fragment, arrival)
             if not same_instant:
                 publish(now)
@@ -334,6 +432,8 @@ def async_run(
         elif kind == "global":
             unit, fragment, version, pieces = payload
             cores[unit].offer_global(fragment, version, pieces)
+            crossing[unit].discard(fragment)
+            send_global(unit, fragment, now)  # a newer version published while this one crossed
         elif kind == "step" and training:
             unit = payload
             core = cores[unit]
@@ -367,4 +467,7 @@ def async_run(
         outer.total_version,
         dict(sorted(stats.items())),
         float(np.mean(merged_sizes)) if merged_sizes else 0.0,
+        traces,
+        sum(line.bytes["up"] for line in lines),
+        sum(line.bytes["down"] for line in lines),
     )

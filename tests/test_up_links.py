@@ -1,13 +1,14 @@
-"""`diloco up --links`: every learner reaches NATS through its own 1 Mbit/s link; a five-second
-stall of every link while the units train loses nothing, and although versions are published
-faster than a copy of the params crosses a link, every unit adopts a newer one at least every
-two of its sync periods and no read fails."""
+"""`diloco up --links`: every learner reaches NATS through its own 1 Mbit/s link; the model
+converges without a setback, a five-second stall of every link while the units train loses
+nothing, and although versions are published faster than a copy of the params crosses a link,
+every unit adopts a newer one at least every two of its sync periods and no read fails."""
 
 from __future__ import annotations
 
 import pytest
 
 from services.orchestration.local import files
+from shared.records.outer import OuterStatus
 from tests.helpers import cluster_processes, job_status, start_up, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
@@ -17,6 +18,23 @@ STEPS = 300
 # A sync period (about 4 s) is longer than a copy of the tiny model's fp32 params takes to cross a
 # 1 Mbit/s link (about 2.7 s), which is longer than the time between two versions (about 2 s).
 H_STEPS = 40
+
+
+def assert_converged(outer: OuterStatus | None) -> None:
+    """The model learned (final eval below init − 1.0 nats/byte) and never diverged on the way:
+    after the first quarter of the run, no evaluation rose more than 0.3 above the best before
+    it (docs/ALGORITHMS.md, "Staleness")."""
+    assert outer is not None and outer.evaluation.init is not None
+    init = outer.evaluation.init.nats_per_byte
+    history = [(p.tokens, p.nats_per_byte) for p in outer.evaluation.history]
+    assert init is not None and all(loss is not None for _, loss in history), history
+    assert history[-1][1] < init - 1.0, history
+    quarter = history[-1][0] / 4
+    best = init
+    for tokens, loss in history:
+        if tokens > quarter:
+            assert loss <= best + 0.3, (tokens, loss, best, history)
+        best = min(best, loss)
 
 
 @pytest.mark.timeout(400)
@@ -55,6 +73,7 @@ def test_units_train_through_shaped_links_and_a_stall_loses_nothing(tmp_path, ja
     assert summary is not None and summary.reason == "finished", output
     assert summary.ledger.balanced and summary.ledger.rejected == 0, summary.ledger
     assert {u: s.step for u, s in summary.units.items()} == {0: STEPS, 1: STEPS}
+    assert_converged(summary.outer)
     for status in summary.units.values():
         # Measured on the unit's clock. (That the training loop never waits for the network is
         # tests/test_learner_checkpoint.py's, with a stalled link; its share of the training

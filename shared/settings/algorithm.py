@@ -120,7 +120,7 @@ class OuterAlgorithmSettings(BaseModel):
         description="Delayed Nesterov: arrivals per momentum update (N; 0 = number of units)",
     )
     momentum_max_age: float = Field(
-        2.0,
+        1.0,
         ge=0,
         le=1000,
         description="Delayed Nesterov: an arrival as stale as this many momentum periods (N "
