@@ -18,7 +18,7 @@ that read one gets deltas from then on (and per unit the one it was last told to
 many versions later it asks again).
 
 This module is pure (numpy and the codec; no I/O): the outer's transport
-(``services/outer/downlink_service.py``) and the learner's fetcher run it.
+(``services/outer/downlink.py``) and the learner's fetcher run it.
 """
 
 from __future__ import annotations
@@ -169,6 +169,10 @@ class DownlinkSender:
         kept = [k for k in self._keyframes if k.version != version]
         self._keyframes = [*kept, keyframe][-self.keyframes_kept :]
         return keyframe
+
+    def records(self, unit: int) -> tuple[Held, ...]:
+        """The copies ``unit`` may hold, as the sender recorded them."""
+        return tuple(self._units.get(unit, ()))
 
     def forget(self, unit: int) -> None:
         """Drop every record of ``unit`` (its next request gets a keyframe)."""
