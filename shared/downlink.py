@@ -12,10 +12,10 @@ cumulative delta from what it holds, never the chain.
 
 A *keyframe* is the fragment's ordinary global copy (in ``--params-codec``): a unit with no
 record at the outer (it joined, rejoined, or the outer restarted or failed over) or whose
-delta would be larger than the keyframe reads that copy, and holds ``D(keyframe)``; the
-outer records that reconstruction for the last :data:`KEYFRAMES_KEPT` versions, so a unit
-that read one gets deltas from then on (and per unit the one it was last told to read, however
-many versions later it asks again).
+delta would be larger than the keyframe (by more than :data:`KEYFRAME_MARGIN`) reads that
+copy, and holds ``D(keyframe)``; the outer records that reconstruction for the last
+:data:`KEYFRAMES_KEPT` versions, so a unit that read one gets deltas from then on (and per
+unit the one it was last told to read, however many versions later it asks again).
 
 This module is pure (numpy and the codec; no I/O): the outer's transport
 (``services/outer/downlink.py``) and the learner's fetcher run it.
@@ -42,6 +42,13 @@ KEYFRAMES_KEPT = 2
 
 #: zstd level of delta payloads (as the params copies').
 DELTA_ZSTD_LEVEL = 1
+
+#: A delta is sent unless it is larger than the keyframe by more than this factor. An int8
+#: delta and an int8 keyframe differ in size only by what zstd finds (about 0.5%, either way);
+#: a keyframe throws away the error feedback, a delta keeps it (bench/downlink.py: an int8
+#: delta stream holds the params about four times more exactly than int8 copies), so a tie
+#: goes to the delta.
+KEYFRAME_MARGIN = 1.02
 
 
 def params_checksum(pieces: Mapping[str, Any]) -> int:
@@ -210,7 +217,7 @@ class DownlinkSender:
         payload, description = codec.encode_tensors(
             delta, self.delta_codec, zstd_level=DELTA_ZSTD_LEVEL
         )
-        if len(payload) > target.keyframe_bytes:
+        if len(payload) > KEYFRAME_MARGIN * target.keyframe_bytes:
             self._units[unit].extend(self._keyframes[-1:])
             return Keyframe(target.version, "smaller")
         result = Held.of(target.version, reconstruct(base.pieces, payload, description))

@@ -31,6 +31,21 @@ from shared.wire.envelope import ParamsEnvelope, pack_envelope, payload_checksum
 log = logging.getLogger(__name__)
 
 
+def delta_envelope(job: str, model: str, fragment: int, delta: Delta) -> bytes:
+    """A delta as the packed ``params`` envelope a unit reads (``version``: the result's)."""
+    envelope = ParamsEnvelope(
+        job=job,
+        model=model,
+        fragment=fragment,
+        version=delta.version,
+        tokens=0,
+        codec=delta.description,
+        sent_at=time.time(),
+        payload=delta.payload,
+    )
+    return pack_envelope(envelope)
+
+
 class DownlinkServer:
     """Answers the wants of one job's units, fragment by fragment."""
 
@@ -114,17 +129,7 @@ class DownlinkServer:
         last = self._replies.get((unit, fragment))
         if last is not None and last[0] is answer:
             return last[1]
-        envelope = ParamsEnvelope(
-            job=self.job,
-            model=self.model,
-            fragment=fragment,
-            version=answer.version,
-            tokens=0,
-            codec=answer.description,
-            sent_at=time.time(),
-            payload=answer.payload,
-        )
-        blob = pack_envelope(envelope)
+        blob = delta_envelope(self.job, self.model, fragment, answer)
         self._serial += 1
         upload = upload_id(self.job, unit, self._serial, fragment)
         chunks = await publish_delta(js, self.job, unit, fragment, blob, upload, self.chunk_size)
