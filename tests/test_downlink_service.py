@@ -1,7 +1,7 @@
 """The delta downlink end to end (in-memory NATS server, the outer service in-process): a unit
 fetches deltas over several versions and holds bit for bit what the outer recorded; after the
-outer restarts from its checkpoint the unit gets a keyframe and then deltas again, still
-bit-identical."""
+outer restarts from its checkpoint, or a standby takes over, the unit gets a keyframe and then
+deltas again, still bit-identical."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from services.learner.counters import Counters
 from services.learner.params_fetcher import ParamsFetcher
@@ -60,8 +61,9 @@ async def upload(js, chunk_size: int, round_: int, base: int) -> None:
     )
 
 
-def test_a_unit_holds_what_the_outer_recorded_across_versions_and_a_restart(
-    memory_nats, tmp_path: Path
+@pytest.mark.parametrize("takeover", ["restart", "failover"])
+def test_a_unit_holds_what_the_outer_recorded_across_versions_and_a_new_leader(
+    memory_nats, tmp_path: Path, takeover: str
 ) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(256)) * 40)
@@ -128,8 +130,17 @@ def test_a_unit_holds_what_the_outer_recorded_across_versions_and_a_restart(
             assert counters["params_deltas_received"] == 4
             bytes_before = counters["params_bytes_received"]
 
-            await outer.stop()  # restarted: restored from its checkpoint, no records
-            outer = Outer(outer_settings)
+            # A new leader restores the checkpoint, with no records of what the unit holds.
+            if takeover == "restart":
+                await outer.stop()
+                outer = Outer(outer_settings)
+            else:
+                standby = Outer(outer_settings)
+                await wait_for_async(
+                    lambda: standby.service.state == "standby", 60, "the standby to wait"
+                )
+                await outer.stop()  # releases the lease: the standby takes over
+                outer = standby
             await outer.running()
             assert outer.service.progress.restored_from.kind == "checkpoint"
             await next_version()
