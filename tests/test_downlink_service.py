@@ -11,16 +11,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.learner import params_fetcher
 from services.learner.counters import Counters
 from services.learner.params_fetcher import ParamsFetcher
 from services.learner.settings import LearnerSettings
+from services.outer.downlink import DownlinkServer
+from services.outer.publishing import params_envelope
 from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
 from shared import subjects
+from shared.codec import api as codec
 from shared.downlink import params_checksum
 from shared.settings.nats import NatsSettings
 from shared.transport.blobs import chunk_size_for, publish_blob
 from shared.transport.connection import connect
+from shared.transport.params import publish_params
 from shared.transport.streams import ensure_streams
 from shared.wire.chunks import upload_id
 from tests.helpers import upload_blob, wait_for_async
@@ -159,6 +164,76 @@ def test_a_unit_holds_what_the_outer_recorded_across_versions_and_a_new_leader(
             await asyncio.gather(fetching, return_exceptions=True)
             await fetcher.close()
             await params_nc.close()
+            await nc.close()
+
+    asyncio.run(scenario())
+
+
+async def publish_version(js, server: DownlinkServer, version: int) -> dict[str, np.ndarray]:
+    """Publish ``version`` of fragment 0 as the outer does: the downlink learns it first."""
+    params = {"w": np.random.default_rng(version).standard_normal(5000).astype(np.float32)}
+    blob, checksum = params_envelope(JOB, "tiny", 0, version, 0, params, "int8")
+    await server.published(0, version, params, blob)
+    await publish_params(js, JOB, 0, version, blob, 4096, params_checksum=checksum)
+    return params
+
+
+@pytest.mark.parametrize("tamper", ["checksum", "base_checksum", "base_version"])
+def test_a_delta_that_does_not_match_is_rejected_and_the_keyframe_read(
+    memory_nats, monkeypatch: pytest.MonkeyPatch, tamper: str
+) -> None:
+    """A delta whose base is not what the unit holds, or whose result is not what the outer
+    recorded, is counted, named in the unit's last error, and replaced by the global copy."""
+    monkeypatch.setattr(params_fetcher, "PARAMS_POLL_S", 0.1)
+    settings = LearnerSettings(job=JOB, model="tiny", unit=0, num_units=1, params_downlink="delta")
+
+    async def scenario() -> None:
+        nc = await connect(NatsSettings(nats_url=memory_nats.url), "outer")
+        js = nc.jetstream()
+        await ensure_streams(js)
+        server = DownlinkServer(JOB, "tiny", 1, "int8", 4096, 1 << 20)
+        honest = server._reply
+
+        async def tampered(*args):
+            reply = await honest(*args)
+            if reply.kind != "delta":
+                return reply
+            return reply.model_copy(update={tamper: getattr(reply, tamper) ^ 1})
+
+        monkeypatch.setattr(server, "_reply", tampered)
+        await server.subscribe(nc, js)
+        counters = Counters()
+        fetcher = ParamsFetcher(settings, 1 << 20, counters)
+        await fetcher.subscribe(nc)
+        fetching = asyncio.create_task(fetcher.run(js, nc))
+
+        async def held_version(version: int) -> None:
+            def holds() -> bool:
+                assert not fetching.done(), fetching.exception()
+                held = fetcher.held[0]
+                return held is not None and held.version == version
+
+            await wait_for_async(holds, 20, f"the unit to hold version {version}")
+
+        try:
+            await publish_version(js, server, 0)
+            await held_version(0)  # joined: a keyframe
+            params = await publish_version(js, server, 1)
+            await held_version(1)
+            assert counters["params_delta_rejected"] == 1
+            assert counters["params_deltas_received"] == 0
+            reason = "result mismatch" if tamper == "checksum" else "base mismatch"
+            assert reason in counters.last_error
+            # What it holds is the global copy of version 1, decoded.
+            payload, description = codec.encode_tensors(params, "int8", zstd_level=1)
+            keyframe = codec.decode_tensors(payload, description)
+            held = fetcher.held[0]
+            assert held is not None and held.checksum == params_checksum(keyframe)
+            assert [f.version for f in fetcher.take_new()] == [1]
+        finally:
+            fetching.cancel()
+            await asyncio.gather(fetching, return_exceptions=True)
+            await fetcher.close()
             await nc.close()
 
     asyncio.run(scenario())
