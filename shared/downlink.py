@@ -196,7 +196,7 @@ class DownlinkSender:
         target = self._target
         if target is None:
             raise CodecError("no params published yet")
-        base = self._find(unit, held_version, held_checksum)
+        base = self.find(unit, held_version, held_checksum)
         if base is None:
             self.forget(unit)
             self._units[unit] = self._keyframes[-1:]
@@ -228,7 +228,9 @@ class DownlinkSender:
         self._last[unit] = (sent, result)
         return sent
 
-    def _find(self, unit: int, version: int, checksum: int) -> Held | None:
+    def find(self, unit: int, version: int, checksum: int) -> Held | None:
+        """The copy ``(version, checksum)`` as recorded for ``unit`` (or a kept keyframe);
+        None if there is no such record."""
         for held in (*self._units.get(unit, ()), *self._keyframes):
             if (held.version, held.checksum) == (version, checksum):
                 return held

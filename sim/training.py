@@ -35,6 +35,7 @@ from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival
 from shared import data, model, pytree
 from shared.codec import api as codec
+from shared.downlink import Delta, DownlinkSender, Held, Keyframe
 from shared.evaluation import EvalResult
 from shared.settings.algorithm import AlgorithmSettings, InnerAlgorithmSettings
 from shared.settings.codec import CodecSettings
@@ -235,7 +236,8 @@ def async_run(
     codec as on the wire, each unit with its own error-feedback state; globals reach a unit in
     the params codec, as the learner fetches them (``params_fetch``, decided by the learner's
     own :class:`~services.learner.fetch_rule.FetchRule`; no link is slow here, so ``newest``
-    delivers every version).
+    delivers every version), or with ``params_downlink`` ``delta`` as the outer's deltas against
+    what each unit holds (``shared.downlink``, the same code as the services).
     """
     s = work.setup
     algorithm = algorithm or s.algorithm
@@ -270,6 +272,27 @@ def async_run(
     def push(time: float, kind: str, payload: Any) -> None:
         heapq.heappush(events, (time, next(counter), kind, payload))
 
+    # --params-downlink delta: the outer's downlink (shared/downlink.py) and, per unit and
+    # fragment, the copy the unit holds; the unit applies what it is sent exactly as the
+    # outer recorded it, so the simulation takes the record.
+    senders = (
+        [DownlinkSender(codec_settings.params_delta_codec) for _ in range(fragments)]
+        if codec_settings.params_downlink == "delta"
+        else None
+    )
+    held: list[list[Held | None]] = [[None] * fragments for _ in range(s.num_units)]
+
+    def send_delta(sender: DownlinkSender, unit: int, fragment: int, keyframe: Held) -> Any:
+        copy = held[unit][fragment]
+        answer = sender.answer(unit, *((copy.version, copy.checksum) if copy else (-1, 0)))
+        if isinstance(answer, Delta):
+            copy = sender.find(unit, answer.version, answer.checksum)
+        elif isinstance(answer, Keyframe):
+            copy = keyframe
+        assert copy is not None
+        held[unit][fragment] = copy
+        return copy.pieces
+
     def publish(now: float) -> None:
         for fragment in outer.due(now):
             result = outer.merge(fragment)
@@ -277,15 +300,20 @@ def async_run(
                 stats[staleness] = stats.get(staleness, 0) + 1
             merged_sizes.append(len(result.arrivals))
             pieces = outer.fragment_params(fragment)
-            if params_codec != "fp32":
-                exact = {k: np.asarray(v) for k, v in pieces.items()}
+            exact = {k: np.asarray(v) for k, v in pieces.items()}
+            if params_codec != "fp32" or senders is not None:
                 payload, description = codec.encode_tensors(exact, params_codec)
                 pieces = codec.decode_tensors(payload, description)
+            if senders is not None:
+                keyframe = senders[fragment].published(result.version, exact, payload, description)
             for unit in range(s.num_units):
                 rule = fetch[unit]
                 if rule.wants(fragment, result.version):
                     rule.fetched(fragment, rule.wanted(fragment))
-                    push(now + s.latency_s, "global", (unit, fragment, result.version, pieces))
+                    sent = pieces
+                    if senders is not None:
+                        sent = send_delta(senders[fragment], unit, fragment, keyframe)
+                    push(now + s.latency_s, "global", (unit, fragment, result.version, sent))
         deadline = outer.next_deadline()
         if deadline is not None:
             push(max(deadline, now), "wake", None)
