@@ -169,12 +169,15 @@ def test_a_unit_holds_what_the_outer_recorded_across_versions_and_a_new_leader(
     asyncio.run(scenario())
 
 
-async def publish_version(js, server: DownlinkServer, version: int) -> dict[str, np.ndarray]:
-    """Publish ``version`` of fragment 0 as the outer does: the downlink learns it first."""
-    params = {"w": np.random.default_rng(version).standard_normal(5000).astype(np.float32)}
-    blob, checksum = params_envelope(JOB, "tiny", 0, version, 0, params, "int8")
-    await server.published(0, version, params, blob)
-    await publish_params(js, JOB, 0, version, blob, 4096, params_checksum=checksum)
+async def publish_version(
+    js, server: DownlinkServer, version: int, fragment: int = 0
+) -> dict[str, np.ndarray]:
+    """Publish ``version`` of ``fragment`` as the outer does: the downlink learns it first."""
+    rng = np.random.default_rng([version, fragment])
+    params = {f"w{fragment}": rng.standard_normal(5000 + fragment).astype(np.float32)}
+    blob, checksum = params_envelope(JOB, "tiny", fragment, version, 0, params, "int8")
+    await server.published(fragment, version, params, blob)
+    await publish_params(js, JOB, fragment, version, blob, 4096, params_checksum=checksum)
     return params
 
 
@@ -230,6 +233,49 @@ def test_a_delta_that_does_not_match_is_rejected_and_the_keyframe_read(
             held = fetcher.held[0]
             assert held is not None and held.checksum == params_checksum(keyframe)
             assert [f.version for f in fetcher.take_new()] == [1]
+        finally:
+            fetching.cancel()
+            await asyncio.gather(fetching, return_exceptions=True)
+            await fetcher.close()
+            await nc.close()
+
+    asyncio.run(scenario())
+
+
+def test_each_fragment_has_its_own_deltas(memory_nats, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(params_fetcher, "PARAMS_POLL_S", 0.1)
+    settings = LearnerSettings(
+        job=JOB, model="tiny", unit=1, num_units=2, fragments=2, params_downlink="delta"
+    )
+
+    async def scenario() -> None:
+        nc = await connect(NatsSettings(nats_url=memory_nats.url), "outer")
+        js = nc.jetstream()
+        await ensure_streams(js)
+        server = DownlinkServer(JOB, "tiny", 2, "int4", 4096, 1 << 20)
+        await server.subscribe(nc, js)
+        counters = Counters()
+        fetcher = ParamsFetcher(settings, 1 << 20, counters)
+        await fetcher.subscribe(nc)
+        fetching = asyncio.create_task(fetcher.run(js, nc))
+
+        def holds(version: int) -> bool:
+            assert not fetching.done(), fetching.exception()
+            return all(h is not None and h.version == version for h in fetcher.held)
+
+        try:
+            for version in range(4):
+                for fragment in (0, 1):
+                    await publish_version(js, server, version, fragment)
+                await wait_for_async(lambda v=version: holds(v), 20, f"version {version}")
+                for fragment, held in enumerate(fetcher.held):
+                    assert held is not None and set(held.pieces) == {f"w{fragment}"}
+                    records = server.senders[fragment].records(1)
+                    assert (held.version, held.checksum) in {
+                        (r.version, r.checksum) for r in records
+                    }
+            assert counters["params_deltas_received"] == 6  # two keyframes, then deltas
+            assert counters["params_delta_rejected"] == 0
         finally:
             fetching.cancel()
             await asyncio.gather(fetching, return_exceptions=True)

@@ -66,7 +66,8 @@ class DownlinkServer:
         self._replies: dict[tuple[int, int], tuple[Delta, DownlinkReply]] = {}
         # Upload ids of deltas: unique across restarts, as JetStream deduplicates by them.
         self._serial = time.time_ns()
-        self._lock = asyncio.Lock()  # one want (or new version) at a time
+        # Per fragment, one want (or new version) at a time.
+        self._locks = [asyncio.Lock() for _ in range(fragments)]
         self.answered: dict[str, int] = {"delta": 0, "keyframe": 0, "current": 0}
         self.delta_bytes = 0
 
@@ -78,7 +79,7 @@ class DownlinkServer:
         envelope = unpack_envelope(blob, max_size=self.max_params_bytes)
         assert isinstance(envelope, ParamsEnvelope)
         exact = {name: np.asarray(value) for name, value in params.items()}
-        async with self._lock:
+        async with self._locks[fragment]:
             await asyncio.to_thread(
                 self.senders[fragment].published,
                 version,
@@ -107,7 +108,7 @@ class DownlinkServer:
         if unit is None or want is None or want.fragment >= len(self.senders) or not msg.reply:
             return
         sender = self.senders[want.fragment]
-        async with self._lock:
+        async with self._locks[want.fragment]:
             if sender.version < 0:
                 return
             try:
