@@ -74,8 +74,8 @@ def log(message: str) -> None:
 # --------------------------------------------------------------------------- real data
 
 
-def capture_rounds() -> list[dict[str, np.ndarray]]:
-    """Train ``small`` for a few rounds of H steps; return each round's Δ = anchor − θ."""
+def capture_rounds(count: int = CAPTURE["rounds"]) -> list[dict[str, np.ndarray]]:
+    """Train ``small`` for ``count`` rounds of H steps; return each round's Δ = anchor − θ."""
     import jax
 
     from services.learner.core import LearnerCore
@@ -95,7 +95,7 @@ def capture_rounds() -> list[dict[str, np.ndarray]]:
     )
     rounds: list[dict[str, np.ndarray]] = []
     step = 0
-    while len(rounds) < c["rounds"]:
+    while len(rounds) < count:
         loss = core.train_step(sampler.batch(step))
         step += 1
         for upload in core.due_uploads():

@@ -66,7 +66,7 @@ class Identity:
             return f"link-{self.job}-{self.link}"
         return self.role
 
-    def permissions(self) -> dict[str, dict[str, list[str]]] | None:
+    def permissions(self) -> dict[str, object] | None:
         """nats-server's ``permissions`` block for this user (None: allowed everything)."""
         if self.role == "admin":
             return None
@@ -74,7 +74,16 @@ class Identity:
         subscribe = [inbox_prefix(self.user) + ".>"]
         if self.role == "learner":
             subscribe.append(subjects.params_head_subject(self.job, "*"))
-        return {"publish": {"allow": publish}, "subscribe": {"allow": subscribe}}
+        if self.role == "outer":
+            subscribe.append(subjects.want_subject(self.job, "*"))
+        permissions: dict[str, object] = {
+            "publish": {"allow": publish},
+            "subscribe": {"allow": subscribe},
+        }
+        if self.role == "outer":
+            # Only to answer the units' wants: one reply to each request's reply subject.
+            permissions["allow_responses"] = True
+        return permissions
 
 
 def inbox_prefix(user: str) -> str:
@@ -103,6 +112,7 @@ ROLE_STREAMS: dict[NatsRole, tuple[str, ...]] = {
         _kv_stream(subjects.DESIRED_BUCKET),
         subjects.GRADS_STREAM,
         subjects.PARAMS_STREAM,
+        subjects.DOWNLINK_STREAM,
     ),
     "outer": (
         _kv_stream(subjects.STATUS_BUCKET),
@@ -111,6 +121,7 @@ ROLE_STREAMS: dict[NatsRole, tuple[str, ...]] = {
         subjects.PARAMS_STREAM,
         subjects.CKPT_STREAM,
         subjects.DEAD_STREAM,
+        subjects.DOWNLINK_STREAM,
     ),
     "gateway": (
         _kv_stream(subjects.STATUS_BUCKET),
@@ -138,6 +149,10 @@ def _learner(who: Identity) -> list[str]:
         # read any job's params (it cannot change them).
         f"{JS_API}.DIRECT.GET.{subjects.PARAMS_STREAM}",
         f"{JS_API}.DIRECT.GET.{subjects.PARAMS_STREAM}.{subjects.params_head_subject(job, '*')}",
+        # Params deltas (--params-downlink delta): it asks for its own, and reads them by
+        # subject, only its own.
+        subjects.want_subject(job, unit),
+        f"{JS_API}.DIRECT.GET.{subjects.DOWNLINK_STREAM}.{subjects.downlink_filter(job, unit)}",
     ]
 
 
@@ -146,6 +161,7 @@ def _outer(who: Identity) -> list[str]:
     grads, consumer = subjects.GRADS_STREAM, subjects.outer_consumer(job)
     return [
         f"diloco.{job}.params.>",
+        subjects.downlink_filter(job, "*"),
         subjects.dead_letter_subject(job),
         subjects.checkpoint_filter(job),
         _kv(subjects.STATUS_BUCKET, subjects.outer_status_key(job)),

@@ -8,6 +8,10 @@ Layout for a job ``J``::
     diloco.J.grads.<unit>          stream DILOCO_GRADS   pseudo-gradient chunks (work queue)
     diloco.J.params.<p>.head       stream DILOCO_PARAMS  pointer to fragment p's newest version
     diloco.J.params.<p>.chunk.<i>  stream DILOCO_PARAMS  chunk i of fragment p's newest params
+    diloco.J.want.<unit>           (core NATS request)   a unit asks the outer for a params delta
+                                                         (--params-downlink delta)
+    diloco.J.downlink.<unit>.<p>.chunk.<i>  stream DILOCO_DOWNLINK  chunk i of the last params
+                                   delta the outer sent unit <unit> for fragment p
     diloco.J.dead                  stream DILOCO_DEAD    rejected messages with the reason
     diloco.J.ckpt.e<E>.<s>.chunk.<i>  stream DILOCO_CKPT  chunk i of the outer's checkpoint in
                                    slot s (0/1) of leadership epoch E
@@ -24,6 +28,7 @@ GRADS_STREAM = "DILOCO_GRADS"
 PARAMS_STREAM = "DILOCO_PARAMS"
 DEAD_STREAM = "DILOCO_DEAD"
 CKPT_STREAM = "DILOCO_CKPT"
+DOWNLINK_STREAM = "DILOCO_DOWNLINK"
 DESIRED_BUCKET = "diloco_desired"
 STATUS_BUCKET = "diloco_status"
 OUTER_BUCKET = "diloco_outer"
@@ -33,6 +38,7 @@ GRADS_ALL = "diloco.*.grads.>"
 PARAMS_ALL = "diloco.*.params.>"
 DEAD_ALL = "diloco.*.dead"
 CKPT_ALL = "diloco.*.ckpt.>"
+DOWNLINK_ALL = "diloco.*.downlink.>"
 
 
 def grads_subject(job: str, unit: int) -> str:
@@ -64,6 +70,29 @@ def fragment_of_params_head(job: str, subject: str) -> int | None:
 def params_chunk_subject(job: str, fragment: int, index: int) -> str:
     """Subject holding chunk ``index`` of a fragment's newest global params (last value)."""
     return f"diloco.{job}.params.{fragment}.chunk.{index}"
+
+
+def want_subject(job: str, unit: int | str) -> str:
+    """Subject a unit's request for a params delta goes to (``"*"``: every unit's)."""
+    return f"diloco.{job}.want.{unit}"
+
+
+def unit_of_want(job: str, subject: str) -> int | None:
+    """The unit of a subject made by :func:`want_subject` for ``job`` (None for any other)."""
+    prefix = f"diloco.{job}.want."
+    number = subject[len(prefix) :] if subject.startswith(prefix) else ""
+    return int(number) if number.isdigit() and len(number) < 10 else None
+
+
+def downlink_filter(job: str, unit: int | str) -> str:
+    """Every subject of the params deltas sent to ``unit`` (``"*"``: to every unit)."""
+    return f"diloco.{job}.downlink.{unit}.>"
+
+
+def downlink_chunk_subject(job: str, unit: int, fragment: int, index: int) -> str:
+    """Subject holding chunk ``index`` of the last params delta of ``fragment`` sent to
+    ``unit`` (last value)."""
+    return f"diloco.{job}.downlink.{unit}.{fragment}.chunk.{index}"
 
 
 def dead_letter_subject(job: str) -> str:

@@ -32,6 +32,9 @@ CounterName = Literal[
     "params_received",  # global params versions fetched and decoded
     "params_rejected",  # global params that do not fit this unit (names, shapes, values)
     "params_read_failed",  # fetches of global params that failed
+    "params_bytes_received",  # envelope bytes of the global params read (copies and deltas)
+    "params_deltas_received",  # global params received as a delta (--params-downlink delta)
+    "params_delta_rejected",  # deltas whose base or result checksum did not match (then a copy)
     "checkpoints_written",
     "checkpoint_errors",  # checkpoint writes that failed
     "checkpoints_superseded",  # snapshots replaced by a newer one before they were written

@@ -35,6 +35,7 @@ from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival
 from shared import data, model, pytree
 from shared.codec import api as codec
+from shared.downlink import Delta, DownlinkSender, Held, Keyframe
 from shared.evaluation import EvalResult
 from shared.link_spec import LinkSpec
 from shared.settings.algorithm import AlgorithmSettings, InnerAlgorithmSettings
@@ -268,7 +269,6 @@ def async_run(
     name: str = "async",
     algorithm: AlgorithmSettings | None = None,
     codec_settings: CodecSettings | None = None,
-    delta_codec: str | None = None,
 ) -> SimResult:
     """Decoupled DiLoCo on a simulated clock: units never wait; the outer merges by policy.
 
@@ -277,9 +277,11 @@ def async_run(
     ``algorithm`` and ``codec_settings`` default to the setup's. Uploads go through the upload
     codec as on the wire, each unit with its own error-feedback state; globals reach a unit in
     the params codec, as the learner fetches them (``params_fetch``, decided by the learner's
-    own :class:`~services.learner.fetch_rule.FetchRule`): over ``setup.link``, a unit fetches
-    the newest wanted version whenever no copy is crossing its link, so ``newest`` skips the
-    versions published meanwhile; without a link it gets every version.
+    own :class:`~services.learner.fetch_rule.FetchRule`), or with ``params_downlink``
+    ``delta`` as the outer's deltas against what each unit holds (``shared.downlink``, the
+    same code as the services): over ``setup.link``, a unit fetches the newest wanted version
+    whenever nothing is crossing its link, so ``newest`` skips the versions published
+    meanwhile; without a link it gets every version.
     """
     s = work.setup
     algorithm = algorithm or s.algorithm
@@ -320,8 +322,34 @@ def async_run(
     def push(time: float, kind: str, payload: Any) -> None:
         heapq.heappush(events, (time, next(counter), kind, payload))
 
+    # --params-downlink delta: the outer's downlink (shared/downlink.py) and, per unit and
+    # fragment, the copy the unit holds; the unit applies what it is sent exactly as the
+    # outer recorded it, so the simulation takes the record.
+    senders = (
+        [DownlinkSender(codec_settings.params_delta_codec) for _ in range(fragments)]
+        if codec_settings.params_downlink == "delta"
+        else None
+    )
+    held: list[list[Held | None]] = [[None] * fragments for _ in range(s.num_units)]
+
+    def send_delta(unit: int, fragment: int) -> tuple[Any, int]:
+        """What the outer's downlink sends ``unit`` for the newest version: the pieces the
+        unit then holds, and the bytes that cross its link (a delta, or the global copy)."""
+        assert senders is not None
+        sender, copy = senders[fragment], held[unit][fragment]
+        answer = sender.answer(unit, *((copy.version, copy.checksum) if copy else (-1, 0)))
+        version, pieces, nbytes = published[fragment]  # type: ignore[misc]
+        if isinstance(answer, Delta):
+            copy = sender.find(unit, answer.version, answer.checksum)
+            nbytes = len(answer.payload)
+        elif isinstance(answer, Keyframe):
+            copy = keyframes[fragment]
+        assert copy is not None and copy.version == version
+        held[unit][fragment] = copy
+        return copy.pieces, nbytes
+
     def send_global(unit: int, fragment: int, now: float) -> None:
-        """Start a copy of the newest version to ``unit`` if it wants it and its link is free."""
+        """Start the newest version towards ``unit`` if it wants it and its link is free."""
         newest = published[fragment]
         rule = fetch[unit]
         if newest is None or fragment in crossing[unit] or not rule.wants(fragment, newest[0]):
@@ -330,30 +358,15 @@ def async_run(
         if version <= sent[unit][fragment]:
             return
         sent[unit][fragment] = version
-        if delta_codec is not None:
-            pieces, nbytes = delta_to(unit, fragment, pieces)
+        if senders is not None:
+            pieces, nbytes = send_delta(unit, fragment)
         rule.fetched(fragment, rule.wanted(fragment))
         if s.link is not None:
             crossing[unit].add(fragment)
         arrives = lines[unit].send("down", now, nbytes)
         push(arrives, "global", (unit, fragment, version, pieces))
 
-    held: list[list[dict[str, np.ndarray] | None]] = [[None] * fragments for _ in cores]
-
-    def delta_to(unit: int, fragment: int, exact: dict[str, np.ndarray]) -> tuple[dict, int]:
-        """The unit's new copy and the bytes of the message that makes it: a delta against
-        what it holds in ``delta_codec`` (the outer keeps the error), or an int8 keyframe."""
-        mine = held[unit][fragment]
-        if mine is None:
-            payload, description = codec.encode_tensors(exact, "int8")
-            mine = {k: np.array(v) for k, v in codec.decode_tensors(payload, description).items()}
-        else:
-            delta = {k: exact[k] - mine[k] for k in exact}
-            payload, description = codec.encode_tensors(delta, delta_codec)
-            decoded = codec.decode_tensors(payload, description)
-            mine = {k: mine[k] + decoded[k] for k in mine}
-        held[unit][fragment] = mine
-        return {k: v.copy() for k, v in mine.items()}, len(payload)
+    keyframes: list[Held | None] = [None] * fragments
 
     def publish(now: float) -> None:
         for fragment in outer.due(now):
@@ -371,12 +384,16 @@ def async_run(
                 )
             )
             pieces = outer.fragment_params(fragment)
-            nbytes = 4 * sum(v.size for v in pieces.values())
-            if params_codec != "fp32" and delta_codec is None:
-                exact = {k: np.asarray(v) for k, v in pieces.items()}
+            exact = {k: np.asarray(v) for k, v in pieces.items()}
+            nbytes = 4 * sum(v.size for v in exact.values())
+            if params_codec != "fp32" or senders is not None:
                 payload, description = codec.encode_tensors(exact, params_codec)
                 pieces = codec.decode_tensors(payload, description)
                 nbytes = len(payload)
+                if senders is not None:
+                    keyframes[fragment] = senders[fragment].published(
+                        result.version, exact, payload, description
+                    )
             published[fragment] = (result.version, pieces, nbytes)
             for unit in range(s.num_units):
                 # A unit hears of the version one delay later, then asks for it.

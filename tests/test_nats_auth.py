@@ -20,11 +20,14 @@ from shared import kv, nats_auth, subjects, transport
 from shared.nats_auth import Credentials, CredentialsError, Identity
 from shared.records.credentials import NatsCredentials
 from shared.records.jobs import DesiredRecord
+from shared.records.outer import DownlinkReply, DownlinkWant
 from shared.settings import SettingsError
 from shared.settings.cli import settings_from_args
 from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
+from shared.transport.downlink import publish_delta, read_delta, request_delta
 from shared.transport.streams import prepare_streams
+from shared.wire.chunks import upload_id
 from tests.helpers import SecureNats, wait_for_async
 
 pytestmark = pytest.mark.nats
@@ -191,6 +194,46 @@ async def test_the_outer_and_the_gateway_keep_to_their_roles(
     finally:
         await outer.nc.close()
         await gateway.nc.close()
+
+
+async def test_a_unit_asks_for_and_reads_only_its_own_params_deltas(cluster: SecureNats) -> None:
+    """The delta downlink: a learner asks the outer (a request it answers), reads the delta
+    from its own downlink subjects, and may neither ask as another unit nor read another's."""
+    outer = await _Client().open(cluster.settings(Identity("outer", JOB)), "outer")
+    unit0 = await _Client().open(cluster.settings(Identity("learner", JOB, unit=0)), "l0")
+    unit1 = await _Client().open(cluster.settings(Identity("learner", JOB, unit=1)), "l1")
+    blob = b"delta bytes " * 100
+    upload = upload_id(JOB, 0, 1, 0)
+
+    async def on_want(msg: Any) -> None:
+        want = DownlinkWant.model_validate_json(msg.data)
+        unit = subjects.unit_of_want(JOB, msg.subject)
+        assert unit is not None
+        chunks = await publish_delta(
+            outer.nc.jetstream(), JOB, unit, want.fragment, blob, upload, 256
+        )
+        reply = DownlinkReply(kind="delta", version=3, upload=upload, chunks=chunks, size=len(blob))
+        await msg.respond(reply.model_dump_json().encode())
+
+    try:
+        await outer.nc.subscribe(subjects.want_subject(JOB, "*"), cb=on_want)
+        await outer.nc.flush()
+        want = DownlinkWant(fragment=0, held_version=2, held_checksum=7)
+        reply = await request_delta(unit0.nc, JOB, 0, want, timeout_s=10)
+        assert reply.kind == "delta" and reply.chunks == 5
+        assert await read_delta(unit0.nc.jetstream(), JOB, 0, 0, reply, 1 << 20) == blob
+        api, stream = nats_auth.JS_API, subjects.DOWNLINK_STREAM
+        for subject in (
+            subjects.want_subject(JOB, 0),  # asking as another unit
+            f"{api}.DIRECT.GET.{stream}.{subjects.downlink_chunk_subject(JOB, 0, 0, 0)}",
+            f"{api}.DIRECT.GET.{stream}",  # by sequence: any unit's
+            subjects.downlink_chunk_subject(JOB, 1, 0, 0),  # writing deltas
+        ):
+            await unit1.refused(subject)
+        await unit1.refused_subscription(subjects.want_subject(JOB, "*"))
+    finally:
+        for client in (outer, unit0, unit1):
+            await client.nc.close()
 
 
 async def test_new_users_are_added_by_a_reload_or_at_the_next_restart(cluster: SecureNats) -> None:

@@ -66,3 +66,12 @@ def test_simulation_is_deterministic(work, start):
     first = sim.async_run(work, start, SPEEDS)
     second = sim.async_run(work, start, SPEEDS)
     assert first.final_eval == second.final_eval and first.staleness == second.staleness
+
+
+def test_async_with_the_delta_downlink_learns(work, start):
+    """Globals reach the units as the outer's int4 deltas (shared.downlink), keyframes first."""
+    delta = SETUP.codec.model_copy(
+        update={"params_downlink": "delta", "params_delta_codec": "int4"}
+    )
+    result = sim.async_run(work, start, SPEEDS, codec_settings=delta)
+    assert result.final_eval < result.curve[0][1] - 0.3

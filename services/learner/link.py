@@ -238,7 +238,7 @@ class LearnerLink:
         publisher = asyncio.create_task(self.sender.run(js, chunk_size_for(nc)))
         others = [
             asyncio.create_task(
-                self.params.run(params_nc.jetstream(timeout=PARAMS_READ_TIMEOUT_S))
+                self.params.run(params_nc.jetstream(timeout=PARAMS_READ_TIMEOUT_S), params_nc)
             ),
             asyncio.create_task(self.control.poll_desired(desired_kv)),
             asyncio.create_task(self.heartbeat.run(status_kv)),

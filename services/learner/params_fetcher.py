@@ -16,6 +16,13 @@ merge. Two policies (``--params-fetch``):
 
 Which versions are wanted is :class:`~services.learner.fetch_rule.FetchRule`'s to say.
 
+How a wanted version comes (``--params-downlink``): ``copy`` reads the global copy;
+``delta`` asks the outer for a delta against the copy this unit holds (shared/downlink.py,
+``shared.transport.downlink``), checks that it applies to exactly that copy (version and
+checksum) and that the result has the checksum the outer recorded, and reads the global copy
+(the keyframe) when the outer says so, does not answer, or a check fails (counted in
+``params_delta_rejected``).
+
 It subscribes to the heads of its job as notifications and also looks every
 ``PARAMS_POLL_S`` (a notification may be missed while reconnecting); a fetched version waits
 until the training thread takes it at a step boundary (:meth:`ParamsFetcher.take_new`).
@@ -30,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -40,13 +47,15 @@ from services.learner.settings import LearnerSettings
 from shared import records, subjects
 from shared.codec import api as codec
 from shared.codec.config import CodecError
+from shared.downlink import Held, reconstruct
 from shared.latency import Latencies, SyncLatency
-from shared.records.outer import ParamsHead
+from shared.records.outer import DownlinkReply, DownlinkWant, ParamsHead
 from shared.retry import NATS_ERRORS, retry
 from shared.transport import TransportError
+from shared.transport.downlink import read_delta, request_delta
 from shared.transport.params import read_latest_params, read_params_head
 from shared.wire.chunks import WireError
-from shared.wire.envelope import ParamsEnvelope, unpack_envelope
+from shared.wire.envelope import ParamsEnvelope, payload_checksum, unpack_envelope
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +79,18 @@ class GlobalFragment:
     seen_at: float
     applied_round: int = -1
     rewind: bool = False
+
+
+@dataclass(frozen=True)
+class _Fetched:
+    version: int
+    pieces: dict[str, np.ndarray]
+    applied_round: int
+
+
+class DeltaRejected(ValueError):
+    """A params delta that does not apply to the copy this unit holds, or whose result is not
+    what the outer recorded."""
 
 
 class ParamsFetcher:
@@ -103,6 +124,10 @@ class ParamsFetcher:
         self._subscription: Any = None
         self._fetching: asyncio.Future[None] | None = None  # the read under way
         self._connected = True  # whether the params connection is up (no read starts if not)
+        self._nc: Any = None  # the params connection, for the delta downlink's requests
+        # With --params-downlink delta: per fragment, the copy this unit holds exactly as the
+        # outer recorded it (what the deltas apply to).
+        self.held: list[Held | None] = [None] * settings.fragments
 
     def take_new(self) -> list[GlobalFragment]:
         """Global fragments fetched since the last call (the newest version of each);
@@ -147,8 +172,10 @@ class ParamsFetcher:
             on_error=on_error,
         )
 
-    async def run(self, js: Any) -> None:
-        """Fetch every fragment whose head is newer, after each notification or poll (forever)."""
+    async def run(self, js: Any, nc: Any = None) -> None:
+        """Fetch every fragment whose head is newer, after each notification or poll (forever).
+        ``nc``: the connection of ``js``, which the delta downlink sends its requests on."""
+        self._nc = nc
         head_seen = self._head_seen or asyncio.Event()
         while True:
             for fragment in range(self.settings.fragments if self._connected else 0):
@@ -219,12 +246,112 @@ class ParamsFetcher:
             return
         if head.upload == self._rejected[fragment]:
             return  # read and rejected already: wait for the next head
+        fetched: _Fetched | Literal["copy", "none"] = "copy"
+        if self.settings.params_downlink == "delta" and self._nc is not None:
+            fetched = await self._fetch_delta(js, fragment, head)
+        if fetched == "copy":
+            fetched = await self._fetch_copy(js, fragment)
+        if not isinstance(fetched, _Fetched):
+            return
+        version = fetched.version
+        seen_at = self._head_seen_at[fragment] if version == self._head_versions[fragment] else 0
+        global_fragment = GlobalFragment(
+            fragment,
+            version,
+            fetched.pieces,
+            seen_at or time.monotonic(),
+            fetched.applied_round,
+            rewind=version < self._known_versions[fragment],
+        )
+        with self._lock:
+            self._newest[fragment] = global_fragment
+            self._known_versions[fragment] = version
+        self.rule.fetched(fragment, wanted)
+        self.counters.add("params_received")
+
+    async def _fetch_copy(self, js: Any, fragment: int) -> _Fetched | Literal["none"]:
+        """Read the global copy (the keyframe of the delta downlink)."""
+        job = self.settings.job
         fetched = await read_latest_params(js, job, fragment, self.max_params_bytes)
         if fetched is None:
-            return
+            return "none"
         fetched_head, blob = fetched
         self._rejected[fragment] = fetched_head.upload  # until it proves good below
+        self.counters.add("params_bytes_received", len(blob))
         version = fetched_head.version
+        envelope = self._unpack(blob, fragment, version)
+        pieces = codec.decode_tensors(envelope.payload, envelope.codec)
+        self._rejected[fragment] = None
+        if self.settings.params_downlink == "delta":
+            self.held[fragment] = _held(version, pieces)
+        return _Fetched(version, pieces, fetched_head.applied.get(self.settings.unit, -1))
+
+    async def _fetch_delta(
+        self, js: Any, fragment: int, head: ParamsHead
+    ) -> _Fetched | Literal["copy", "none"]:
+        """Ask the outer for a delta from the copy held and apply it; ``copy``: read the
+        global copy instead, ``none``: nothing newer to read."""
+        job, unit = self.settings.job, self.settings.unit
+        held = self.held[fragment]
+        want = DownlinkWant(
+            fragment=fragment,
+            held_version=-1 if held is None else held.version,
+            held_checksum=0 if held is None else held.checksum,
+        )
+        try:
+            reply = await request_delta(self._nc, job, unit, want)
+        except TransportError as err:
+            log.info("no params delta (%s): reading the global copy", err)
+            return "copy"
+        if reply.kind == "keyframe":
+            return "copy"
+        if reply.kind == "current":
+            return "none"
+        try:
+            pieces = await self._apply_delta(js, fragment, held, reply)
+        except TransportError as err:
+            log.info("params delta unreadable (%s): reading the global copy", err)
+            return "copy"
+        except (DeltaRejected, WireError, CodecError) as err:
+            self.held[fragment] = None
+            self.counters.add("params_delta_rejected")
+            self.counters.error(f"params delta rejected: {err}")
+            log.warning("params delta rejected (%s): reading the global copy", err)
+            return "copy"
+        self.counters.add("params_deltas_received")
+        # A version at or above the head's includes at least what the head says was applied.
+        applied = head.applied.get(unit, -1) if reply.version >= head.version else -1
+        return _Fetched(reply.version, pieces, applied)
+
+    async def _apply_delta(
+        self, js: Any, fragment: int, held: Held | None, reply: DownlinkReply
+    ) -> dict[str, np.ndarray]:
+        if held is None or (reply.base_version, reply.base_checksum) != (
+            held.version,
+            held.checksum,
+        ):
+            base = "nothing" if held is None else f"version {held.version} ({held.checksum:x})"
+            raise DeltaRejected(
+                f"base mismatch: a delta from version {reply.base_version} "
+                f"({reply.base_checksum:x}), this unit holds {base}"
+            )
+        job, unit = self.settings.job, self.settings.unit
+        blob = await read_delta(js, job, unit, fragment, reply, self.max_params_bytes)
+        self.counters.add("params_bytes_received", len(blob))
+        envelope = self._unpack(blob, fragment, reply.version)
+        if payload_checksum(envelope.payload) != reply.payload_checksum:
+            raise DeltaRejected(f"delta {reply.upload}: payload checksum mismatch")
+        result = _held(reply.version, reconstruct(held.pieces, envelope.payload, envelope.codec))
+        if result.checksum != reply.checksum:
+            raise DeltaRejected(
+                f"result mismatch: version {reply.version} reconstructed as "
+                f"{result.checksum:x}, the outer recorded {reply.checksum:x}"
+            )
+        self.held[fragment] = result
+        return result.pieces
+
+    def _unpack(self, blob: bytes, fragment: int, version: int) -> ParamsEnvelope:
+        job = self.settings.job
         envelope = unpack_envelope(blob, max_size=self.max_params_bytes)
         if (
             not isinstance(envelope, ParamsEnvelope)
@@ -237,19 +364,11 @@ class ParamsFetcher:
                 f"params of model {envelope.model} version {envelope.version} under a head of "
                 f"version {version} (this unit trains model {self.settings.model})"
             )
-        pieces = codec.decode_tensors(envelope.payload, envelope.codec)
-        seen_at = self._head_seen_at[fragment] if version == self._head_versions[fragment] else 0
-        global_fragment = GlobalFragment(
-            fragment,
-            version,
-            pieces,
-            seen_at or time.monotonic(),
-            fetched_head.applied.get(self.settings.unit, -1),
-            rewind=version < self._known_versions[fragment],
-        )
-        self._rejected[fragment] = None
-        with self._lock:
-            self._newest[fragment] = global_fragment
-            self._known_versions[fragment] = version
-        self.rule.fetched(fragment, wanted)
-        self.counters.add("params_received")
+        return envelope
+
+
+def _held(version: int, pieces: dict[str, np.ndarray]) -> Held:
+    """A copy held for the delta downlink: read-only, so that nothing changes it in place."""
+    for piece in pieces.values():
+        piece.setflags(write=False)
+    return Held.of(version, pieces)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.settings.algorithm import InnerAlgorithmSettings, SyncSettings, check_sync_overlap
-from shared.settings.codec import UploadCodecSettings
+from shared.settings.codec import DownlinkSettings, UploadCodecSettings
 from shared.settings.nats import ServiceSettings
 from shared.settings.resources import LearnerResources
 from shared.settings.workload import UnitsSettings, WorkloadSettings
@@ -31,6 +31,7 @@ class LearnerSettings(
     SyncSettings,
     InnerAlgorithmSettings,
     UploadCodecSettings,
+    DownlinkSettings,
     LearnerResources,
     CheckpointSettings,
 ):

@@ -76,23 +76,21 @@ async def publish_fragment(
     js: Any,
     chunk_size: int,
     job: str,
-    model: str,
     fragment: int,
     version: int,
-    tokens: int,
-    params: Mapping[str, Any],
+    blob: bytes,
+    checksum: int,
     stopping: Callable[[], bool],
-    params_codec: str = "int8",
     applied: Mapping[int, int] | None = None,
 ) -> bool:
-    """Publish one fragment's params, retrying (``shared.retry``) until it is done.
+    """Publish one fragment's params (``blob, checksum`` from :func:`params_envelope`),
+    retrying (``shared.retry``) until it is done.
 
     ``applied`` (per unit, the newest round applied) goes into the head.
 
     Returns:
         True once published; False if ``stopping()`` became true first.
     """
-    blob, checksum = params_envelope(job, model, fragment, version, tokens, params, params_codec)
     try:
         await retry(
             lambda: publish_params(

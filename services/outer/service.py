@@ -34,11 +34,12 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from services.outer import checkpoint, restore
 from services.outer.core import MergeResult, OuterCore
+from services.outer.downlink import DownlinkServer
 from services.outer.evaluator import EvalCopy, Evaluator
 from services.outer.intake import Intake
 from services.outer.lease import Lease, LeaseLost, new_holder_id
 from services.outer.ledger import OuterLedger
-from services.outer.publishing import DeadLetters, publish_fragment
+from services.outer.publishing import DeadLetters, params_envelope, publish_fragment
 from services.outer.settings import OuterSettings
 from services.outer.status import Progress, leader_status, standby_status, status_key
 from services.outer.validation import UploadRules
@@ -80,6 +81,8 @@ class OuterService:
         self.leader_seen = ""
         self.lost: LeaseLost | None = None
         self.chunk_size = 0
+        self.downlink: DownlinkServer | None = None  # with --params-downlink delta, when leading
+        self._nc: Any = None
         self._checkpoint_seq = 0
         self._dirty = False
 
@@ -186,6 +189,7 @@ class OuterService:
         if nc is None:
             return self.status_record()
         js = nc.jetstream()
+        self._nc = nc
         self.chunk_size = chunk_size_for(nc)
         await self._retry(lambda: prepare_streams(js, self.settings), "create streams")
         status_kv = await js.key_value(subjects.STATUS_BUCKET)
@@ -234,6 +238,16 @@ class OuterService:
             return
         with contextlib.suppress(*NATS_ERRORS):
             await store.purge_epochs_before(self._purgeable_before())
+        s = self.settings
+        if s.params_downlink == "delta":
+            self.downlink = DownlinkServer(
+                s.job,
+                s.model,
+                self.core.plan.count,
+                s.params_delta_codec,
+                self.chunk_size,
+                self.max_params_bytes,
+            )
         for fragment in range(self.core.plan.count):
             # Announce the committed versions (a crash may have come between commit and
             # publish); a version is always announced with the same params.
@@ -242,8 +256,17 @@ class OuterService:
         if self.progress.evaluation.last is None:
             await self._evaluate(self.evaluator.copy(self.core))  # saved by the next commit
         sub = await self._retry(lambda: self.subscribe(js), "subscribe")
+        wants = None
+        if self.downlink is not None:
+            downlink = self.downlink
+            wants = await self._retry(lambda: downlink.subscribe(self._nc, js), "serve wants")
         self.state = "running"
-        await self._serve(js, sub, store)
+        try:
+            await self._serve(js, sub, store)
+        finally:
+            if wants is not None:
+                with contextlib.suppress(*NATS_ERRORS):
+                    await wants.unsubscribe()
 
     def _purgeable_before(self) -> int:
         """Checkpoint chunks of epochs below this one may be deleted: older than this
@@ -422,18 +445,25 @@ class OuterService:
         return True
 
     async def _publish(self, js: Any, fragment: int) -> bool:
-        """Publish a fragment's committed params; False if stopping first."""
+        """Publish a fragment's committed params; False if stopping first. With the delta
+        downlink, the units' wants are answered from this version on before its head is
+        out (a unit that saw the head asks for a version the outer can send)."""
+        s, version = self.settings, self.core.version(fragment)
+        params = self.core.fragment_params(fragment)
+        blob, checksum = params_envelope(
+            s.job, s.model, fragment, version, self.ledger.tokens_applied, params, s.params_codec
+        )
+        if self.downlink is not None:
+            await self.downlink.published(fragment, version, params, blob)
         return await publish_fragment(
             js,
             self.chunk_size,
-            self.settings.job,
-            self.settings.model,
+            s.job,
             fragment,
-            self.core.version(fragment),
-            self.ledger.tokens_applied,
-            self.core.fragment_params(fragment),
+            version,
+            blob,
+            checksum,
             stopping=self.stop.is_set,
-            params_codec=self.settings.params_codec,
             applied={unit: books.last_round for unit, books in self.ledger.units.items()},
         )
 

@@ -243,3 +243,33 @@ class ParamsHead(Record):
         if len(self.sequences) != self.chunks:
             raise ValueError(f"{len(self.sequences)} sequences for {self.chunks} chunks")
         return self
+
+
+class DownlinkWant(Record):
+    """A unit's request for the newest params of a fragment as a delta against what it holds
+    (``--params-downlink delta``; shared/downlink.py). The unit is the request's subject's."""
+
+    fragment: int = Field(ge=0, le=1 << 10)
+    held_version: int = Field(ge=-1, le=MAX_VERSION, description="-1: holds nothing")
+    held_checksum: int = Field(ge=0, lt=1 << 64, description="shared.downlink.params_checksum")
+
+
+class DownlinkReply(Record):
+    """The outer's answer to a :class:`DownlinkWant`.
+
+    ``kind``: ``delta`` (read it from the unit's downlink subjects: ``upload`` in ``chunks``
+    chunks of ``size`` bytes, whose payload has ``payload_checksum``; it applies to
+    ``(base_version, base_checksum)`` and gives ``(version, checksum)``), ``keyframe`` (read
+    the global copy instead: there is no record of what the unit holds, or a delta would be
+    larger) or ``current`` (the unit holds the newest version).
+    """
+
+    kind: Literal["delta", "keyframe", "current"]
+    version: int = Field(ge=0, le=MAX_VERSION)
+    base_version: int = Field(-1, ge=-1, le=MAX_VERSION)
+    base_checksum: int = Field(0, ge=0, lt=1 << 64)
+    checksum: int = Field(0, ge=0, lt=1 << 64)
+    upload: str = Field("", max_length=200)
+    chunks: int = Field(0, ge=0, le=1 << 24)
+    size: Count = 0
+    payload_checksum: int = Field(0, ge=0, lt=1 << 64)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.codec.config import CODECS, CodecConfig, CodecError, CodecName
@@ -50,7 +52,28 @@ class UploadCodecSettings(BaseModel):
         )
 
 
-class ParamsCodecSettings(BaseModel):
+#: How global params reach a unit: the fragment's global copy, or a delta against the copy the
+#: unit holds (shared/downlink.py).
+ParamsDownlinkName = Literal["copy", "delta"]
+#: Codecs a params delta may be sent in.
+DeltaCodecName = Literal["int8", "int4", "int2"]
+
+
+class DownlinkSettings(BaseModel):
+    """How a unit receives the global params (the learner's and the outer's shared choice)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    params_downlink: ParamsDownlinkName = Field(
+        "copy",
+        description="how global params reach a unit: 'copy' (every unit reads the global copy, "
+        "in --params-codec) or 'delta' (the outer sends each unit a delta in "
+        "--params-delta-codec against the copy the unit holds, keeping the quantization "
+        "error; the global copy is the keyframe)",
+    )
+
+
+class ParamsCodecSettings(DownlinkSettings):
     """How the outer encodes the global params it publishes."""
 
     model_config = ConfigDict(extra="forbid")
@@ -60,6 +83,11 @@ class ParamsCodecSettings(BaseModel):
         description="codec of the global params sent to learners: int8 (blockwise, each "
         "version encoded afresh; a quarter of fp32's bytes), bf16 or fp32 (exact); "
         "BENCHMARKS.md, 'Quality: downlink', measures them",
+    )
+    params_delta_codec: DeltaCodecName = Field(
+        "int8",
+        description="codec of the params deltas with --params-downlink delta: int8, int4 or "
+        "int2 (the outer carries each delta's quantization error into the next)",
     )
 
 

@@ -37,6 +37,8 @@ PARAMS_MAX_BYTES = 4 << 30  # every job's kept params versions
 
 CKPT_MAX_BYTES = 4 << 30  # every job's outer checkpoints
 
+DOWNLINK_MAX_BYTES = 2 << 30  # the last params delta sent to each unit, of every job
+
 DEAD_MAX_BYTES = 1 << 30
 
 DEAD_MAX_PER_JOB = 1000  # dead letters kept per job: one job's junk cannot evict another's
@@ -50,6 +52,7 @@ STORE_BYTES = (
     GRADS_MAX_BYTES
     + PARAMS_MAX_BYTES
     + CKPT_MAX_BYTES
+    + DOWNLINK_MAX_BYTES
     + DEAD_MAX_BYTES
     + STATUS_BUCKET_BYTES
     + 3 * SMALL_BUCKET_BYTES
@@ -106,6 +109,16 @@ async def ensure_streams(js: JetStreamContext) -> None:
             storage=StorageType.FILE,
             max_msgs_per_subject=1,
             max_bytes=CKPT_MAX_BYTES,
+            max_msg_size=MAX_MESSAGE_BYTES,
+            allow_direct=True,
+            discard=DiscardPolicy.OLD,
+        ),
+        StreamConfig(
+            name=subjects.DOWNLINK_STREAM,
+            subjects=[subjects.DOWNLINK_ALL],
+            storage=StorageType.FILE,
+            max_msgs_per_subject=1,
+            max_bytes=DOWNLINK_MAX_BYTES,
             max_msg_size=MAX_MESSAGE_BYTES,
             allow_direct=True,
             discard=DiscardPolicy.OLD,
