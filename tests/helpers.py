@@ -110,7 +110,8 @@ def next_heartbeats(
     credentials: str | None = None,
 ) -> dict[tuple[str, int], list[UnitStatus]]:
     """The next ``count`` status records of each ``(job, unit)``, each a new heartbeat (a new
-    revision of its KV entry), as they come.
+    revision of its KV entry), as they come (a unit that beats faster than the others while
+    they are awaited has its first ``count`` returned).
 
     A window measured in the units' own heartbeats, in which a test checks what a unit must not
     do (train while paused, say): it stretches with the units when the machine is busy, where a
@@ -135,7 +136,7 @@ def next_heartbeats(
         return all(len(records) >= count for records in seen.values())
 
     wait_for(enough, timeout_s, f"{count} heartbeats of each of {sorted(wanted)}")
-    return {who: [records[r] for r in sorted(records)] for who, records in seen.items()}
+    return {who: [records[r] for r in sorted(records)][:count] for who, records in seen.items()}
 
 
 class ServiceProcesses:

@@ -49,7 +49,7 @@ class Outer:
 
     async def stop(self) -> None:
         self.service.stop.set()
-        await self.task
+        await asyncio.wait_for(self.task, 60)
 
     def version(self) -> int:
         return self.service.core.version(0)
