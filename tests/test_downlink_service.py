@@ -158,6 +158,9 @@ def test_a_unit_holds_what_the_outer_recorded_across_versions_and_a_new_leader(
             downlink = outer.service.downlink
             assert downlink is not None
             assert downlink.answered["keyframe"] >= 1 and downlink.answered["delta"] == 2
+            status = outer.service.status_record()
+            assert status.downlink is not None and status.downlink.delta == 2
+            assert status.downlink.delta_bytes == downlink.delta_bytes > 0
         finally:
             await outer.stop()
             fetching.cancel()

@@ -21,7 +21,7 @@ import numpy as np
 from shared import records, subjects
 from shared.codec.config import CodecError
 from shared.downlink import Answer, Current, Delta, DownlinkSender, Keyframe
-from shared.records.outer import DownlinkReply, DownlinkWant
+from shared.records.outer import DownlinkCounts, DownlinkReply, DownlinkWant
 from shared.retry import NATS_ERRORS
 from shared.transport import TransportError
 from shared.transport.downlink import publish_delta
@@ -70,6 +70,10 @@ class DownlinkServer:
         self._locks = [asyncio.Lock() for _ in range(fragments)]
         self.answered: dict[str, int] = {"delta": 0, "keyframe": 0, "current": 0}
         self.delta_bytes = 0
+
+    def counts(self) -> DownlinkCounts:
+        """The answers given so far, for the outer's status record."""
+        return DownlinkCounts(**self.answered, delta_bytes=self.delta_bytes)
 
     async def published(
         self, fragment: int, version: int, params: Mapping[str, Any], blob: bytes

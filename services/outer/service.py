@@ -488,6 +488,7 @@ class OuterService:
             buffered=len(self.intake.buffered) if core is not None else 0,
             ledger=self.ledger,
             progress=self.progress,
+            downlink=self.downlink.counts() if self.downlink is not None else None,
         )
 
     def _status_key(self) -> str:

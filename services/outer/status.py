@@ -18,6 +18,7 @@ from services.outer.ledger import OuterLedger
 from shared import subjects
 from shared.records.outer import (
     CheckpointInfo,
+    DownlinkCounts,
     EvalPoint,
     EvalRecord,
     EvaluationRecord,
@@ -120,6 +121,7 @@ def leader_status(
     buffered: int,
     ledger: OuterLedger,
     progress: Progress,
+    downlink: DownlinkCounts | None = None,
 ) -> OuterStatus:
     """The heartbeat of an outer that leads (or led) its job.
 
@@ -132,6 +134,7 @@ def leader_status(
         buffered: Uploads accepted and waiting for a merge.
         ledger: Its books.
         progress: Its evaluations, train losses and checkpoints.
+        downlink: Its delta downlink's answers (None: it sends copies only).
     """
     evaluation = progress.evaluation
     return OuterStatus(
@@ -152,6 +155,7 @@ def leader_status(
             history=evaluation.history[-STATUS_EVAL_HISTORY:],
         ),
         merge_history=list(progress.merge_history),
+        downlink=downlink,
     )
 
 

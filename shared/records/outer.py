@@ -151,6 +151,15 @@ class RestoredFrom(Record):
     versions: list[Count] = []
 
 
+class DownlinkCounts(Record):
+    """The delta downlink's answers since this leader started, and the bytes of its deltas."""
+
+    delta: Count = 0
+    keyframe: Count = 0
+    current: Count = 0
+    delta_bytes: Count = 0
+
+
 class OuterStatus(LedgerRecord):
     """The leading outer's heartbeat: its ledger, versions, evaluations and checkpoints."""
 
@@ -165,6 +174,9 @@ class OuterStatus(LedgerRecord):
     last_checkpoint: CheckpointInfo | None = None
     restored_from: RestoredFrom = RestoredFrom()
     evaluation: EvaluationRecord = EvaluationRecord()
+    downlink: DownlinkCounts | None = Field(
+        None, description="with --params-downlink delta: the wants this leader answered"
+    )
     merge_history: list[MergePoint] = Field(
         [], description="the newest merges (status only: it starts empty after a restart)"
     )
