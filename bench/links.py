@@ -65,7 +65,7 @@ FEW_UNITS = 2
 MODEL = "small"
 #: Flags of the rows that are not on the grid (each on top of the shipped defaults).
 REFERENCE_FLAGS = ("--params-codec", "fp32", "--params-fetch", "newest")
-MOONSHOT_FLAGS = ("--h-steps", "100", "--codec", "int2")
+MOONSHOT_FLAGS = ("--h-steps", "100", "--params-downlink", "delta", "--params-delta-codec", "int2")
 
 #: The claims (issue "Over slow links", "Done when").
 MAX_SLOW_LOSS_RATIO = 1.03  # final eval at 1 Mbit/s and 500 kbit/s over the no-cap row's

@@ -91,8 +91,8 @@ def test_a_rest_jobs_settings_reach_its_processes():
         "h_steps": 12,
         "codec": "int4",
         "params_codec": "bf16",
-        "params_downlink": "delta",
-        "params_delta_codec": "int4",
+        "params_downlink": "copy",
+        "params_delta_codec": "int2",
         "batch_size": 8,
         "heldout_fraction": 0.05,
     }

@@ -35,6 +35,7 @@ def test_the_setup_is_the_shipped_algorithm():
     assert SETUP.algorithm == AlgorithmSettings()
     assert SETUP.algorithm.outer_optimizer == "delayed_nesterov"
     assert SETUP.codec.codec == "int8" and SETUP.codec.params_codec == "int8"
+    assert (SETUP.codec.params_downlink, SETUP.codec.params_delta_codec) == ("delta", "int4")
 
 
 def test_every_method_learns_and_reports_a_curve(work, start):
@@ -68,10 +69,9 @@ def test_simulation_is_deterministic(work, start):
     assert first.final_eval == second.final_eval and first.staleness == second.staleness
 
 
-def test_async_with_the_delta_downlink_learns(work, start):
-    """Globals reach the units as the outer's int4 deltas (shared.downlink), keyframes first."""
-    delta = SETUP.codec.model_copy(
-        update={"params_downlink": "delta", "params_delta_codec": "int4"}
-    )
-    result = sim.async_run(work, start, SPEEDS, codec_settings=delta)
+def test_async_with_copies_of_the_params_learns(work, start):
+    """Globals reach the units as copies in the params codec (``--params-downlink copy``), not
+    as the outer's deltas (shared.downlink), which the shipped setup runs."""
+    copies = SETUP.codec.model_copy(update={"params_downlink": "copy"})
+    result = sim.async_run(work, start, SPEEDS, codec_settings=copies)
     assert result.final_eval < result.curve[0][1] - 0.3

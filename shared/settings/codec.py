@@ -65,7 +65,7 @@ class DownlinkSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     params_downlink: ParamsDownlinkName = Field(
-        "copy",
+        "delta",
         description="how global params reach a unit: 'copy' (every unit reads the global copy, "
         "in --params-codec) or 'delta' (the outer sends each unit a delta in "
         "--params-delta-codec against the copy the unit holds, keeping the quantization "
@@ -85,9 +85,10 @@ class ParamsCodecSettings(DownlinkSettings):
         "BENCHMARKS.md, 'Quality: downlink', measures them",
     )
     params_delta_codec: DeltaCodecName = Field(
-        "int8",
+        "int4",
         description="codec of the params deltas with --params-downlink delta: int8, int4 or "
-        "int2 (the outer carries each delta's quantization error into the next)",
+        "int2 (the outer carries each delta's quantization error into the next; int4 costs "
+        "half of an int8 copy and trained as well: docs/ALGORITHMS.md, 'Staleness')",
     )
 
 
