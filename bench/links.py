@@ -64,7 +64,14 @@ UNITS = 4
 FEW_UNITS = 2
 MODEL = "small"
 #: Flags of the rows that are not on the grid (each on top of the shipped defaults).
-REFERENCE_FLAGS = ("--params-codec", "fp32", "--params-fetch", "newest")
+REFERENCE_FLAGS = (
+    "--params-downlink",
+    "copy",
+    "--params-codec",
+    "fp32",
+    "--params-fetch",
+    "newest",
+)
 MOONSHOT_FLAGS = ("--h-steps", "100", "--params-downlink", "delta", "--params-delta-codec", "int2")
 
 #: The claims (issue "Over slow links", "Done when").
@@ -110,8 +117,8 @@ def rows() -> list[Row]:
     ]
     return [
         *grid,
-        Row(f"{UNITS} units, no cap, int8, fp32 copies of every version", UNITS, "no cap", "int8",
-            REFERENCE_FLAGS),
+        Row(f"{UNITS} units, no cap, fp32 copies of every version (int8 uploads)", UNITS,
+            "no cap", "int8", REFERENCE_FLAGS),
         *few,
         Row(f"{UNITS} units, no cap, moonshot (H=100, int2)", UNITS, "no cap", "int2",
             MOONSHOT_FLAGS),
@@ -438,7 +445,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="inner steps per unit")
     parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--only", default="", help="run only rows whose label contains this")
+    parser.add_argument(
+        "--only", default="", help="run only rows whose label contains this (a|b: either)"
+    )
     parser.add_argument("--reuse", action="store_true", help="keep the runs already stored")
     parser.add_argument("--render", action="store_true", help="run nothing: render the stored")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md + plot")
@@ -450,7 +459,7 @@ def main() -> None:
     if not args.render:
         cache = Path(tempfile.mkdtemp(prefix="links-jax-cache-"))
         for row in rows():
-            if args.only not in row.label:
+            if not any(part in row.label for part in args.only.split("|")):
                 continue
             for seed in range(args.seeds):
                 if row.key(seed) in results.runs:
