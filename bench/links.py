@@ -149,6 +149,7 @@ class Results(BaseModel):
     """``bench/results/links.json``: every run, keyed by row and seed."""
 
     machine: str
+    invocations: list[str] = []  # the commands that made the runs
     runs: dict[str, RunFigures] = {}
 
 
@@ -376,7 +377,9 @@ def render(table: Table, checked: list[Claim], results: Results, command: str, a
         "fewer than data-parallel training of the same model, units and tokens (fp32 ring "
         "all-reduce every step); the busiest link direction's utilisation; the staleness of "
         f"the applied updates. Raw figures of every run: `{RESULTS.relative_to(REPO)}` "
-        f"(machine: {results.machine}).",
+        f"(machine: {results.machine}); the runs were made by "
+        + ", ".join(f"`{c}`" for c in results.invocations)
+        + ".",
         "",
         "| configuration | seeds | final eval | tokens/s | up B/token | down B/token "
         "| x less than data-parallel | utilisation | staleness (applied) | commit |",
@@ -457,6 +460,7 @@ def main() -> None:
     if (args.reuse or args.render) and RESULTS.exists():
         results = Results.model_validate_json(RESULTS.read_text())
     if not args.render:
+        results.invocations.append(command)
         cache = Path(tempfile.mkdtemp(prefix="links-jax-cache-"))
         for row in rows():
             if not any(part in row.label for part in args.only.split("|")):
