@@ -59,6 +59,15 @@ class Outer:
         return self.service.downlink.senders[0].records(unit)
 
 
+async def stop_fetching(fetching: asyncio.Task, fetcher: ParamsFetcher, *connections) -> None:
+    """Cancel the fetcher's loop, unsubscribe it, and close ``connections``."""
+    fetching.cancel()
+    await asyncio.gather(fetching, return_exceptions=True)
+    await fetcher.close()
+    for connection in connections:
+        await connection.close()
+
+
 async def upload(js, chunk_size: int, round_: int, base: int) -> None:
     blob = upload_blob(JOB, 0, round_, base=base, seed=round_, scale=1e-2)
     await publish_blob(
@@ -163,11 +172,7 @@ def test_a_unit_holds_what_the_outer_recorded_across_versions_and_a_new_leader(
             assert status.downlink.delta_bytes == downlink.delta_bytes > 0
         finally:
             await outer.stop()
-            fetching.cancel()
-            await asyncio.gather(fetching, return_exceptions=True)
-            await fetcher.close()
-            await params_nc.close()
-            await nc.close()
+            await stop_fetching(fetching, fetcher, params_nc, nc)
 
     asyncio.run(scenario())
 
@@ -237,10 +242,7 @@ def test_a_delta_that_does_not_match_is_rejected_and_the_keyframe_read(
             assert held is not None and held.checksum == params_checksum(keyframe)
             assert [f.version for f in fetcher.take_new()] == [1]
         finally:
-            fetching.cancel()
-            await asyncio.gather(fetching, return_exceptions=True)
-            await fetcher.close()
-            await nc.close()
+            await stop_fetching(fetching, fetcher, nc)
 
     asyncio.run(scenario())
 
@@ -280,9 +282,6 @@ def test_each_fragment_has_its_own_deltas(memory_nats, monkeypatch: pytest.Monke
             assert counters["params_deltas_received"] == 6  # two keyframes, then deltas
             assert counters["params_delta_rejected"] == 0
         finally:
-            fetching.cancel()
-            await asyncio.gather(fetching, return_exceptions=True)
-            await fetcher.close()
-            await nc.close()
+            await stop_fetching(fetching, fetcher, nc)
 
     asyncio.run(scenario())
