@@ -201,32 +201,44 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
         300,
         "the global version to advance",
     )
-    # Pause unit 1: it stops stepping; resumed, it goes on.
-    assert client.post(f"/jobs/{job}/units/1/pause").status_code == 200
-    wait_for(lambda: unit_view(client, job, 1)["state"] == "paused", 60, "unit 1 paused")
-    paused = unit_view(client, job, 1)
+    # Pause both units: a paused unit stops stepping; resumed, it goes on. Both stay paused
+    # until the kill below, so that each has most of its steps left when it is killed (a tiny
+    # model trains its 600 steps in about 20 s).
+    for unit in (0, 1):
+        assert client.post(f"/jobs/{job}/units/{unit}/pause").status_code == 200
+    for unit in (0, 1):
+        wait_for(
+            lambda u=unit: unit_view(client, job, u)["state"] == "paused", 60, f"{unit} paused"
+        )
+    paused = {unit: unit_view(client, job, unit) for unit in (0, 1)}
     steps_by_heartbeat: dict[float, int] = {}
 
     def three_more_heartbeats() -> bool:
         view = unit_view(client, job, 1)
-        if view["last_heartbeat"] != paused["last_heartbeat"]:
+        if view["last_heartbeat"] != paused[1]["last_heartbeat"]:
             steps_by_heartbeat[view["last_heartbeat"]] = view["step"]
         return len(steps_by_heartbeat) >= 3
 
-    # Over three more of its own heartbeats it trains no further.
+    # Over three more of its own heartbeats unit 1 trains no further.
     wait_for(three_more_heartbeats, 60, "three heartbeats of the paused unit 1")
-    assert set(steps_by_heartbeat.values()) == {paused["step"]}, steps_by_heartbeat
-    paused_at = paused["step"]
-    assert client.post(f"/jobs/{job}/units/1/resume").status_code == 200
-    wait_for(lambda: unit_view(client, job, 1)["step"] > paused_at, 120, "unit 1 to go on")
+    assert set(steps_by_heartbeat.values()) == {paused[1]["step"]}, steps_by_heartbeat
     # Every job container's health check passes while its heartbeat goes on.
     for child in ("outer", "learner-0", "learner-1"):
         wait_for(lambda c=child: health(cluster.container(job, c)) == "healthy", 120, child)
+    for unit in (0, 1):
+        assert client.post(f"/jobs/{job}/units/{unit}/resume").status_code == 200
+    for unit in (0, 1):
+        wait_for(
+            lambda u=unit: unit_view(client, job, u)["step"] > paused[u]["step"],
+            120,
+            f"unit {unit} to go on",
+        )
     # docker kill learner 0, and hang learner 1 (SIGSTOP: its heartbeat stops, the process
     # stays): the controller starts both containers again, and they rejoin from their
     # checkpoints.
     killed_at = unit_view(client, job, 0)["step"]
     hung_at = unit_view(client, job, 1)["step"]
+    assert max(killed_at, hung_at) < 400, (killed_at, hung_at)
     assert _run("docker", "kill", cluster.container(job, "learner-0")).returncode == 0
     stop_all = "import os, signal; os.kill(-1, signal.SIGSTOP)"  # all but the init process
     hang = _run("docker", "exec", cluster.container(job, "learner-1"), "python", "-c", stop_all)
