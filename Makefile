@@ -56,8 +56,11 @@ run: $(STAMP)  ## train with a local cluster: 4 learners on the small model, the
 # JAX processes of its own (about 0.6 GB each), so more workers need more memory, not only cores.
 PYTEST_WORKERS ?= 2
 
+# --maxschedchunk 1: each worker is handed a test or two at a time, so the slow tier (run first,
+# tests/conftest.py) is shared out as workers come free; by default each would get a quarter of
+# its share at once, in a row, and the first worker the whole slow tier.
 test: $(STAMP) browser  ## the whole test suite (unit, integration and slow tiers)
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --maxschedchunk 1 $(PYTEST_ARGS)
 
 # Headless Chromium for the dashboard's browser test (tests/test_observability_e2e.py). Installed
 # with apt-get only when missing and apt-get exists; if that fails (no root, no network) the

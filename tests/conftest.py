@@ -39,8 +39,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that starts a nats-server (through the fixture) with ``nats``, and run
-    the ``slow`` tier first: with several workers (``-n``), the long tests then start at once
-    and the short ones fill the gaps at the end."""
+    the ``slow`` tier first: with several workers (``-n`` with ``--maxschedchunk 1``, as
+    ``make test`` runs it), the long tests are shared out first and the short ones fill the
+    gaps at the end."""
     for item in items:
         if "nats_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.nats)
