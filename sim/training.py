@@ -311,7 +311,10 @@ def async_run(
     ]
     counter = itertools.count()
     events: list[tuple[float, int, str, Any]] = []
-    fetch = [FetchRule(algorithm.params_fetch, fragments) for _ in range(s.num_units)]
+    fetch = [
+        FetchRule(algorithm.params_fetch, fragments, algorithm.params_fetches_per_period, unit_h[u])
+        for u in range(s.num_units)
+    ]
     lines = [_Line(s.link, s.latency_s) for _ in range(s.num_units)]
     # The newest published version of each fragment (version, params as a unit decodes them,
     # encoded size), and per unit the fragments whose copy is crossing its link.
@@ -358,6 +361,7 @@ def async_run(
         if version <= sent[unit][fragment]:
             return
         sent[unit][fragment] = version
+        rule.started(fragment)
         if senders is not None:
             pieces, nbytes = send_delta(unit, fragment)
         rule.fetched(fragment, rule.wanted(fragment))
@@ -458,6 +462,9 @@ def async_run(
             core.train_step(work.samplers[unit].batch(core.step))
             tokens_done += s.tokens_per_step
             upload_all(unit, core.due_uploads(unit_h[unit]), now)
+            if fetch[unit].at_step(core.step, unit_h[unit]):
+                for fragment in range(fragments):
+                    send_global(unit, fragment, now)
             while points and tokens_done >= points[0]:
                 points.pop(0)
                 curve.append(

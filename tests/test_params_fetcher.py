@@ -264,3 +264,40 @@ def test_a_read_under_way_when_the_connection_drops_is_given_up(memory_nats) -> 
             await direct.close()
 
     asyncio.run(scenario())
+
+
+def test_paced_fetches_start_no_sooner_than_h_over_f_steps_apart(memory_nats, monkeypatch) -> None:
+    # H = 10, F = 2: a fetch at most every 5 of the unit's steps. The fallback poll is long, so
+    # a fetch after a pause can only come from the training thread's step waking the fetcher.
+    monkeypatch.setattr(params_fetcher, "PARAMS_POLL_S", 60.0)
+    paced = SETTINGS.model_copy(update={"params_fetches_per_period": 2, "h_steps": 10})
+
+    async def at_step(fetcher: ParamsFetcher, step: int) -> list[GlobalFragment]:
+        return await wait_for_async(lambda: fetcher.take_new(step, 10), 10, f"params at {step}")
+
+    async def nothing_at(fetcher: ParamsFetcher, step: int) -> bool:
+        for _ in range(10):
+            if fetcher.take_new(step, 10):
+                return False
+            await asyncio.sleep(POLL_S)
+        return True
+
+    async def scenario() -> None:
+        async with running_fetcher(memory_nats.url, paced) as (js, fetcher):
+            await publish(js, 1)
+            assert [f.version for f in await at_step(fetcher, 0)] == [1]  # began at step 0
+            await publish(js, 2)
+            await publish(js, 3)
+            await wait_for_async(lambda: fetcher.head_version(0) == 3, 10, "head 3")
+            assert await nothing_at(fetcher, 4)  # 4 steps after the last fetch began
+            # Step 5: the pause is over; the newest version comes, the one between is skipped.
+            arrived = await at_step(fetcher, 5)
+            assert [f.version for f in arrived] == [3]
+            assert np.array_equal(arrived[0].pieces["w"], values(3, 1000))
+            await publish(js, 4)
+            await wait_for_async(lambda: fetcher.head_version(0) == 4, 10, "head 4")
+            assert await nothing_at(fetcher, 9)
+            assert [f.version for f in await at_step(fetcher, 10)] == [4]
+            assert fetcher.counters["params_received"] == 3
+
+    asyncio.run(scenario())

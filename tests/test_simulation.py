@@ -31,6 +31,12 @@ def start():
     return model.init_params(model.get_config("tiny"), jax.random.PRNGKey(0))
 
 
+@pytest.fixture(scope="module")
+def shipped(work, start):
+    """The shipped setup's asynchronous run at ``SPEEDS``."""
+    return sim.async_run(work, start, SPEEDS)
+
+
 def test_the_setup_is_the_shipped_algorithm():
     assert SETUP.algorithm == AlgorithmSettings()
     assert SETUP.algorithm.outer_optimizer == "delayed_nesterov"
@@ -38,12 +44,8 @@ def test_the_setup_is_the_shipped_algorithm():
     assert (SETUP.codec.params_downlink, SETUP.codec.params_delta_codec) == ("delta", "int4")
 
 
-def test_every_method_learns_and_reports_a_curve(work, start):
-    results = [
-        sim.data_parallel(work, start),
-        sim.sync_diloco(work, start),
-        sim.async_run(work, start, SPEEDS),
-    ]
+def test_every_method_learns_and_reports_a_curve(work, start, shipped):
+    results = [sim.data_parallel(work, start), sim.sync_diloco(work, start), shipped]
     for result in results:
         assert result.curve[0][0] == 0 and result.curve[-1][1] == result.final_eval
         assert result.final_eval < result.curve[0][1] - 0.3, result.method
@@ -62,11 +64,17 @@ def test_async_with_quorum_and_dylu_merges_equal_speed_units_together(work, star
     assert set(result.staleness) == {0}
 
 
-def test_simulation_is_deterministic(work, start):
-    # The speeds of the test above: the jitted trainers of its units are reused.
-    first = sim.async_run(work, start, SPEEDS)
-    second = sim.async_run(work, start, SPEEDS)
-    assert first.final_eval == second.final_eval and first.staleness == second.staleness
+def test_simulation_is_deterministic(work, start, shipped):
+    again = sim.async_run(work, start, SPEEDS)
+    assert again.final_eval == shipped.final_eval and again.staleness == shipped.staleness
+
+
+def test_paced_fetches_carry_fewer_bytes_down_and_learn(work, start, shipped):
+    """``params_fetches_per_period`` 1: a unit's next fetch of a fragment waits H steps."""
+    paced = sim.changed(SETUP.algorithm, params_fetches_per_period=1)
+    result = sim.async_run(work, start, SPEEDS, algorithm=paced)
+    assert result.bytes_down < 0.8 * shipped.bytes_down, (result.bytes_down, shipped.bytes_down)
+    assert result.final_eval < result.curve[0][1] - 0.3
 
 
 def test_async_with_copies_of_the_params_learns(work, start):

@@ -151,10 +151,11 @@ class LearnerLink:
         with self.training_wait.measure():
             self.sender.submit(upload)
 
-    def take_new_params(self) -> list[GlobalFragment]:
-        """Global fragments that arrived since the last call (newest version of each)."""
+    def take_new_params(self, step: int = 0, h_steps: int = 1) -> list[GlobalFragment]:
+        """Global fragments that arrived since the last call (newest version of each); ``step``
+        and ``h_steps`` (the unit's step and sync period now) pace the fetches."""
         with self.training_wait.measure():
-            return self.params.take_new()
+            return self.params.take_new(step, h_steps)
 
     def set_status(self, **status: Any) -> None:
         """Replace the training thread's fields (``UnitStatus`` names) in the next heartbeats."""

@@ -111,7 +111,13 @@ class ParamsFetcher:
         self._lock = threading.Lock()
         self._newest: dict[int, GlobalFragment] = {}
         self._known_versions = [-1] * settings.fragments
-        self.rule = FetchRule(settings.params_fetch, settings.fragments)
+        self.rule = FetchRule(
+            settings.params_fetch,
+            settings.fragments,
+            settings.params_fetches_per_period,
+            settings.h_steps,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None  # run()'s, woken by take_new()
         self._head_versions = [-1] * settings.fragments  # the latest head seen
         self._head_seen_at = [0.0] * settings.fragments  # when that head was first seen
         # The upload id of the last head whose params were rejected (not read again).
@@ -129,12 +135,16 @@ class ParamsFetcher:
         # outer recorded it (what the deltas apply to).
         self.held: list[Held | None] = [None] * settings.fragments
 
-    def take_new(self) -> list[GlobalFragment]:
+    def take_new(self, step: int = 0, h_steps: int = 1) -> list[GlobalFragment]:
         """Global fragments fetched since the last call (the newest version of each);
         thread-safe, returns at once. Each one's time from its head's notification to now is
-        recorded in :attr:`params_latency`."""
+        recorded in :attr:`params_latency`. ``step`` and ``h_steps``: where the unit is and
+        its sync period now, which pace the fetches (``params_fetches_per_period``)."""
         with self._lock:
             arrived, self._newest = list(self._newest.values()), {}
+            opened = self.rule.at_step(step, h_steps)
+        if opened and self._loop is not None and self._head_seen is not None:
+            self._loop.call_soon_threadsafe(self._head_seen.set)
         now = time.monotonic()
         for fragment in arrived:
             self.params_latency.add(now - fragment.seen_at)
@@ -176,8 +186,12 @@ class ParamsFetcher:
         """Fetch every fragment whose head is newer, after each notification or poll (forever).
         ``nc``: the connection of ``js``, which the delta downlink sends its requests on."""
         self._nc = nc
-        head_seen = self._head_seen or asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        head_seen = self._head_seen = self._head_seen or asyncio.Event()
         while True:
+            # Cleared before the pass: a head (or a step that ends a pause) seen during it
+            # makes the wait below return at once.
+            head_seen.clear()
             for fragment in range(self.settings.fragments if self._connected else 0):
                 self._fetching = asyncio.ensure_future(self._fetch(js, fragment))
                 try:
@@ -197,7 +211,6 @@ class ParamsFetcher:
                     log.info("params fetch given up: the connection dropped")
                 finally:
                     self._fetching = None
-            head_seen.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(head_seen.wait(), timeout=PARAMS_POLL_S)
 
@@ -230,7 +243,8 @@ class ParamsFetcher:
             await self._subscription.unsubscribe()
 
     async def _fetch(self, js: Any, fragment: int) -> None:
-        wanted = self.rule.wanted(fragment)
+        with self._lock:
+            wanted = self.rule.wanted(fragment) if self.rule.due(fragment) else None
         if wanted is None:
             return
         job = self.settings.job
@@ -246,6 +260,8 @@ class ParamsFetcher:
             return
         if head.upload == self._rejected[fragment]:
             return  # read and rejected already: wait for the next head
+        with self._lock:
+            self.rule.started(fragment)
         fetched: _Fetched | Literal["copy", "none"] = "copy"
         if self.settings.params_downlink == "delta" and self._nc is not None:
             fetched = await self._fetch_delta(js, fragment, head)

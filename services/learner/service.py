@@ -199,7 +199,7 @@ def offer_globals(core: LearnerCore, link: LearnerLink) -> None:
     """Hand the global fragments the link fetched to the core; one that does not fit this
     unit (names, shapes, non-finite values) is counted in ``params_rejected`` with its reason
     and the unit trains on with what it has."""
-    for fragment in link.take_new_params():
+    for fragment in link.take_new_params(core.step, core.current_h):
         try:
             core.offer_global(fragment.fragment, fragment.version, fragment.pieces, fragment.rewind)
         except ValueError as err:

@@ -89,6 +89,14 @@ class InnerAlgorithmSettings(BaseModel):
         "one is announced and the last fetch is done) or after_upload (once after each of its "
         "uploads: fewer bytes, staler params; BENCHMARKS.md, 'Quality: downlink')",
     )
+    params_fetches_per_period: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="with params_fetch newest: most global versions a unit fetches per sync "
+        "period of a fragment (a fetch starts no sooner than H/F steps after the last; 0: every "
+        "version the link carries)",
+    )
 
     def sync_schedule(self, fragments: int, h_steps: int | None = None) -> SyncSchedule:
         """The core's sync schedule (``h_steps``: a unit's own H, e.g. with DyLU)."""
