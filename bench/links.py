@@ -154,10 +154,16 @@ class Results(BaseModel):
 
 
 def commit() -> str:
-    result = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True
+    """HEAD, marked ``-dirty`` when tracked files differ from it, other than the results and
+    the section this script writes itself (so a run after the first of an invocation is not)."""
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    own = [str(RESULTS.relative_to(REPO)), str(PLOT.relative_to(REPO)), "BENCHMARKS.md"]
+    changed = subprocess.run(
+        ["git", "diff", "--quiet", "HEAD", "--", ".", *(f":!{path}" for path in own)], cwd=REPO
     )
-    return result.stdout.strip() or "unknown"
+    return (head or "unknown") + ("-dirty" if changed.returncode else "")
 
 
 def machine() -> str:
