@@ -301,3 +301,12 @@ def test_paced_fetches_start_no_sooner_than_h_over_f_steps_apart(memory_nats, mo
             assert fetcher.counters["params_received"] == 3
 
     asyncio.run(scenario())
+
+
+def test_sync_mode_paces_nothing() -> None:
+    # A sync unit waits at its sync point for the round's version: a pause there would hold
+    # the fetch until the wait gave up.
+    paced = SETTINGS.model_copy(update={"params_fetches_per_period": 2})
+    assert ParamsFetcher(paced, 1 << 20, Counters()).rule.fetches_per_period == 2
+    in_sync = paced.model_copy(update={"mode": "sync"})
+    assert ParamsFetcher(in_sync, 1 << 20, Counters()).rule.fetches_per_period == 0

@@ -111,12 +111,10 @@ class ParamsFetcher:
         self._lock = threading.Lock()
         self._newest: dict[int, GlobalFragment] = {}
         self._known_versions = [-1] * settings.fragments
-        self.rule = FetchRule(
-            settings.params_fetch,
-            settings.fragments,
-            settings.params_fetches_per_period,
-            settings.h_steps,
-        )
+        # In sync mode a unit waits at each sync point for the round's version: nothing is
+        # paced, as a paced fetch could start only after the wait gave up.
+        paced = settings.params_fetches_per_period if settings.mode == "decoupled" else 0
+        self.rule = FetchRule(settings.params_fetch, settings.fragments, paced, settings.h_steps)
         self._loop: asyncio.AbstractEventLoop | None = None  # run()'s, woken by take_new()
         self._head_versions = [-1] * settings.fragments  # the latest head seen
         self._head_seen_at = [0.0] * settings.fragments  # when that head was first seen

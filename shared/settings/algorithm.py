@@ -93,9 +93,9 @@ class InnerAlgorithmSettings(BaseModel):
         0,
         ge=0,
         le=1000,
-        description="with params_fetch newest: most global versions a unit fetches per sync "
-        "period of a fragment (a fetch starts no sooner than H/F steps after the last; 0: every "
-        "version the link carries)",
+        description="with params_fetch newest, in decoupled mode: most global versions a unit "
+        "fetches per sync period of a fragment (a fetch starts no sooner than H/F steps after the "
+        "last; 0: every version the link carries)",
     )
 
     def sync_schedule(self, fragments: int, h_steps: int | None = None) -> SyncSchedule:
