@@ -44,7 +44,7 @@ from pathlib import Path
 
 from cluster import up_command  # bench/ is on sys.path when run as a script
 from pydantic import BaseModel
-from report import shown_command, write_section
+from report import BENCHMARKS, commit, shown_command, write_section
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -153,19 +153,6 @@ class Results(BaseModel):
     runs: dict[str, RunFigures] = {}
 
 
-def commit() -> str:
-    """HEAD, marked ``-dirty`` when tracked files differ from it, other than the results and
-    the section this script writes itself (so a run after the first of an invocation is not)."""
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
-    own = [str(RESULTS.relative_to(REPO)), str(PLOT.relative_to(REPO)), "BENCHMARKS.md"]
-    changed = subprocess.run(
-        ["git", "diff", "--quiet", "HEAD", "--", ".", *(f":!{path}" for path in own)], cwd=REPO
-    )
-    return (head or "unknown") + ("-dirty" if changed.returncode else "")
-
-
 def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}"
 
@@ -218,7 +205,7 @@ def figures(
     return RunFigures(
         label=row.label,
         seed=seed,
-        commit=commit(),
+        commit=commit(RESULTS, PLOT, BENCHMARKS),
         command=command,
         elapsed_s=round(elapsed_s, 1),
         final_eval=last.nats_per_byte if last is not None else None,

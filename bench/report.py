@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "BENCHMARKS.md"
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "BENCHMARKS.md"
 HEADER = "# Benchmarks\n\nEvery figure comes from the command written above its table.\n"
+
+
+def commit(*own: Path) -> str:
+    """HEAD, marked ``-dirty`` when tracked files differ from it, other than ``own`` (the
+    results a benchmark writes itself, so that its second run in one invocation is not)."""
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    excluded = [f":!{path.relative_to(REPO)}" for path in own]
+    changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", *excluded], cwd=REPO)
+    return (head or "unknown") + ("-dirty" if changed.returncode else "")
 
 
 def shown_command(program: str) -> str:

@@ -13,7 +13,6 @@ setting, or ``seed``. Model ``small``, inner step 0.256 s of simulated time, 50 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ sys.path.insert(0, str(REPO))
 
 import jax  # noqa: E402
 from quality import configure_jax  # noqa: E402  (bench/ is on sys.path as a script)
+from report import commit  # noqa: E402
 
 from shared import data, evaluation, model  # noqa: E402
 from shared.link_spec import parse_link  # noqa: E402
@@ -64,12 +64,9 @@ def main() -> None:
     init = model.init_params(cfg, jax.random.PRNGKey(seed))
     started = time.time()
     result = sim.async_run(sim.Workload(setup, corpus, evaluate), init, [1.0] * int(units))
-    commit = subprocess.run(
-        ["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
     row = {
         "name": name,
-        "commit": commit,
+        "commit": commit(RESULTS),
         "units": int(units),
         "link": link,
         "steps": int(steps),
