@@ -201,8 +201,8 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
         300,
         "the global version to advance",
     )
-    # Pause both units: a paused unit stops stepping; resumed, it goes on. Both stay paused
-    # until the kill below, so that each has most of its steps left when it is killed (a tiny
+    # Pause both units: a paused unit stops stepping, and its heartbeat goes on. They stay paused
+    # through the kill below, so that each has most of its steps left when it is killed (a tiny
     # model trains its 600 steps in about 20 s).
     for unit in (0, 1):
         assert client.post(f"/jobs/{job}/units/{unit}/pause").status_code == 200
@@ -225,17 +225,9 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
     # Every job container's health check passes while its heartbeat goes on.
     for child in ("outer", "learner-0", "learner-1"):
         wait_for(lambda c=child: health(cluster.container(job, c)) == "healthy", 120, child)
-    for unit in (0, 1):
-        assert client.post(f"/jobs/{job}/units/{unit}/resume").status_code == 200
-    for unit in (0, 1):
-        wait_for(
-            lambda u=unit: unit_view(client, job, u)["step"] > paused[u]["step"],
-            120,
-            f"unit {unit} to go on",
-        )
     # docker kill learner 0, and hang learner 1 (SIGSTOP: its heartbeat stops, the process
-    # stays): the controller starts both containers again, and they rejoin from their
-    # checkpoints.
+    # stays): the controller starts both containers again; they come back paused (the desired
+    # state outlives the process), and resumed, they rejoin from their checkpoints and train on.
     killed_at = unit_view(client, job, 0)["step"]
     hung_at = unit_view(client, job, 1)["step"]
     assert max(killed_at, hung_at) < 400, (killed_at, hung_at)
@@ -243,7 +235,7 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
     stop_all = "import os, signal; os.kill(-1, signal.SIGSTOP)"  # all but the init process
     hang = _run("docker", "exec", cluster.container(job, "learner-1"), "python", "-c", stop_all)
     assert hang.returncode == 0, hang.stderr
-    for unit, at in ((0, killed_at), (1, hung_at)):
+    for unit in (0, 1):
         wait_for(
             lambda u=unit: re.search(
                 rf"{job}/learner-{u} started again \(restart #1\)", cluster("logs", "controller")
@@ -251,6 +243,20 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
             180,
             f"the controller to start learner {unit} again",
         )
+    for unit in (0, 1):
+        # The old process has long stopped beating: a newer heartbeat is the new process's.
+        seen = unit_view(client, job, unit)["last_heartbeat"]
+        wait_for(
+            lambda u=unit, b=seen: (
+                (view := unit_view(client, job, u))["last_heartbeat"] != b
+                and view["state"] == "paused"
+            ),
+            180,
+            f"the restarted learner {unit} to report in, paused",
+        )
+    for unit in (0, 1):
+        assert client.post(f"/jobs/{job}/units/{unit}/resume").status_code == 200
+    for unit, at in ((0, killed_at), (1, hung_at)):
         wait_for(
             lambda u=unit, a=at: (
                 unit_view(client, job, u)["step"] > a
