@@ -189,7 +189,7 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
     cluster = new_cluster()
     job = "ctest"
     client = start(cluster)
-    assert client.post("/jobs", json={"job": job, **SPEC, "max_steps": 600}).status_code == 201
+    assert client.post("/jobs", json={"job": job, **SPEC, "max_steps": 800}).status_code == 201
     wait_for(
         lambda: _run("docker", "inspect", cluster.container(job, "learner-1")).returncode == 0,
         120,
@@ -197,13 +197,14 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
     )
     assert client.post(f"/jobs/{job}/start").status_code == 200
     wait_for(
-        lambda: (job_view(client, job)["version"] or 0) >= 3,
+        lambda: (job_view(client, job)["version"] or 0) >= 1,
         300,
-        "the global version to advance",
+        "the first merge",
     )
     # Pause both units: a paused unit stops stepping, and its heartbeat goes on. They stay paused
-    # through the kill below, so that each has most of its steps left when it is killed (a tiny
-    # model trains its 600 steps in about 20 s).
+    # through the kill below, so that each has many steps left when it is killed (a tiny model
+    # trains 800 steps in about 30 s, and the units run ahead of a merging outer: in CI they had
+    # trained 432 steps by the third version).
     for unit in (0, 1):
         assert client.post(f"/jobs/{job}/units/{unit}/pause").status_code == 200
     for unit in (0, 1):
@@ -230,7 +231,7 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
     # state outlives the process), and resumed, they rejoin from their checkpoints and train on.
     killed_at = unit_view(client, job, 0)["step"]
     hung_at = unit_view(client, job, 1)["step"]
-    assert max(killed_at, hung_at) < 400, (killed_at, hung_at)
+    assert max(killed_at, hung_at) < 600, (killed_at, hung_at)
     assert _run("docker", "kill", cluster.container(job, "learner-0")).returncode == 0
     stop_all = "import os, signal; os.kill(-1, signal.SIGSTOP)"  # all but the init process
     hang = _run("docker", "exec", cluster.container(job, "learner-1"), "python", "-c", stop_all)
