@@ -310,3 +310,25 @@ def test_sync_mode_paces_nothing() -> None:
     assert ParamsFetcher(paced, 1 << 20, Counters()).rule.fetches_per_period == 2
     in_sync = paced.model_copy(update={"mode": "sync"})
     assert ParamsFetcher(in_sync, 1 << 20, Counters()).rule.fetches_per_period == 0
+
+
+def test_the_fetch_loop_ends_when_cancelled_though_the_read_under_way_swallows_it() -> None:
+    # A read whose reply lands as the cancel comes (or asyncio.wait_for's race) completes
+    # instead of raising: the loop must still end, or the link's shutdown waits on it forever.
+    async def scenario() -> None:
+        fetcher = ParamsFetcher(SETTINGS, 1 << 20, Counters())
+        reading = asyncio.Event()
+
+        async def read_that_swallows_its_cancel(js, fragment) -> None:
+            reading.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+
+        fetcher._fetch = read_that_swallows_its_cancel
+        loop = asyncio.create_task(fetcher.run(None))
+        await reading.wait()
+        loop.cancel()
+        done, _ = await asyncio.wait({loop}, timeout=10)
+        assert done == {loop} and loop.cancelled()
+
+    asyncio.run(scenario())

@@ -23,6 +23,7 @@ from services.learner.settings import LearnerSettings
 from services.learner.unit_control import UnitControl
 from services.learner.unit_state import UnitState
 from shared import kv, liveness, records, subjects
+from shared.cancel import raise_if_cancelling
 from shared.records.unit import UnitStatus
 from shared.retry import NATS_ERRORS
 
@@ -118,3 +119,4 @@ class Heartbeat:
                 log.info("heartbeat: %r", err)
             liveness.mark(self.settings.liveness_file)
             await asyncio.sleep(self.settings.status_interval_s)
+            raise_if_cancelling()

@@ -24,6 +24,7 @@ or repeats its calls.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -239,21 +240,20 @@ class LearnerLink:
         publisher = asyncio.create_task(self.sender.run(js, chunk_size_for(nc)))
         others = [
             asyncio.create_task(
-                self.params.run(params_nc.jetstream(timeout=PARAMS_READ_TIMEOUT_S), params_nc)
+                self.params.run(params_nc.jetstream(timeout=PARAMS_READ_TIMEOUT_S), params_nc),
+                name="params fetcher",
             ),
-            asyncio.create_task(self.control.poll_desired(desired_kv)),
-            asyncio.create_task(self.heartbeat.run(status_kv)),
-            asyncio.create_task(self._keep_streams(js)),
+            asyncio.create_task(self.control.poll_desired(desired_kv), name="desired state"),
+            asyncio.create_task(self.heartbeat.run(status_kv), name="heartbeat"),
+            asyncio.create_task(self._keep_streams(js), name="stream keeper"),
         ]
         if self.settings.dynamic_h:
-            others.append(asyncio.create_task(self.control.poll_rates(status_kv)))
+            others.append(asyncio.create_task(self.control.poll_rates(status_kv), name="rates"))
         await publisher  # ends once stopping and the queue is flushed (or the deadline passed)
         # The last status first (its counters are final now), before anything that could wait:
         # the process may exit soon after (stop() joins this thread with a timeout).
         final_status = asyncio.create_task(self.heartbeat.put(status_kv))
-        for task in others:
-            task.cancel()
-        await asyncio.gather(*others, return_exceptions=True)
+        await _cancel_all(others)
         self.encoder.shutdown()
         try:
             await asyncio.wait_for(final_status, timeout=CLOSE_TIMEOUT_S)
@@ -283,3 +283,15 @@ class LearnerLink:
 
     async def _retry(self, call: Callable[[], Awaitable[T]], what: str) -> T:
         return await retry(call, what, on_error=self.counters.error)
+
+
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    """Cancel ``tasks`` and wait up to ``CLOSE_TIMEOUT_S`` for them to end; log the stack of
+    any that goes on (one that swallowed its cancel), which is then left to the thread's end."""
+    for task in tasks:
+        task.cancel()
+    _, pending = await asyncio.wait(tasks, timeout=CLOSE_TIMEOUT_S)
+    for task in pending:
+        stack = io.StringIO()
+        task.print_stack(file=stack)
+        log.warning("%s did not end when cancelled:\n%s", task.get_name(), stack.getvalue())

@@ -45,6 +45,7 @@ from services.learner.counters import Counters
 from services.learner.fetch_rule import FetchRule
 from services.learner.settings import LearnerSettings
 from shared import records, subjects
+from shared.cancel import raise_if_cancelling
 from shared.codec import api as codec
 from shared.codec.config import CodecError
 from shared.downlink import Held, reconstruct
@@ -209,8 +210,10 @@ class ParamsFetcher:
                     log.info("params fetch given up: the connection dropped")
                 finally:
                     self._fetching = None
+                raise_if_cancelling()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(head_seen.wait(), timeout=PARAMS_POLL_S)
+            raise_if_cancelling()
 
     async def on_disconnected(self) -> None:
         """The params connection dropped: a read under way, or started before it is back,

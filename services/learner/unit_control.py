@@ -23,6 +23,7 @@ from typing import Any
 from services.learner.settings import LearnerSettings
 from services.learner.unit_state import UnitState
 from shared import kv, subjects
+from shared.cancel import raise_if_cancelling
 from shared.records.jobs import DesiredRecord, DesiredState
 from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
@@ -85,6 +86,7 @@ class UnitControl:
             except NATS_ERRORS as err:
                 log.info("desired-state poll: %r", err)
             await asyncio.sleep(DESIRED_POLL_S)
+            raise_if_cancelling()
 
     async def read_desired(self, desired_kv: Any) -> None:
         """Read the desired state once: a missing record means the ``--initial-state``, a
@@ -111,6 +113,7 @@ class UnitControl:
         while True:
             self.unit_rates = await self.read_rates(status_kv)
             await asyncio.sleep(RATES_POLL_S)
+            raise_if_cancelling()
 
     async def read_rates(self, status_kv: Any) -> dict[int, float]:
         """Tokens/s of every unit whose status record says it is running at a known speed
