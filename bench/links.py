@@ -73,6 +73,10 @@ REFERENCE_FLAGS = (
     "newest",
 )
 MOONSHOT_FLAGS = ("--h-steps", "100", "--params-downlink", "delta", "--params-delta-codec", "int2")
+#: Streaming DiLoCo's fragments, a candidate for slow links: each upload a fifth of the model,
+#: on staggered schedules, so that each crosses a slow link in a fifth of the time.
+FRAGMENTS = 5
+FRAGMENT_FLAGS = ("--fragments", str(FRAGMENTS))
 
 #: The claims (issue "Over slow links", "Done when").
 MAX_SLOW_LOSS_RATIO = 1.03  # final eval at 1 Mbit/s and 500 kbit/s over the no-cap row's
@@ -105,7 +109,8 @@ class Row:
 
 
 def rows() -> list[Row]:
-    """The grid, the reference, the 2-unit rows and the moonshot, in table order."""
+    """The grid, the reference, the 2-unit rows, the moonshot and the fragment rows, in table
+    order."""
     grid = [
         Row(f"{UNITS} units, {rate}, {codec}", UNITS, rate, codec)
         for codec in CODECS
@@ -122,6 +127,11 @@ def rows() -> list[Row]:
         *few,
         Row(f"{UNITS} units, no cap, moonshot (H=100, int2)", UNITS, "no cap", "int2",
             MOONSHOT_FLAGS),
+        *(
+            Row(f"{UNITS} units, {rate}, int8, {FRAGMENTS} fragments", UNITS, rate, "int8",
+                FRAGMENT_FLAGS)
+            for rate in ["no cap", *SLOW_RATES]
+        ),
     ]  # fmt: skip
 
 
