@@ -13,6 +13,7 @@ import pytest
 
 from services.outer.core import OuterCore
 from services.outer.errors import Rejected
+from services.outer.ledger import OuterLedger
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival, MergePolicy
 from services.outer.service import OuterService
@@ -79,6 +80,27 @@ def test_fragmented_updates_add_up_to_the_whole_update():
     assert [split.version(p) for p in range(3)] == [1, 1, 1]
     for key, value in split.full_params().items():
         np.testing.assert_allclose(value, whole.full_params()[key], atol=1e-7)
+
+
+def test_the_books_count_a_units_tokens_once_however_many_fragments_carry_them():
+    # With 3 fragments a unit's 1,000 tokens of training reach the model as 3 uploads, each
+    # of one fragment and each saying 1,000 tokens: the books apply each at its share.
+    named = tiny_named()
+    zero = {k: np.zeros_like(v) for k, v in named.items()}
+    split = OuterCore(named, outer_algorithm(**NESTEROV, fragments=3))
+    ledger = OuterLedger()
+    shares = []
+    for p in range(3):
+        split.offer(p, arrival(0, split.plan.extract(zero, p), tokens=1000))
+        result = split.merge(p)
+        ledger.merged(result.arrivals, result.staleness, result.share)
+        shares.append(result.share)
+    sizes = split.plan.sizes()
+    assert shares == [size / sum(sizes) for size in sizes] and len(set(shares)) > 1
+    assert (
+        abs(ledger.tokens_applied - 1000) <= 1 and ledger.units[0].tokens == ledger.tokens_applied
+    )
+    assert ledger.applied == 3
 
 
 def test_staleness_cut_off_and_future_versions_are_rejected_with_reasons():

@@ -79,7 +79,9 @@ class OuterAlgorithm:
 @dataclass
 class MergeResult:
     """One outer step: which fragment, its new version, what went into it, and the L2 norms of
-    the change it made to the fragment's params and of the momentum it leaves."""
+    the change it made to the fragment's params and of the momentum it leaves. ``share`` is the
+    fragment's share of the model's parameters: an upload of it carries that share of the
+    training its tokens stand for (the books count its tokens × share)."""
 
     fragment: int
     version: int
@@ -87,6 +89,7 @@ class MergeResult:
     staleness: list[int]
     update_norm: float
     momentum_norm: float
+    share: float = 1.0
 
 
 @dataclass
@@ -121,6 +124,8 @@ class OuterCore:
         self._step = make_outer_step(self.optimizer)
         self.guard = NormGuard(self.plan.count, algorithm.norm_guard, algorithm.norm_guard_factor)
         init_opt_state = jax.jit(self.optimizer.init)  # one program, not one per leaf and op
+        sizes = self.plan.sizes()
+        self._shares = [size / sum(sizes) for size in sizes]
         self.fragments: list[_Fragment] = []
         for index in range(self.plan.count):
             pieces = {k: jnp.asarray(v) for k, v in self.plan.extract(named_params, index).items()}
@@ -329,4 +334,5 @@ class OuterCore:
             staleness,
             float(step.update_norm),
             float(step.momentum_norm),
+            self._shares[fragment],
         )

@@ -32,7 +32,8 @@ class OuterLedger:
         applied: Uploads applied.
         merges: Outer steps taken.
         deduplicated: Redelivered chunk messages of uploads applied before.
-        tokens_applied: Tokens behind the applied uploads.
+        tokens_applied: Tokens behind the applied uploads, each upload's weighted by its
+            fragment's share of the parameters (:meth:`merged`).
         clipped: Applied uploads the norm guard scaled down (``norm_guard.py``).
         rejected: Rejected uploads (and stray chunks) by reason (a ``RejectionReason``; a
             checkpoint of a newer outer may hold others).
@@ -105,20 +106,29 @@ class OuterLedger:
         self.codecs[codec] += 1
         self.payload_bytes += payload_bytes
 
-    def merged(self, arrivals: Sequence[Arrival], staleness: Sequence[int]) -> None:
-        """Enter one outer step and the uploads it applied (with their staleness)."""
+    def merged(
+        self, arrivals: Sequence[Arrival], staleness: Sequence[int], share: float = 1.0
+    ) -> None:
+        """Enter one outer step and the uploads it applied (with their staleness).
+
+        ``share``: the merged fragment's share of the parameters. With P fragments a unit's
+        training reaches the model through P uploads, each of one fragment: each counts its
+        tokens × share, so that the tokens applied add up to the tokens trained (not P times
+        them), and goodput stays a share of the units' compute.
+        """
         self.merges += 1
         for arrival, stale in zip(arrivals, staleness, strict=True):
+            tokens = round(arrival.tokens * share)
             self.applied_rounds.setdefault(arrival.unit, RoundSet()).add(arrival.round)
             self.applied += 1
-            self.tokens_applied += arrival.tokens
+            self.tokens_applied += tokens
             self.clipped += arrival.clipped
             self.staleness[stale] += 1
             stats = self.units.setdefault(arrival.unit, UnitLedger())
             stats.applied += 1
             stats.last_round = max(stats.last_round, arrival.round)
             stats.last_staleness = stale
-            stats.tokens += arrival.tokens
+            stats.tokens += tokens
             stats.last_train_loss = finite_or_none(arrival.train_loss)
 
     def reject(self, reason: RejectionReason, unit_round: tuple[int, int] | None) -> None:
