@@ -92,15 +92,17 @@ def test_two_learners_and_outer_advance_version_and_lower_eval_loss(
     assert set(units) == {0, 1}
     # Every upload is applied exactly once and none is rejected; together a unit's uploads carry
     # every one of its steps once per fragment (rounds restart when a unit adopts a new
-    # version, so the number of uploads depends on timing, the work they carry does not).
-    tokens_per_fragment = steps * 16 * 64  # steps x batch x seq_len of the tiny model
+    # version, so the number of uploads depends on timing, the work they carry does not), and
+    # the books count each at its fragment's share of the parameters: every token once (each
+    # upload's count rounded to a whole token).
+    tokens = steps * 16 * 64  # steps x batch x seq_len of the tiny model
     for unit in (0, 1):
         published = units[unit].counter("published")
         assert published >= fragments * steps // 20  # about one upload per H = 10 steps
         assert outer.units[unit].applied == published
         # Nothing dropped: a full unsent queue drops its oldest uploads and the steps they carry.
         assert units[unit].counter("dropped_unsent") == 0, units[unit].counters
-        assert outer.units[unit].tokens == fragments * tokens_per_fragment
+        assert abs(outer.units[unit].tokens - tokens) <= (published if fragments > 1 else 0)
         assert units[unit].counter("records_rejected") == 0, units[unit].counters
     assert outer.applied == sum(units[u].counter("published") for u in (0, 1))
     assert outer.rejected == {}
