@@ -29,6 +29,7 @@ from pydantic import BaseModel
 
 from services.learner.core import LearnerCore, dynamic_h
 from services.learner.fetch_rule import FetchRule
+from services.learner.stagger_rule import should_stagger
 from services.learner.trainer import InnerTrainer
 from services.outer.core import OuterCore
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
@@ -113,6 +114,7 @@ class SimResult:
     merges: list[MergeTrace] = field(default_factory=list)
     bytes_up: int = 0
     bytes_down: int = 0
+    staggered: list[bool] = field(default_factory=list)  # per unit, at the end
 
 
 @dataclass(frozen=True)
@@ -408,14 +410,24 @@ def async_run(
 
     codec_states = [codec.CodecState() for _ in range(s.num_units)]
 
+    # Per unit, the seconds its last whole-model upload held its link (``--stagger auto``).
+    upload_s: list[float | None] = [None] * s.num_units
+
     def upload_all(unit: int, uploads: list, now: float) -> None:
+        if len(uploads) == fragments and not cores[unit].staggered:
+            period_s = unit_h[unit] * s.step_time_s * slowdowns[unit]
+            if should_stagger(algorithm.stagger, fragments, upload_s[unit], period_s):
+                cores[unit].stagger(unit_h[unit])
+        line = lines[unit]
+        held_s = 0.0
         for up in uploads:
             # What the outer receives is what the codec lets through (as on the wire).
             shapes = {k: np.shape(v) for k, v in up.tensors.items()}
             state = codec.extend_state(wire_codec, codec_states[unit], shapes)
             payload, description, codec_states[unit] = codec.encode(up.tensors, wire_codec, state)
             received = codec.decode_tensors(payload, description)
-            arrives = lines[unit].send("up", now, len(payload))
+            arrives = line.send("up", now, len(payload))
+            held_s += 0.0 if line.rate is None else len(payload) / line.rate
             arrival = Arrival(
                 unit,
                 up.round,
@@ -427,6 +439,8 @@ def async_run(
                 f"u{unit}r{up.round}",
             )
             push(arrives, "arrival", (up.fragment, arrival))
+        if len(uploads) == fragments:
+            upload_s[unit] = held_s
 
     stats: dict[int, int] = {}
     merged_sizes: list[int] = []
@@ -494,4 +508,5 @@ def async_run(
         traces,
         sum(line.bytes["up"] for line in lines),
         sum(line.bytes["down"] for line in lines),
+        [core.staggered for core in cores],
     )

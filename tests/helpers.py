@@ -423,8 +423,9 @@ class SecureNats:
 
 def outer_algorithm(num_units: int = 1, **changes: object) -> OuterAlgorithm:
     """The outer core's algorithm for a job of ``num_units`` units: the shipped settings with
-    ``changes`` (field names of ``AlgorithmSettings``)."""
-    return AlgorithmSettings(**changes).outer_algorithm(num_units)
+    ``changes`` (field names of ``AlgorithmSettings``), and one fragment unless ``changes`` say
+    otherwise (the tests' toy models have fewer tensors than the shipped fragments)."""
+    return AlgorithmSettings(**{"fragments": 1, **changes}).outer_algorithm(num_units)
 
 
 def service_settings(cls: type[SettingsT], argv: list[str]) -> SettingsT:

@@ -87,12 +87,13 @@ def test_a_unit_holds_what_the_outer_recorded_across_versions_and_a_new_leader(
         model="tiny",
         corpus=str(corpus),
         num_units=1,
+        fragments=1,  # the uploads below carry the whole model
         params_downlink="delta",
         params_delta_codec="int4",
         eval_every_s=3600,
     )
     learner_settings = LearnerSettings(
-        job=JOB, model="tiny", unit=0, num_units=1, params_downlink="delta"
+        job=JOB, model="tiny", unit=0, num_units=1, fragments=1, params_downlink="delta"
     )
 
     async def scenario() -> None:

@@ -52,7 +52,8 @@ LEASE_S = "1"
 
 
 def job_flags(url: str, job: str) -> list[str]:
-    return ["--nats-url", url, "--job", job, "--model", "tiny", "--seed", "1"]
+    # One fragment: the hand-made uploads and params of these tests carry the whole model.
+    return ["--nats-url", url, "--job", job, "--model", "tiny", "--seed", "1", "--fragments", "1"]
 
 
 def start_outer(

@@ -30,6 +30,7 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
         model="medium",
         corpus=str(corpus),
         num_units=1,  # one unit: Delayed Nesterov takes a step per arrival
+        fragments=1,  # the pseudo-gradient below is the whole model
         staleness_rule="constant",
         outer_momentum=0.9,
         outer_lr=0.7,

@@ -127,18 +127,43 @@ def test_overlap_tau_holds_a_global_until_tau_steps_after_the_upload():
     assert core.adopt_globals() == [0]  # τ = 2 steps
 
 
-def test_fragments_are_staggered_and_partition_the_params():
-    core = make_core(InnerAlgorithmSettings(h_steps=4).sync_schedule(2))
-    first_uploads = {}
-    for _ in range(8):
+def upload_steps(core: LearnerCore, steps: int) -> list[tuple[int, int]]:
+    """(step, fragment) of every upload over the next ``steps`` steps."""
+    due = []
+    for _ in range(steps):
         core.train_step(batch(core.step))
-        for upload in core.due_uploads():
-            first_uploads.setdefault(upload.fragment, core.step)
-    assert first_uploads == {0: 4, 1: 2}  # fragment 1 syncs H/P = 2 steps early
+        due += [(core.step, upload.fragment) for upload in core.due_uploads()]
+    return due
+
+
+def test_fragments_are_staggered_and_partition_the_params():
+    core = make_core(InnerAlgorithmSettings(h_steps=4, stagger="always").sync_schedule(2))
+    assert core.staggered
+    # Fragment 1 syncs H/P = 2 steps early, then every H.
+    assert upload_steps(core, 8) == [(2, 1), (4, 0), (6, 1), (8, 0)]
     keys = [set(core.plan.keys(p)) for p in range(2)]
     assert not keys[0] & keys[1]
     sizes = core.plan.sizes()
     assert sum(sizes) == model.param_count(core.template)
+
+
+@pytest.mark.parametrize("stagger", ["auto", "never"])
+def test_fragments_start_aligned_and_stagger_when_told(stagger):
+    """Aligned, the P uploads go out together every H steps, the whole model at once, even
+    after globals were adopted in between; once staggered they spread over the period."""
+    core = make_core(InnerAlgorithmSettings(h_steps=4, stagger=stagger).sync_schedule(3))
+    assert not core.staggered
+    assert upload_steps(core, 4) == [(4, 0), (4, 1), (4, 2)]
+    pieces = core.plan.extract(named(core.state.params), 1)
+    assert core.offer_global(1, 1, pieces)
+    assert core.adopt_globals() == [1]
+    assert upload_steps(core, 4) == [(8, 0), (8, 1), (8, 2)]
+    assert not core.staggered
+    core.stagger(4)
+    assert core.staggered
+    # offset(p) = round(p·H/P): fragment 2 is 3 steps early, fragment 1 one; then every H.
+    assert upload_steps(core, 8) == [(9, 2), (11, 1), (12, 0), (13, 2), (15, 1), (16, 0)]
+    assert core.staggered
 
 
 def test_upload_tensors_are_views_of_one_flat_buffer_the_codec_encodes_whole():
@@ -225,7 +250,8 @@ class CountingTrainer:
 def test_losses_are_read_on_the_host_only_when_uploads_are_taken():
     trainer = CountingTrainer(InnerTrainer(CFG, inner_optimizer(3e-3, 2, 50, 0.0)))
     params = model.init_params(CFG, jax.random.PRNGKey(0))
-    core = LearnerCore(trainer, params, InnerAlgorithmSettings(h_steps=4).sync_schedule(2), TOKENS)
+    schedule = InnerAlgorithmSettings(h_steps=4, stagger="always").sync_schedule(2)
+    core = LearnerCore(trainer, params, schedule, TOKENS)
     CountedLoss.reads = 0
     losses, uploads, boundaries = [], [], []
     for _ in range(8):  # fragment 1 uploads at steps 2 and 6, fragment 0 at steps 4 and 8

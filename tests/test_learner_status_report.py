@@ -29,7 +29,12 @@ def parts():
     # Fragment 1 adopted version 5 at step 6, after version 2: versions 3 and 4 were skipped.
     adoptions = [Adoption(step=3, fragment=0, version=2, previous=1), Adoption(6, 1, 5, 2)]
     core = types.SimpleNamespace(
-        step=7, round=3, tokens_per_step=64, base_versions=lambda: [2, 5], adoptions=adoptions
+        step=7,
+        round=3,
+        tokens_per_step=64,
+        base_versions=lambda: [2, 5],
+        adoptions=adoptions,
+        staggered=True,
     )
     link = LearnerLink(SETTINGS, 1 << 20, unit_state)  # not started
     return StatusReport(SETTINGS, core, account, link, clock=clock), account, clock, link
@@ -44,6 +49,7 @@ def test_the_report_joins_core_account_and_settings(parts):
     status = link.heartbeat.record()
     assert (status.unit, status.state, status.step, status.max_steps) == (1, "running", 7, 50)
     assert (status.round, status.base_version, status.base_versions) == (3, 7, [2, 5])
+    assert status.staggered
     assert [(a.step, a.fragment, a.version, a.skipped) for a in status.adoptions] == [
         (3, 0, 2, 0),
         (6, 1, 5, 2),

@@ -57,7 +57,7 @@ UNITS = {
         counters={"published": 12},
         published_rounds=[(0, 11)],
     ),
-    1: UnitStatus(unit=1, state="running", step=99, published_rounds=[(0, 14)]),
+    1: UnitStatus(unit=1, state="running", step=99, published_rounds=[(0, 14)], staggered=True),
 }
 
 
@@ -91,7 +91,7 @@ def test_summary_lines_of_a_finished_run():
         "ledger              balanced: 27 rounds published, 25 applied once, 2 rejected",
         "restarts            outer 0, gateway 1",
         "unit 0: finished at step 120, 12 uploads, train loss 4.5",
-        "unit 1: running at step 99, 0 uploads, train loss None",
+        "unit 1: running at step 99, 0 uploads, fragments staggered, train loss None",
     ]
 
 
@@ -183,7 +183,7 @@ def test_summary_lines_show_what_crossed_each_link():
         "  link 1mbit/100ms: 0.04 MB up, 0.06 MB down,"
         f" {per_token:.1f} B/token ({data_parallel / per_token:.0f}x less than data-parallel),"
         " busy 5.0% up, 10.0% down, 1 outage(s)",
-        "unit 1: running at step 99, 0 uploads, train loss None",
+        "unit 1: running at step 99, 0 uploads, fragments staggered, train loss None",
         "  upload -; sync -; params -; training loop in network calls 0.000 s,"
         " waiting at sync points 12.3 s",
         "  link unlimited/0ms: 0.00 MB up, 0.00 MB down",

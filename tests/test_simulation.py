@@ -3,10 +3,14 @@ settings' defaults, as ``diloco up`` runs them) on the tiny model."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import jax
 import pytest
 
 from shared import data, evaluation, model
+from shared.link_spec import parse_link
 from shared.settings.algorithm import AlgorithmSettings
 from shared.settings.workload import WorkloadSettings
 from sim import training as sim
@@ -83,3 +87,17 @@ def test_async_with_copies_of_the_params_learns(work, start):
     copies = SETUP.codec.model_copy(update={"params_downlink": "copy"})
     result = sim.async_run(work, start, SPEEDS, codec_settings=copies)
     assert result.final_eval < result.curve[0][1] - 0.3
+
+
+def test_units_stagger_their_fragments_over_a_slow_link_only(work, start):
+    """``--stagger auto`` with 3 fragments: the units start aligned. Over 100 kbit/s a
+    whole-model upload of ``tiny`` holds the link for more than a fifth of a period, so they
+    stagger; without a link they never do."""
+    three = sim.changed(SETUP.algorithm, fragments=3)
+    fast = sim.async_run(work, start, SPEEDS, algorithm=three)
+    slow_work = copy.copy(work)
+    slow_work.setup = dataclasses.replace(SETUP, link=parse_link("100kbit/10ms"))
+    slow = sim.async_run(slow_work, start, SPEEDS, algorithm=three)
+    assert fast.staggered == [False, False]
+    assert slow.staggered == [True, True]
+    assert slow.final_eval < slow.curve[0][1] - 0.3

@@ -10,8 +10,12 @@ next step while this one runs. Dispatch runs at most ``STEPS_IN_FLIGHT`` steps a
 device, though: JAX would otherwise queue a whole sync period in no time, and the loop would
 see new globals, pauses and stops only at the next upload.
 
-* **Upload.** When p's step counter reaches its target (H, or H − offset(p) the first time, so
-  fragments are staggered), Δ_p = anchor_p − θ_p goes out and anchor_p ← θ_p.
+* **Upload.** When p's step counter reaches its target (H; or H − offset(p) the first time after
+  the fragments were staggered), Δ_p = anchor_p − θ_p goes out and anchor_p ← θ_p. Fragments
+  start *aligned* (all due at the same step, so the P uploads are the whole model at once) unless
+  the schedule staggers them from the start; :meth:`LearnerCore.stagger` spreads them over the
+  period later (``stagger_rule.py`` decides when: when a whole-model upload holds the unit's
+  link for too much of a period, a fragment that crosses it alone arrives sooner).
 * **Adopt.** A newer global Θ_p is held until at least τ steps have passed since this unit's
   last upload of p (Streaming DiLoCo's overlap, arXiv 2501.18512), then mixed in with α (and p's
   next upload is due H steps later, which keeps the units' rounds in phase):
@@ -43,13 +47,15 @@ STEPS_IN_FLIGHT = 2
 
 @dataclass(frozen=True)
 class SyncSchedule:
-    """How a unit syncs: every H steps per fragment, overlap τ, mixing α (built from the
-    settings, ``shared.settings.algorithm.InnerAlgorithmSettings.sync_schedule``)."""
+    """How a unit syncs: every H steps per fragment, overlap τ, mixing α, and whether the
+    fragments are staggered from the start (built from the settings,
+    ``shared.settings.algorithm.InnerAlgorithmSettings.sync_schedule``)."""
 
     h_steps: int
     fragments: int
     overlap_tau: int
     mix_alpha: float
+    staggered: bool
 
     def __post_init__(self) -> None:
         if self.h_steps < 1 or self.fragments < 1 or self.overlap_tau < 0:
@@ -144,12 +150,9 @@ class LearnerCore:
             )
             for fragment in self.plan.fragments
         ]
-        self.syncs = [
-            FragmentSync(
-                target=max(1, schedule.h_steps - sync_offset(p, self.plan.count, schedule.h_steps))
-            )
-            for p in range(self.plan.count)
-        ]
+        self.syncs = [FragmentSync(target=schedule.h_steps) for _ in range(self.plan.count)]
+        if schedule.staggered:
+            self.stagger(schedule.h_steps)
         self.round = first_round
         self.step = 0
         self.current_h = schedule.h_steps
@@ -157,6 +160,20 @@ class LearnerCore:
         self.adoptions: collections.deque[Adoption] = collections.deque(maxlen=ADOPTION_HISTORY)
         # Losses of the steps since the last read, on the device, in step order.
         self._unread_losses: list[jax.Array] = []
+
+    @property
+    def staggered(self) -> bool:
+        """Whether the fragments' uploads are spread over the period (with one fragment: no)."""
+        # A target beyond H is never reached (an upload is due at H steps at the latest).
+        due = {(s.steps, min(s.target, self.current_h)) for s in self.syncs}
+        return len(due) > 1
+
+    def stagger(self, h_steps: int) -> None:
+        """Spread the fragments' next uploads evenly over the next ``h_steps`` steps: fragment p
+        is due ``offset(p)`` steps early this once (``shared.fragments.sync_offset``), then every
+        H. With one fragment nothing changes."""
+        for p, sync in enumerate(self.syncs):
+            sync.target = max(1, h_steps - sync_offset(p, self.plan.count, h_steps))
 
     def base_versions(self) -> list[int]:
         """Global version of each fragment this unit last adopted."""

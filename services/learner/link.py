@@ -167,6 +167,12 @@ class LearnerLink:
         """Number of pseudo-gradients not yet accepted by JetStream."""
         return self.sender.unsent()
 
+    def upload_seconds(self, uploads: int) -> float | None:
+        """Seconds the last ``uploads`` accepted uploads held the link, together (None: fewer
+        have been accepted)."""
+        durations = self.sender.publish_seconds.values()
+        return sum(durations[-uploads:]) if len(durations) >= uploads else None
+
     @property
     def desired_state(self) -> DesiredState:
         """What the unit should do now (``idle``, ``running``, ``paused`` or ``stopped``)."""

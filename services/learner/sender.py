@@ -70,6 +70,8 @@ class Sender:
         self.encoder = encoder
         self.on_published = on_published
         self.upload_latency = Latencies()
+        # Seconds each accepted upload's publish took: its time on the unit's link.
+        self.publish_seconds = Latencies()
         self.sync_latency = sync_latency or SyncLatency()
         self._queued_at: dict[UploadKey, float] = {}
         self.last_published_round: int | None = None
@@ -170,6 +172,7 @@ class Sender:
                 following = self._queue[1] if len(self._queue) > 1 else None
             if following is not None:
                 self.encoder.encoding(following)  # encoded while this one is being sent
+            started = time.monotonic()
             try:
                 published = await self._publish_before_deadline(js, upload, blob, chunk_size)
             except PUBLISH_ERRORS:
@@ -177,6 +180,7 @@ class Sender:
             if not published:
                 log.warning("flush deadline passed with %d uploads unsent", self.unsent())
                 return
+            self.publish_seconds.add(time.monotonic() - started)
             self.counters.add("bytes_sent", len(blob))
             self._finish(upload, "published")
             self.on_published(upload.fragment)

@@ -34,6 +34,7 @@ from services.learner.handoff import Handoff
 from services.learner.link import LearnerLink
 from services.learner.records import UnitIdentity
 from services.learner.settings import LearnerSettings
+from services.learner.stagger_rule import should_stagger
 from services.learner.status_report import StatusReport
 from services.learner.trainer import InnerTrainer
 from services.learner.unit_state import UnitState, unit_dir
@@ -223,7 +224,9 @@ def train_step(unit: Unit, account: TrainingAccount, stop: threading.Event) -> N
 
 def due_uploads(unit: Unit, account: TrainingAccount) -> list[Upload]:
     """The uploads due after this step: with DyLU (``--dynamic-h``) H shrinks with this unit's
-    speed relative to its peers'; rounds skip ahead to the outer's record of this unit."""
+    speed relative to its peers'; rounds skip ahead to the outer's record of this unit. When
+    the fragments, due together, took too long to upload last time, they are staggered from
+    now on (``--stagger auto``, ``stagger_rule.py``)."""
     settings, core, link = unit.settings, unit.core, unit.link
     next_h = settings.h_steps
     if settings.dynamic_h:
@@ -232,7 +235,22 @@ def due_uploads(unit: Unit, account: TrainingAccount) -> list[Upload]:
         # The outer's record arrived after the start-up wait (NATS was slow): skip ahead.
         log.warning("skipping to round %d (outer's record)", link.outer_next_round)
         core.round = link.outer_next_round
-    return core.due_uploads(next_h)
+    uploads = core.due_uploads(next_h)
+    fragments = core.plan.count
+    if len(uploads) == fragments and not core.staggered:
+        tokens_per_s = account.tokens_per_s()
+        period_s = next_h * core.tokens_per_step / tokens_per_s if tokens_per_s else None
+        upload_s = link.upload_seconds(fragments)
+        if should_stagger(settings.stagger, fragments, upload_s, period_s):
+            log.info(
+                "staggering %d fragments: the whole model took %.1fs to upload, the period is "
+                "%.1fs",
+                fragments,
+                upload_s,
+                period_s,
+            )
+            core.stagger(next_h)
+    return uploads
 
 
 def wait_for_merge(

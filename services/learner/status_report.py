@@ -80,6 +80,7 @@ class StatusReport:
             "round": self.core.round,
             "base_version": sum(versions),
             "base_versions": versions,
+            "staggered": self.core.staggered,
             "adoptions": [
                 AdoptionPoint(
                     step=a.step,

@@ -143,6 +143,8 @@ class Stage:
             *("--nats-url", self.server.url, "--job", JOB, "--model", s.model),
             *("--num-units", str(self.count), "--params-codec", s.params_codec),
             *("--eval-every-s", "3600", "--no-eval-when-idle"),
+            # The synthetic units upload the whole model as one fragment (unit.FRAGMENT).
+            *("--fragments", "1"),
         ]
         # One compilation cache for every stage's outer (unless the caller has one).
         cache = os.environ.get("DILOCO_JAX_CACHE") or str(Path(s.data_dir, "jax-cache").resolve())

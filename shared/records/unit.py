@@ -61,6 +61,9 @@ class UnitStatus(Record):
     round: Count = Field(0, description="the next round number this unit hands out")
     base_version: Count = Field(0, description="sum of the fragments' base versions")
     base_versions: list[Count] = []
+    staggered: bool = Field(
+        False, description="whether the unit's fragments upload spread over the period (--stagger)"
+    )
     adoptions: list[AdoptionPoint] = Field([], description="the unit's newest adoptions")
     train_loss: float | None = None
     tokens: Count = Field(0, description="tokens trained, across restarts (with checkpoints)")

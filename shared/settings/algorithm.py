@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 SyncMode = Literal["decoupled", "sync"]
 #: Which global params a unit fetches (``services/learner/params_fetcher.py``).
 ParamsFetchName = Literal["newest", "after_upload"]
+#: When a unit spreads its fragments' uploads over the period (``learner/stagger_rule.py``).
+StaggerName = Literal["auto", "always", "never"]
 MAX_FRAGMENTS = 64
 MAX_DN_PERIOD = 1024
 
@@ -56,10 +58,11 @@ class SyncSettings(BaseModel):
         "before it merges without them",
     )
     fragments: int = Field(
-        1,
+        5,
         ge=1,
         le=MAX_FRAGMENTS,
-        description="parameter fragments synced on staggered schedules (P)",
+        description="parameter fragments, each uploaded and merged on its own (P); a unit "
+        "uploads them together, or staggered over the period once its link is slow (--stagger)",
     )
 
 
@@ -83,6 +86,12 @@ class InnerAlgorithmSettings(BaseModel):
     dynamic_h: bool = Field(
         True, description="scale H by the unit's speed relative to the fastest (DyLU)"
     )
+    stagger: StaggerName = Field(
+        "auto",
+        description="with fragments > 1, when a unit spreads its fragments' uploads evenly over "
+        "the period: always; never (all due together, the whole model at once); auto: once "
+        "uploading the whole model holds the unit's link for over a fifth of a period",
+    )
     params_fetch: ParamsFetchName = Field(
         "newest",
         description="which global params a unit fetches: newest (the newest version whenever "
@@ -102,7 +111,13 @@ class InnerAlgorithmSettings(BaseModel):
         """The core's sync schedule (``h_steps``: a unit's own H, e.g. with DyLU)."""
         from services.learner.core import SyncSchedule
 
-        return SyncSchedule(h_steps or self.h_steps, fragments, self.overlap_tau, self.mix_alpha)
+        return SyncSchedule(
+            h_steps or self.h_steps,
+            fragments,
+            self.overlap_tau,
+            self.mix_alpha,
+            staggered=self.stagger == "always",
+        )
 
     def optimizer(self, total_steps: int) -> optax.GradientTransformation:
         """The inner AdamW whose warm-up and cosine decay span ``total_steps``."""

@@ -138,7 +138,8 @@ def summary_lines(summary: RunSummary) -> list[str]:
     for unit, status in sorted(summary.units.items()):
         lines.append(
             f"unit {unit}: {status.state} at step {status.step},"
-            f" {status.counter('published')} uploads, train loss {status.train_loss}"
+            f" {status.counter('published')} uploads"
+            f"{', fragments staggered' if status.staggered else ''}, train loss {status.train_loss}"
         )
         latencies = (status.upload_latency, status.sync_latency, status.params_latency)
         if any(latency is not None for latency in latencies) or status.sync_wait_s:

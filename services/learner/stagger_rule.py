@@ -1,0 +1,37 @@
+"""When a unit staggers its fragments (``--stagger``): a pure rule, which the learner runs on
+its measured upload and step times and the quality simulator on its simulated ones.
+
+With P > 1 fragments a unit starts with them aligned: every H steps its P uploads go out
+together, the whole model at once, as with one fragment. Over a slow link that batch holds the
+link for a good part of the period, and its last fragment reaches the outer long after the step
+it was computed at. Staggered (``LearnerCore.stagger``), fragment p is due ``offset(p)`` steps
+early once and then every H steps, so each upload crosses the link alone, in about 1/P of the
+time, and arrives that much fresher (Streaming DiLoCo, arXiv 2501.18512). Over a fast link
+staggering only multiplies the merges, the published versions and the fetches by P, which costs
+speed and some quality on a busy machine (BENCHMARKS.md, "Throttled links"), so ``auto``
+staggers once a whole-model upload takes more than ``STAGGER_SHARE`` of the period's time.
+"""
+
+from __future__ import annotations
+
+from shared.settings.algorithm import StaggerName
+
+#: ``auto`` staggers once a whole-model upload takes more than this share of a sync period.
+STAGGER_SHARE = 0.2
+
+
+def should_stagger(
+    mode: StaggerName, fragments: int, upload_s: float | None, period_s: float | None
+) -> bool:
+    """Whether an aligned unit should stagger its fragments now.
+
+    Args:
+        mode: the ``--stagger`` setting (``always`` staggers from the start, ``never`` never).
+        fragments: P.
+        upload_s: seconds the unit's last whole-model upload (its last P uploads) held its
+            link (None: not measured yet).
+        period_s: seconds of one sync period at the unit's measured speed (None: unknown).
+    """
+    if mode != "auto" or fragments < 2 or upload_s is None or not period_s:
+        return False
+    return upload_s > STAGGER_SHARE * period_s
