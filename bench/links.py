@@ -9,7 +9,10 @@ the default algorithm and codecs) but for what the row names:
 * the reference: 4 units without a cap, fp32 copies of every version sent down;
 * 2 units without a cap, at 1 Mbit/s and at 500 kbit/s (the case that diverged before the
   outer's momentum followed staleness: docs/ALGORITHMS.md, "Staleness");
-* the moonshot: 4 units without a cap, H = 100, the smallest codec both ways.
+* the moonshot: 4 units without a cap, H = 100, the smallest codec both ways;
+* each of these with one fragment (``--fragments 1``, the default until five fragments with
+  ``--stagger auto`` replaced it), and 4 units with five fragments staggered from the start
+  (``--stagger always``) at no cap, 1 Mbit/s and 500 kbit/s.
 
 Every figure comes from the run's ``summary.json``: the final held-out loss; tokens/s of the
 slowest unit (its tokens over the seconds it spent training) and its ratio to the no-cap run of
@@ -73,10 +76,12 @@ REFERENCE_FLAGS = (
     "newest",
 )
 MOONSHOT_FLAGS = ("--h-steps", "100", "--params-downlink", "delta", "--params-delta-codec", "int2")
-#: Streaming DiLoCo's fragments, a candidate for slow links: each upload a fifth of the model,
-#: on staggered schedules, so that each crosses a slow link in a fifth of the time.
-FRAGMENTS = 5
-FRAGMENT_FLAGS = ("--fragments", str(FRAGMENTS))
+#: The default before it became five fragments staggered when the link is slow: every default
+#: row's twin, labelled ", 1 fragment".
+ONE_FRAGMENT_FLAGS = ("--fragments", "1")
+#: Five fragments staggered from the start, whatever the link (what ``--stagger auto`` does on
+#: slow links only).
+ALWAYS_STAGGERED_FLAGS = ("--fragments", "5", "--stagger", "always")
 
 #: The claims (issue "Over slow links", "Done when").
 MAX_SLOW_LOSS_RATIO = 1.03  # final eval at 1 Mbit/s and 500 kbit/s over the no-cap row's
@@ -109,8 +114,8 @@ class Row:
 
 
 def rows() -> list[Row]:
-    """The grid, the reference, the 2-unit rows, the moonshot and the fragment rows, in table
-    order."""
+    """The grid, the reference, the 2-unit rows and the moonshot on the defaults; then each
+    one's twin with one fragment, and five fragments always staggered, in table order."""
     grid = [
         Row(f"{UNITS} units, {rate}, {codec}", UNITS, rate, codec)
         for codec in CODECS
@@ -120,16 +125,34 @@ def rows() -> list[Row]:
         Row(f"{FEW_UNITS} units, {rate}, int8", FEW_UNITS, rate, "int8")
         for rate in ["no cap", *SLOW_RATES]
     ]
-    return [
+    defaults = [
         *grid,
-        Row(f"{UNITS} units, no cap, fp32 copies of every version (int8 uploads)", UNITS,
-            "no cap", "int8", REFERENCE_FLAGS),
+        Row(
+            f"{UNITS} units, no cap, fp32 copies of every version (int8 uploads)",
+            UNITS,
+            "no cap",
+            "int8",
+            REFERENCE_FLAGS,
+        ),
         *few,
-        Row(f"{UNITS} units, no cap, moonshot (H=100, int2)", UNITS, "no cap", "int2",
-            MOONSHOT_FLAGS),
+        Row(
+            f"{UNITS} units, no cap, moonshot (H=100, int2)",
+            UNITS,
+            "no cap",
+            "int2",
+            MOONSHOT_FLAGS,
+        ),
+    ]
+    return [
+        *defaults,
         *(
-            Row(f"{UNITS} units, {rate}, int8, {FRAGMENTS} fragments", UNITS, rate, "int8",
-                FRAGMENT_FLAGS)
+            Row(f"{row.label}, 1 fragment", row.units, row.rate, row.codec,
+                row.flags + ONE_FRAGMENT_FLAGS)
+            for row in defaults
+        ),
+        *(
+            Row(f"{UNITS} units, {rate}, int8, 5 fragments always staggered", UNITS, rate,
+                "int8", ALWAYS_STAGGERED_FLAGS)
             for rate in ["no cap", *SLOW_RATES]
         ),
     ]  # fmt: skip
@@ -153,6 +176,7 @@ class RunFigures(BaseModel):
     utilisation: float | None
     staleness: dict[int, int]
     network_wait_share: float
+    staggered: int | None = None  # units whose fragments ended staggered (None: not recorded)
 
 
 class Results(BaseModel):
@@ -227,6 +251,7 @@ def figures(
         times_less=data_parallel / ((up + down) / tokens) if data_parallel else None,
         utilisation=max(utilisation) if utilisation else None,
         staleness=dict(outer.staleness) if outer is not None else {},
+        staggered=sum(status.staggered for status in units.values()),
         network_wait_share=max(
             status.network_wait_s / status.training_s if status.training_s > 0 else 0.0
             for status in units.values()
@@ -379,18 +404,22 @@ def render(table: Table, checked: list[Claim], results: Results, command: str, a
         "measured at the links (all units' bytes over all units' tokens), and how many times "
         "fewer than data-parallel training of the same model, units and tokens (fp32 ring "
         "all-reduce every step); the busiest link direction's utilisation; the staleness of "
-        f"the applied updates. Raw figures of every run: `{RESULTS.relative_to(REPO)}` "
+        "the applied updates; per seed, how many units ended with their fragments staggered "
+        "('-': not recorded, runs from before `--stagger`). The rows ', 1 fragment' ran the "
+        "default of their commit, one fragment. Raw figures of every run: "
+        f"`{RESULTS.relative_to(REPO)}` "
         f"(machine: {results.machine}); the runs were made by "
         + ", ".join(f"`{c}`" for c in results.invocations)
         + ".",
         "",
         "| configuration | seeds | final eval | tokens/s | up B/token | down B/token "
-        "| x less than data-parallel | utilisation | staleness (applied) | commit |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| x less than data-parallel | utilisation | staleness (applied) | staggered units "
+        "| commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row, runs in table.runs.items():
         if not runs:
-            lines.append(f"| {row.label} | 0 | not measured | | | | | | | |")
+            lines.append(f"| {row.label} | 0 | not measured | | | | | | | | |")
             continue
         staleness: dict[int, int] = {}
         for run in runs:
@@ -404,7 +433,9 @@ def render(table: Table, checked: list[Claim], results: Results, command: str, a
             f"| {_f(table.mean(row, lambda r: r.down_per_token), '.1f')} "
             f"| {_f(table.mean(row, lambda r: r.times_less), ',.0f')} "
             f"| {_f(table.mean(row, lambda r: r.utilisation), '.1%')} "
-            f"| {dict(sorted(staleness.items()))} | {', '.join(commits)} |"
+            f"| {dict(sorted(staleness.items()))} "
+            f"| {'/'.join('-' if r.staggered is None else str(r.staggered) for r in runs)} "
+            f"| {', '.join(commits)} |"
         )
     lines += [
         "",
