@@ -110,6 +110,7 @@ def test_rounds_are_persisted_before_they_reach_the_link(tmp_path, trainer):
 
 def test_checkpoint_restores_a_core_that_continues_bit_identically(tmp_path, trainer):
     original = make_core(trainer)
+    original.stagger(3)
     for _ in range(4):  # fragment 1 uploads at step 2, fragment 0 at step 3
         original.train_step(batch(original.step))
         original.due_uploads()
@@ -129,6 +130,7 @@ def test_checkpoint_restores_a_core_that_continues_bit_identically(tmp_path, tra
     np.testing.assert_array_equal(restored.residual[piece], residual[piece])
     assert restored_core.base_versions() == original.base_versions() == [3, 0]
     assert [vars(s) for s in restored_core.syncs] == [vars(s) for s in original.syncs]
+    assert restored_core.staggered and not make_core(trainer).staggered
 
     losses, uploads = {}, {}
     for name, core in (("original", original), ("restored", restored_core)):

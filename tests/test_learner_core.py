@@ -161,6 +161,10 @@ def test_fragments_start_aligned_and_stagger_when_told(stagger):
     assert not core.staggered
     core.stagger(4)
     assert core.staggered
+    # Adoptions before the early uploads do not undo the staggering.
+    for p in range(3):
+        assert core.offer_global(p, 2, core.plan.extract(named(core.state.params), p))
+    assert core.adopt_globals() == [0, 1, 2]
     # offset(p) = round(p·H/P): fragment 2 is 3 steps early, fragment 1 one; then every H.
     assert upload_steps(core, 8) == [(9, 2), (11, 1), (12, 0), (13, 2), (15, 1), (16, 0)]
     assert core.staggered

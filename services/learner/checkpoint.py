@@ -67,6 +67,7 @@ class Snapshot:
     round: int
     current_h: int
     syncs: tuple[FragmentSync, ...]  # copies, without the global fragments held for adoption
+    staggered: bool
     state: InnerState
     tokens_total: int
     residual: Mapping[str, np.ndarray] | None
@@ -102,6 +103,7 @@ def take_snapshot(
         core.round,
         core.current_h,
         syncs,
+        core.staggered,
         core.state,
         tokens_total,
         residual,
@@ -142,6 +144,7 @@ def save_checkpoint(path: Path, snapshot: Snapshot, identity: UnitIdentity) -> N
             )
             for s in snapshot.syncs
         ],
+        staggered=snapshot.staggered,
         tokens_total=snapshot.tokens_total,
         param_names=names,
         opt_leaves=len(opt_leaves),
@@ -189,6 +192,7 @@ def load_checkpoint(path: Path, core: LearnerCore) -> Restored | None:
         sync.base_version, sync.steps = stored_sync.base_version, stored_sync.steps
         sync.tokens, sync.loss_sum = stored_sync.tokens, stored_sync.loss_sum
         sync.target, sync.pending = stored_sync.target, None
+    core.staggered = meta.staggered
     log.info(
         "restored checkpoint %s: step %d, round %d, base versions %s",
         path,

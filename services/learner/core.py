@@ -17,8 +17,8 @@ see new globals, pauses and stops only at the next upload.
   period later (``stagger_rule.py`` decides when: when a whole-model upload holds the unit's
   link for too much of a period, a fragment that crosses it alone arrives sooner).
 * **Adopt.** A newer global Θ_p is held until at least τ steps have passed since this unit's
-  last upload of p (Streaming DiLoCo's overlap, arXiv 2501.18512), then mixed in with α (and p's
-  next upload is due H steps later, which keeps the units' rounds in phase):
+  last upload of p (Streaming DiLoCo's overlap, arXiv 2501.18512), then mixed in with α (p's
+  upload schedule does not move):
   θ_p ← θ_p + (1 − α)(Θ_p − anchor_p) and anchor_p ← anchor_p + (1 − α)(Θ_p − anchor_p).
   With α = 0 this keeps exactly the local progress not yet uploaded on top of the new global
   (θ_p − anchor_p is unchanged), so no local work is lost or uploaded twice; right after an
@@ -151,6 +151,8 @@ class LearnerCore:
             for fragment in self.plan.fragments
         ]
         self.syncs = [FragmentSync(target=schedule.h_steps) for _ in range(self.plan.count)]
+        # Whether the fragments' uploads are spread over the period (never with one fragment).
+        self.staggered = False
         if schedule.staggered:
             self.stagger(schedule.h_steps)
         self.round = first_round
@@ -161,19 +163,13 @@ class LearnerCore:
         # Losses of the steps since the last read, on the device, in step order.
         self._unread_losses: list[jax.Array] = []
 
-    @property
-    def staggered(self) -> bool:
-        """Whether the fragments' uploads are spread over the period (with one fragment: no)."""
-        # A target beyond H is never reached (an upload is due at H steps at the latest).
-        due = {(s.steps, min(s.target, self.current_h)) for s in self.syncs}
-        return len(due) > 1
-
     def stagger(self, h_steps: int) -> None:
         """Spread the fragments' next uploads evenly over the next ``h_steps`` steps: fragment p
         is due ``offset(p)`` steps early this once (``shared.fragments.sync_offset``), then every
         H. With one fragment nothing changes."""
         for p, sync in enumerate(self.syncs):
             sync.target = max(1, h_steps - sync_offset(p, self.plan.count, h_steps))
+        self.staggered = self.plan.count > 1
 
     def base_versions(self) -> list[int]:
         """Global version of each fragment this unit last adopted."""
@@ -336,10 +332,6 @@ class LearnerCore:
             self.adoptions.append(Adoption(self.step, p, version, sync.base_version))
             sync.base_version = version
             sync.pending = None
-            # The next round of p starts now: H more steps from the adoption. Every unit adopts a
-            # merged version at about the same time, so their next uploads arrive together and
-            # the outer's quorum/grace window merges them together (phase alignment).
-            sync.target = sync.steps + self.current_h
         self._set(params=params, anchor=anchor)
         return ready
 

@@ -68,6 +68,7 @@ class LearnerCheckpointMeta(Record):
     round: Count
     current_h: int = Field(ge=1)
     syncs: list[FragmentSyncRecord]
+    staggered: bool = Field(description="the fragments' uploads are spread over the period")
     tokens_total: Count
     param_names: list[str]
     opt_leaves: Count
