@@ -7,9 +7,9 @@ link for a good part of the period, and its last fragment reaches the outer long
 it was computed at. Staggered (``LearnerCore.stagger``), fragment p is due ``offset(p)`` steps
 early once and then every H steps, so each upload crosses the link alone, in about 1/P of the
 time, and arrives that much fresher (Streaming DiLoCo, arXiv 2501.18512). Over a fast link
-staggering only multiplies the merges, the published versions and the fetches by P, which costs
-speed and some quality on a busy machine (BENCHMARKS.md, "Throttled links"), so ``auto``
-staggers once a whole-model upload takes more than ``STAGGER_SHARE`` of the period's time.
+there is no lag to shorten: staggering would only spread P times as many separate merges,
+versions and fetches over the period. So ``auto`` staggers once a whole-model upload takes more
+than ``STAGGER_SHARE`` of the period's time (BENCHMARKS.md, "Throttled links").
 """
 
 from __future__ import annotations

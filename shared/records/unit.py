@@ -62,7 +62,7 @@ class UnitStatus(Record):
     base_version: Count = Field(0, description="sum of the fragments' base versions")
     base_versions: list[Count] = []
     staggered: bool = Field(
-        False, description="whether the unit's fragments upload spread over the period (--stagger)"
+        False, description="whether the unit spreads its fragments' uploads over the period"
     )
     adoptions: list[AdoptionPoint] = Field([], description="the unit's newest adoptions")
     train_loss: float | None = None
