@@ -29,7 +29,7 @@ from pydantic import BaseModel
 
 from services.learner.core import LearnerCore, dynamic_h
 from services.learner.fetch_rule import FetchRule
-from services.learner.stagger_rule import should_stagger
+from services.learner.stagger_rule import stagger_if_slow
 from services.learner.trainer import InnerTrainer
 from services.outer.core import OuterCore
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
@@ -414,10 +414,8 @@ def async_run(
     upload_s: list[float | None] = [None] * s.num_units
 
     def upload_all(unit: int, uploads: list, now: float) -> None:
-        if len(uploads) == fragments and not cores[unit].staggered:
-            period_s = unit_h[unit] * s.step_time_s * slowdowns[unit]
-            if should_stagger(algorithm.stagger, fragments, upload_s[unit], period_s):
-                cores[unit].stagger(unit_h[unit])
+        period_s = unit_h[unit] * s.step_time_s * slowdowns[unit]
+        stagger_if_slow(cores[unit], uploads, algorithm.stagger, upload_s[unit], period_s)
         line = lines[unit]
         held_s = 0.0
         for up in uploads:

@@ -13,6 +13,7 @@ from services.learner.core import (
     SyncSchedule,
     dynamic_h,
 )
+from services.learner.stagger_rule import stagger_if_slow
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from shared import model, pytree
 from shared.codec import api as codec
@@ -292,3 +293,19 @@ def test_dispatch_stays_within_steps_in_flight_of_the_device():
     assert 1 <= most <= STEPS_IN_FLIGHT
     core.read_losses()
     assert core.steps_in_flight() == 0
+
+
+def test_a_slow_whole_model_upload_staggers_the_fragments_once():
+    """``stagger_if_slow``: only after the aligned fragments went out together, and only when
+    the rule says the upload held the link too long."""
+    core = make_core(InnerAlgorithmSettings(h_steps=4).sync_schedule(3))
+    for _ in range(4):
+        core.train_step(batch(core.step))
+    uploads = core.due_uploads()
+    assert len(uploads) == 3
+    assert not stagger_if_slow(core, uploads[:2], "auto", 10.0, 20.0)  # not the whole model
+    assert not stagger_if_slow(core, uploads, "auto", 1.0, 20.0)  # fast enough
+    assert not core.staggered
+    assert stagger_if_slow(core, uploads, "auto", 10.0, 20.0)
+    assert core.staggered
+    assert not stagger_if_slow(core, uploads, "auto", 10.0, 20.0)  # once

@@ -34,7 +34,7 @@ from services.learner.handoff import Handoff
 from services.learner.link import LearnerLink
 from services.learner.records import UnitIdentity
 from services.learner.settings import LearnerSettings
-from services.learner.stagger_rule import should_stagger
+from services.learner.stagger_rule import stagger_if_slow
 from services.learner.status_report import StatusReport
 from services.learner.trainer import InnerTrainer
 from services.learner.unit_state import UnitState, unit_dir
@@ -236,20 +236,18 @@ def due_uploads(unit: Unit, account: TrainingAccount) -> list[Upload]:
         log.warning("skipping to round %d (outer's record)", link.outer_next_round)
         core.round = link.outer_next_round
     uploads = core.due_uploads(next_h)
-    fragments = core.plan.count
-    if len(uploads) == fragments and not core.staggered:
+    if uploads:
         tokens_per_s = account.tokens_per_s()
         period_s = next_h * core.tokens_per_step / tokens_per_s if tokens_per_s else None
-        upload_s = link.upload_seconds(fragments)
-        if should_stagger(settings.stagger, fragments, upload_s, period_s):
+        upload_s = link.upload_seconds(core.plan.count)
+        if stagger_if_slow(core, uploads, settings.stagger, upload_s, period_s):
             log.info(
                 "staggering %d fragments: the whole model took %.1fs to upload, the period is "
                 "%.1fs",
-                fragments,
+                core.plan.count,
                 upload_s,
                 period_s,
             )
-            core.stagger(next_h)
     return uploads
 
 

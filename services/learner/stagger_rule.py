@@ -14,7 +14,12 @@ than ``STAGGER_SHARE`` of the period's time (BENCHMARKS.md, "Throttled links").
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shared.settings.algorithm import StaggerName
+
+if TYPE_CHECKING:
+    from services.learner.core import LearnerCore, Upload
 
 #: ``auto`` staggers once a whole-model upload takes more than this share of a sync period.
 STAGGER_SHARE = 0.2
@@ -35,3 +40,22 @@ def should_stagger(
     if mode != "auto" or fragments < 2 or upload_s is None or not period_s:
         return False
     return upload_s > STAGGER_SHARE * period_s
+
+
+def stagger_if_slow(
+    core: LearnerCore,
+    uploads: list[Upload],
+    mode: StaggerName,
+    upload_s: float | None,
+    period_s: float | None,
+) -> bool:
+    """After ``core`` took ``uploads``: if they were its aligned fragments, the whole model at
+    once, and :func:`should_stagger` says so, stagger the fragments from now on
+    (``LearnerCore.stagger`` over the period ``core.current_h``). Returns whether it did."""
+    fragments = core.plan.count
+    if len(uploads) != fragments or core.staggered:
+        return False
+    if not should_stagger(mode, fragments, upload_s, period_s):
+        return False
+    core.stagger(core.current_h)
+    return True
