@@ -12,7 +12,8 @@ the default algorithm and codecs) but for what the row names:
 * the moonshot: 4 units without a cap, H = 100, the smallest codec both ways;
 * each of these with one fragment (``--fragments 1``, the default until five fragments with
   ``--stagger auto`` replaced it), and 4 units with five fragments staggered from the start
-  (``--stagger always``) at no cap, 1 Mbit/s and 500 kbit/s.
+  (``--stagger always``) at no cap, 1 Mbit/s and 500 kbit/s;
+* 4 units with int4 uploads and without a cap, with cheaper downlinks than the default's.
 
 Every figure comes from the run's ``summary.json``: the final held-out loss; tokens/s of the
 slowest unit (its tokens over the seconds it spent training) and its ratio to the no-cap run of
@@ -82,6 +83,12 @@ ONE_FRAGMENT_FLAGS = ("--fragments", "1")
 #: Five fragments staggered from the start, whatever the link (what ``--stagger auto`` does on
 #: slow links only).
 ALWAYS_STAGGERED_FLAGS = ("--fragments", "5", "--stagger", "always")
+#: Cheaper downlinks than the default's int4 delta of every version (docs/CODEC.md, "Cheaper
+#: downlinks"), each with int4 uploads and without a cap, where the downlink carries the most.
+CHEAPER_DOWNLINKS = {
+    "int2 deltas down": ("--params-delta-codec", "int2"),
+    "at most 2 fetches per period": ("--params-fetches-per-period", "2"),
+}
 
 #: The claims (issue "Over slow links", "Done when").
 MAX_SLOW_LOSS_RATIO = 1.03  # final eval at 1 Mbit/s and 500 kbit/s over the no-cap row's
@@ -154,6 +161,10 @@ def rows() -> list[Row]:
             Row(f"{UNITS} units, {rate}, int8, 5 fragments always staggered", UNITS, rate,
                 "int8", ALWAYS_STAGGERED_FLAGS)
             for rate in ["no cap", *SLOW_RATES]
+        ),
+        *(
+            Row(f"{UNITS} units, no cap, int4, {name}", UNITS, "no cap", "int4", flags)
+            for name, flags in CHEAPER_DOWNLINKS.items()
         ),
     ]  # fmt: skip
 
