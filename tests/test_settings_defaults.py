@@ -106,3 +106,20 @@ def test_a_rest_jobs_settings_reach_its_processes():
         got = [getattr(s, name) for s in (learner, outer) if name in type(s).model_fields]
         assert got and all(v == value for v in got), (name, got)
     assert (learner.num_units, learner.unit, outer.num_units) == (3, 1, 3)
+
+
+@pytest.mark.parametrize(
+    ("upload", "delta"), [("fp32", "int4"), ("int8", "int4"), ("int4", "int2"), ("int2", "int2")]
+)
+def test_the_delta_codec_follows_the_upload_codec_to_the_outer(upload, delta):
+    up = UpSettings(codec=upload)
+    spec = JobSpec(job="j", codec=upload)
+    record = JobRecord(spec=spec, state="running", units=spec.units, created=0.0, updated=0.0)
+    outers = [
+        service_settings(OuterSettings, commands.outer_args(up, NATS_URL)),
+        service_settings(OuterSettings, reconcile.outer_args(record)),
+    ]
+    assert [outer.params_delta_codec for outer in outers] == [delta, delta]
+    # A REST job's stored spec keeps it; a codec set by hand wins.
+    assert JobSpec.model_validate_json(spec.model_dump_json()).params_delta_codec == delta
+    assert CodecSettings(codec=upload, params_delta_codec="int8").params_delta_codec == "int8"

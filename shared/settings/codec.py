@@ -87,10 +87,27 @@ class ParamsCodecSettings(DownlinkSettings):
     params_delta_codec: DeltaCodecName = Field(
         "int4",
         description="codec of the params deltas with --params-downlink delta: int8, int4 or "
-        "int2 (the outer carries each delta's quantization error into the next; int4 costs "
-        "half of an int8 copy and trained as well: docs/ALGORITHMS.md, 'Staleness')",
+        "int2 (the outer carries each delta's quantization error into the next). Where the "
+        "upload codec is set too (diloco up, a REST job), it defaults to one step narrower "
+        "than the uploads, int4 at most: int2 with int4 or int2 uploads, int4 otherwise "
+        "(docs/CODEC.md, 'Cheaper downlinks')",
     )
 
 
+def narrower_delta_codec(upload_codec: CodecName) -> DeltaCodecName:
+    """The default codec of params deltas for ``upload_codec``: one step narrower than the
+    uploads, int4 at most. A unit receives about one delta per unit's upload, so the downlink
+    carries more than the uplink; the outer's error feedback keeps int2 deltas as good as int4
+    where the uploads are int4 (docs/CODEC.md, 'Cheaper downlinks')."""
+    return "int2" if upload_codec in ("int4", "int2") else "int4"
+
+
 class CodecSettings(UploadCodecSettings, ParamsCodecSettings):
-    """Both directions: the learners' upload codec and the outer's params codec."""
+    """Both directions: the learners' upload codec and the outer's params codec. Unless set,
+    the params delta codec follows the upload codec (:func:`narrower_delta_codec`)."""
+
+    @model_validator(mode="after")
+    def _delta_codec_follows_uploads(self) -> CodecSettings:
+        if "params_delta_codec" not in self.model_fields_set:
+            self.params_delta_codec = narrower_delta_codec(self.codec)
+        return self
