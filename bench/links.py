@@ -5,7 +5,8 @@ the default algorithm and codecs) but for what the row names:
 
 * the grid: 4 units, every unit's link without a cap (the same link processes, nothing
   throttled), then 100, 20, 5 and 1 Mbit/s and 500 kbit/s, 50 ms one-way delay, with int8 and
-  with int4 uploads;
+  with int4 uploads (params coming down as int4 and int2 deltas: the default follows the
+  upload codec);
 * the reference: 4 units without a cap, fp32 copies of every version sent down;
 * 2 units without a cap, at 1 Mbit/s and at 500 kbit/s (the case that diverged before the
   outer's momentum followed staleness: docs/ALGORITHMS.md, "Staleness");
@@ -13,7 +14,8 @@ the default algorithm and codecs) but for what the row names:
 * each of these with one fragment (``--fragments 1``, the default until five fragments with
   ``--stagger auto`` replaced it), and 4 units with five fragments staggered from the start
   (``--stagger always``) at no cap, 1 Mbit/s and 500 kbit/s;
-* 4 units with int4 uploads and without a cap, with cheaper downlinks than the default's.
+* 4 units with int4 uploads and int4 deltas down (the downlink of int8 uploads; int4 uploads
+  get int2 deltas) at every rate, and without a cap with at most two fetches per period.
 
 Every figure comes from the run's ``summary.json``: the final held-out loss; tokens/s of the
 slowest unit (its tokens over the seconds it spent training) and its ratio to the no-cap run of
@@ -83,12 +85,11 @@ ONE_FRAGMENT_FLAGS = ("--fragments", "1")
 #: Five fragments staggered from the start, whatever the link (what ``--stagger auto`` does on
 #: slow links only).
 ALWAYS_STAGGERED_FLAGS = ("--fragments", "5", "--stagger", "always")
-#: Cheaper downlinks than the default's int4 delta of every version (docs/CODEC.md, "Cheaper
-#: downlinks"), each with int4 uploads and without a cap, where the downlink carries the most.
-CHEAPER_DOWNLINKS = {
-    "int2 deltas down": ("--params-delta-codec", "int2"),
-    "at most 2 fetches per period": ("--params-fetches-per-period", "2"),
-}
+#: int4 uploads with the downlink that was the default for every codec: int4 deltas of every
+#: version (now int2 deltas follow int4 uploads: ``shared.settings.codec.narrower_delta_codec``).
+INT4_DELTAS_FLAGS = ("--params-delta-codec", "int4")
+#: ... and with at most two fetches of each fragment per period instead of every version.
+PACED_FETCH_FLAGS = (*INT4_DELTAS_FLAGS, "--params-fetches-per-period", "2")
 
 #: The claims (issue "Over slow links", "Done when").
 MAX_SLOW_LOSS_RATIO = 1.03  # final eval at 1 Mbit/s and 500 kbit/s over the no-cap row's
@@ -163,9 +164,12 @@ def rows() -> list[Row]:
             for rate in ["no cap", *SLOW_RATES]
         ),
         *(
-            Row(f"{UNITS} units, no cap, int4, {name}", UNITS, "no cap", "int4", flags)
-            for name, flags in CHEAPER_DOWNLINKS.items()
+            Row(f"{UNITS} units, {rate}, int4, int4 deltas down", UNITS, rate, "int4",
+                INT4_DELTAS_FLAGS)
+            for rate in RATES
         ),
+        Row(f"{UNITS} units, no cap, int4, int4 deltas down, at most 2 fetches per period",
+            UNITS, "no cap", "int4", PACED_FETCH_FLAGS),
     ]  # fmt: skip
 
 
@@ -416,8 +420,12 @@ def render(table: Table, checked: list[Claim], results: Results, command: str, a
         "fewer than data-parallel training of the same model, units and tokens (fp32 ring "
         "all-reduce every step); the busiest link direction's utilisation; the staleness of "
         "the applied updates; per seed, how many units ended with their fragments staggered "
-        "('-': not recorded, runs from before `--stagger`). The rows ', 1 fragment' ran the "
-        "default of their commit, one fragment. Raw figures of every run: "
+        "('-': not recorded, runs from before `--stagger`). Params come down as deltas one "
+        "codec step narrower than the uploads, the default (int4 deltas with int8 uploads, "
+        "int2 with int4). "
+        "The rows ', 1 fragment' ran the default of their commit, one fragment; the rows "
+        "', int4 deltas down' without that flag ran the default of their commit, int4 deltas "
+        "for every codec. Raw figures of every run: "
         f"`{RESULTS.relative_to(REPO)}` "
         f"(machine: {results.machine}); the runs were made by "
         + ", ".join(f"`{c}`" for c in results.invocations)
