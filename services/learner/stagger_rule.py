@@ -7,10 +7,10 @@ link for a good part of the period, and its last fragment reaches the outer long
 it was computed at. Staggered (``LearnerCore.stagger``), fragment p is due ``offset(p)`` steps
 early once and then every H steps, so each upload crosses the link alone, in about 1/P of the
 time, and arrives that much fresher (Streaming DiLoCo, arXiv 2501.18512). Over a fast link
-there is no lag to shorten, and the P times as many merges, versions and fetches cost speed and
-quality (without a cap, staggered from the start: 0.89x the slowest unit's speed, 3.3% worse
-final eval; BENCHMARKS.md, "Throttled links"). So ``auto`` staggers once a whole-model upload
-takes more than ``STAGGER_SHARE`` of the period's time.
+there is no lag to shorten, and the P times as many separate merges, versions and fetches
+cost quality and some speed (without a cap, staggered from the start: 3.5% worse final eval,
+0.96x the slowest unit's speed; docs/ALGORITHMS.md, "Staleness"). So ``auto`` staggers once a
+whole-model upload takes more than ``STAGGER_SHARE`` of the period's time.
 """
 
 from __future__ import annotations
