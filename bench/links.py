@@ -15,7 +15,8 @@ the default algorithm and codecs) but for what the row names:
   ``--stagger auto`` replaced it), and 4 units with five fragments staggered from the start
   (``--stagger always``) at no cap, 1 Mbit/s and 500 kbit/s;
 * 4 units with int4 uploads and int4 deltas down (the downlink of int8 uploads; int4 uploads
-  get int2 deltas) at every rate, and without a cap with at most two fetches per period.
+  get int2 deltas) at every rate, and without a cap with at most two fetches per period;
+* 4 units with int8 uploads and int2 deltas down at 500 kbit/s.
 
 Every figure comes from the run's ``summary.json``: the final held-out loss; tokens/s of the
 slowest unit (its tokens over the seconds it spent training) and its ratio to the no-cap run of
@@ -90,6 +91,8 @@ ALWAYS_STAGGERED_FLAGS = ("--fragments", "5", "--stagger", "always")
 INT4_DELTAS_FLAGS = ("--params-delta-codec", "int4")
 #: ... and with at most two fetches of each fragment per period instead of every version.
 PACED_FETCH_FLAGS = (*INT4_DELTAS_FLAGS, "--params-fetches-per-period", "2")
+#: int8 uploads with int2 deltas down (what int4 uploads get by default), at 500 kbit/s.
+INT2_DELTAS_FLAGS = ("--params-delta-codec", "int2")
 
 #: The claims (issue "Over slow links", "Done when").
 MAX_SLOW_LOSS_RATIO = 1.03  # final eval at 1 Mbit/s and 500 kbit/s over the no-cap row's
@@ -170,6 +173,8 @@ def rows() -> list[Row]:
         ),
         Row(f"{UNITS} units, no cap, int4, int4 deltas down, at most 2 fetches per period",
             UNITS, "no cap", "int4", PACED_FETCH_FLAGS),
+        Row(f"{UNITS} units, 500kbit, int8, int2 deltas down", UNITS, "500kbit", "int8",
+            INT2_DELTAS_FLAGS),
     ]  # fmt: skip
 
 
