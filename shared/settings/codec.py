@@ -59,6 +59,14 @@ ParamsDownlinkName = Literal["copy", "delta"]
 DeltaCodecName = Literal["int8", "int4", "int2"]
 
 
+def narrower_delta_codec(upload_codec: CodecName) -> DeltaCodecName:
+    """The default codec of params deltas for ``upload_codec``: one step narrower than the
+    uploads, int4 at most. A unit receives about one delta per unit's upload, so the downlink
+    carries more than the uplink; the outer's error feedback keeps int2 deltas as good as int4
+    where the uploads are int4 (docs/CODEC.md, 'Cheaper downlinks')."""
+    return "int2" if upload_codec in ("int4", "int2") else "int4"
+
+
 class DownlinkSettings(BaseModel):
     """How a unit receives the global params (the learner's and the outer's shared choice)."""
 
@@ -85,21 +93,13 @@ class ParamsCodecSettings(DownlinkSettings):
         "BENCHMARKS.md, 'Quality: downlink', measures them",
     )
     params_delta_codec: DeltaCodecName = Field(
-        "int4",
+        narrower_delta_codec(CodecConfig.codec),
         description="codec of the params deltas with --params-downlink delta: int8, int4 or "
         "int2 (the outer carries each delta's quantization error into the next). Where the "
         "upload codec is set too (diloco up, a REST job), it defaults to one step narrower "
         "than the uploads, int4 at most: int2 with int4 or int2 uploads, int4 otherwise "
         "(docs/CODEC.md, 'Cheaper downlinks')",
     )
-
-
-def narrower_delta_codec(upload_codec: CodecName) -> DeltaCodecName:
-    """The default codec of params deltas for ``upload_codec``: one step narrower than the
-    uploads, int4 at most. A unit receives about one delta per unit's upload, so the downlink
-    carries more than the uplink; the outer's error feedback keeps int2 deltas as good as int4
-    where the uploads are int4 (docs/CODEC.md, 'Cheaper downlinks')."""
-    return "int2" if upload_codec in ("int4", "int2") else "int4"
 
 
 class CodecSettings(UploadCodecSettings, ParamsCodecSettings):
