@@ -39,8 +39,7 @@ def update_norm(pseudo_grad: Mapping[str, np.ndarray]) -> float:
     """The L2 norm of a pseudo-gradient over all its pieces (in float64)."""
     total = 0.0
     for piece in pseudo_grad.values():
-        # Both operands float64: a float64·float32 dot takes numpy's slow mixed-type path
-        # (about 12x slower for a 270k-value fragment).
+        # Both operands float64: a float64·float32 dot takes numpy's slow mixed-type path.
         flat = np.asarray(piece, np.float32).ravel().astype(np.float64)
         total += float(np.dot(flat, flat))
     return math.sqrt(total)
