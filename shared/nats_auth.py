@@ -73,7 +73,10 @@ class Identity:
         publish = [*_ROLE_PUBLISH[self.role](self)]
         subscribe = [inbox_prefix(self.user) + ".>"]
         if self.role == "learner":
+            assert self.unit is not None, "a learner identity needs its unit"
             subscribe.append(subjects.params_head_subject(self.job, "*"))
+            # Notified of a change of its desired state (then it reads the record).
+            subscribe.append(subjects.desired_subject(self.job, self.unit))
         if self.role == "outer":
             subscribe.append(subjects.want_subject(self.job, "*"))
         permissions: dict[str, object] = {

@@ -110,6 +110,12 @@ def desired_key(job: str, unit: int) -> str:
     return f"{job}.{unit}"
 
 
+def desired_subject(job: str, unit: int) -> str:
+    """The subject every write of a unit's desired-state record is published on (JetStream
+    KV's own subject for the key): the unit subscribes to it to hear of a change at once."""
+    return f"$KV.{DESIRED_BUCKET}.{desired_key(job, unit)}"
+
+
 def job_key(job: str) -> str:
     """KV key (bucket JOBS_BUCKET) of a job's registry record."""
     return job

@@ -9,12 +9,14 @@ import json
 import types
 
 import jax
+import nats
 import nats.js.errors
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from services.learner import unit_control
 from services.learner.checkpoint import load_checkpoint, save_checkpoint, take_snapshot
 from services.learner.core import LearnerCore
 from services.learner.link import LearnerLink
@@ -23,11 +25,12 @@ from services.learner.settings import LearnerSettings
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from services.learner.unit_control import UnitControl
 from services.learner.unit_state import STATE_FILE, UnitState
-from shared import model, records, subjects
+from shared import kv, model, records, subjects
 from shared.records.jobs import DESIRED_STATES, DesiredRecord
 from shared.records.outer import OuterStatus, UnitLedger
 from shared.records.unit import UnitStatus
 from shared.settings.algorithm import InnerAlgorithmSettings
+from tests.helpers import wait_for_async
 from tests.strategies import record_bytes
 
 SETTINGS = LearnerSettings(job="t", model="tiny", unit=1, num_units=3)
@@ -69,6 +72,26 @@ def test_a_malformed_desired_record_changes_nothing(data: bytes) -> None:
     expected = parsed.state if parsed is not None else "paused"  # an empty value is malformed
     assert control.desired_state == expected
     assert control.desired_known.is_set()
+
+
+async def test_a_unit_hears_each_change_of_its_desired_state(nats_server, monkeypatch) -> None:
+    """The desired state is read when a write of it is heard: with the fallback poll out of
+    reach, a pause and a resume still arrive."""
+    monkeypatch.setattr(unit_control, "DESIRED_POLL_S", 3600.0)
+    nc = await nats.connect(nats_server.url)
+    try:
+        desired = await nc.jetstream().create_key_value(bucket=subjects.DESIRED_BUCKET)
+        control = UnitControl(SETTINGS, UnitState(job="t", unit=1))
+        following = asyncio.create_task(control.follow_desired(desired, nc))
+        await wait_for_async(control.desired_known.is_set, 10, "the first read")
+        assert control.desired_state == "running"  # no record: the initial state
+        key = subjects.desired_key(SETTINGS.job, SETTINGS.unit)
+        for state in ("paused", "running", "stopped"):
+            await kv.put(desired, key, DesiredRecord(state=state))
+            await wait_for_async(lambda s=state: control.desired_state == s, 10, f"state {state}")
+        following.cancel()
+    finally:
+        await nc.close()
 
 
 def test_desired_state_follows_the_record_and_counts_a_rejection() -> None:

@@ -7,6 +7,7 @@ to the client that tried it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -14,9 +15,10 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import nats.errors
 import pytest
 
-from shared import kv, nats_auth, subjects, transport
+from shared import kv, nats_auth, records, subjects, transport
 from shared.nats_auth import Credentials, CredentialsError, Identity
 from shared.records.credentials import NatsCredentials
 from shared.records.jobs import DesiredRecord
@@ -129,6 +131,18 @@ async def test_a_learner_may_do_its_own_work_and_nothing_else(
         desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
         found = await kv.get(desired_kv, subjects.desired_key(JOB, 0), DesiredRecord)
         assert found is not None and found.state == "running"
+        # It hears the writes of its own desired state (and of no other unit's: below). Written
+        # until one is heard: what is checked is the permission, not that no write is ever
+        # missed (the learner reads the record every few seconds too).
+        writes = await learner.nc.subscribe(subjects.desired_subject(JOB, 0))
+        await learner.nc.flush(timeout=5)
+        heard = None
+        for _ in range(20):
+            await kv.put(admin_desired, subjects.desired_key(JOB, 0), DesiredRecord(state="paused"))
+            with contextlib.suppress(nats.errors.TimeoutError):
+                heard = records.decode(DesiredRecord, (await writes.next_msg(timeout=1)).data)
+                break
+        assert heard is not None and heard.state == "paused"
         assert await _stream_messages(admin, subjects.GRADS_STREAM) == 1
 
         # Everything else is refused, and the server says so.
@@ -158,6 +172,7 @@ async def test_a_learner_may_do_its_own_work_and_nothing_else(
         # Nor may it read the replies another user asked for, or the uploads of others.
         await learner.refused_subscription(nats_auth.inbox_prefix("learner-secure-1") + ".>")
         await learner.refused_subscription(subjects.grads_subject(JOB, 1))
+        await learner.refused_subscription(subjects.desired_subject(JOB, 1))
         assert await _stream_messages(admin, subjects.GRADS_STREAM) == 1
     finally:
         await learner.nc.close()

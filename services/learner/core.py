@@ -94,8 +94,9 @@ class FragmentSync:
     pending: tuple[int, dict[str, np.ndarray]] | None = None
 
 
-#: Adoptions a unit remembers for its status record.
-ADOPTION_HISTORY = 60
+#: Adoptions a unit remembers for its status record (the newest): the record crosses the
+#: unit's link with every heartbeat, so it stays short.
+ADOPTION_HISTORY = 10
 
 
 @dataclass(frozen=True)

@@ -249,7 +249,7 @@ class LearnerLink:
                 self.params.run(params_nc.jetstream(timeout=PARAMS_READ_TIMEOUT_S), params_nc),
                 name="params fetcher",
             ),
-            asyncio.create_task(self.control.poll_desired(desired_kv), name="desired state"),
+            asyncio.create_task(self.control.follow_desired(desired_kv, nc), name="desired state"),
             asyncio.create_task(self.heartbeat.run(status_kv), name="heartbeat"),
             asyncio.create_task(self._keep_streams(js), name="stream keeper"),
         ]

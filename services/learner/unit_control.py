@@ -1,13 +1,19 @@
 """What the rest of the job tells one learner unit: its desired state, where its round numbers
 continue, and its peers' speeds.
 
-* The desired state (``shared.records.DesiredRecord`` in KV ``diloco_desired``) is polled every
-  ``DESIRED_POLL_S``. It starts from the one the unit's state file remembers, so a paused unit
-  restarted while NATS is down stays paused, and every change is remembered there.
+* The desired state (``shared.records.DesiredRecord`` in KV ``diloco_desired``) is read when
+  a write of it is heard (a subscription to its KV subject), and every ``DESIRED_POLL_S`` in
+  case a notification was missed (while reconnecting). It starts from the one the unit's state
+  file remembers, so a paused unit restarted while NATS is down stays paused, and every change
+  is remembered there.
 * The outer's next round for this unit (``OuterStatus.next_round``) is read once at start-up, so
   that a unit without a state file never reuses a round the outer has applied.
 * With Dynamic Local Updates, every unit's speed (``UnitStatus.tokens_per_s`` of the running
   units) is polled every ``RATES_POLL_S``.
+
+On a slow link these reads share the unit's link with its uploads and params, so they are few:
+a notified read per change, a poll every few seconds, and peers' speeds (whole status records)
+at the pace DyLU needs them (it uses them once per sync period).
 
 A missing record reads as no news; a malformed one is rejected (``shared.records``) and
 changes nothing.
@@ -16,6 +22,7 @@ changes nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -31,8 +38,9 @@ from shared.retry import NATS_ERRORS
 
 log = logging.getLogger(__name__)
 
-DESIRED_POLL_S = 0.5
-RATES_POLL_S = 2.0
+DESIRED_POLL_S = 5.0  # fallback for a missed notification
+DESIRED_RETRY_S = 0.5  # after a read that failed
+RATES_POLL_S = 10.0
 OUTER_STATUS_TIMEOUT_S = 2.0
 
 
@@ -78,14 +86,28 @@ class UnitControl:
             return 0
         return outer.next_round(self.settings.unit) if outer is not None else 0
 
-    async def poll_desired(self, desired_kv: Any) -> None:
-        """Follow the unit's desired state (forever)."""
+    async def follow_desired(self, desired_kv: Any, nc: Any) -> None:
+        """Follow the unit's desired state (forever): read it once, then whenever a write of it
+        is heard on ``nc`` and at least every ``DESIRED_POLL_S``."""
+        changed = asyncio.Event()
+
+        async def on_write(_msg: Any) -> None:
+            changed.set()
+
+        subscription = None
         while True:
+            changed.clear()
+            wait_s = DESIRED_POLL_S
             try:
+                if subscription is None:
+                    subject = subjects.desired_subject(self.settings.job, self.settings.unit)
+                    subscription = await nc.subscribe(subject, cb=on_write)
                 await self.read_desired(desired_kv)
             except NATS_ERRORS as err:
-                log.info("desired-state poll: %r", err)
-            await asyncio.sleep(DESIRED_POLL_S)
+                log.info("desired-state read: %r", err)
+                wait_s = DESIRED_RETRY_S
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), timeout=wait_s)
             raise_if_cancelling()
 
     async def read_desired(self, desired_kv: Any) -> None:
