@@ -14,7 +14,6 @@ import pytest
 
 from services.learner import params_fetcher
 from services.learner.counters import Counters
-from services.learner.fetch_rule import FetchRule
 from services.learner.params_fetcher import GlobalFragment, ParamsFetcher
 from services.learner.settings import LearnerSettings
 from services.link.proxy import LinkProxy
@@ -112,7 +111,7 @@ def test_newest_fetches_each_announced_version(memory_nats) -> None:
                 arrived = await arrival(fetcher)
                 assert [f.version for f in arrived] == [version]
                 assert np.array_equal(arrived[0].pieces["w"], values(version, 1000))
-            fetcher.upload_accepted(0)  # changes nothing: every newer version is wanted
+            fetcher.want_after_upload(0)  # changes nothing: every newer version is wanted
             await publish(js, 4)
             assert [f.version for f in await arrival(fetcher)] == [4]
 
@@ -162,7 +161,7 @@ def test_after_upload_fetches_one_copy_at_start_and_one_after_each_upload(memory
             await head_seen(3)
             assert await nothing_fetched(fetcher)
             # An upload: the next version after the newest head seen (3) is wanted, not 3.
-            fetcher.upload_accepted(0)
+            fetcher.want_after_upload(0)
             assert await nothing_fetched(fetcher)
             await publish(js, 4)
             arrived = await arrival(fetcher)
@@ -302,38 +301,6 @@ def test_paced_fetches_start_no_sooner_than_h_over_f_steps_apart(memory_nats, mo
             assert fetcher.counters["params_received"] == 3
 
     asyncio.run(scenario())
-
-
-def test_paced_fetches_sit_half_a_gap_after_an_upload() -> None:
-    # H = 100, F = 1: an upload accepted at step 100 puts the next fetch at step 150, when the
-    # merges of the other units' uploads of the same round are in the version it takes.
-    rule = FetchRule("newest", fragments=2, fetches_per_period=1, h_steps=100)
-    rule.at_step(0, 100)
-    assert rule.due(0) and rule.due(1)
-    rule.started(0)
-    rule.started(1)
-    rule.at_step(100, 100)
-    assert rule.due(0)  # H steps after the last fetch began
-    rule.uploaded(0, newest_version=7)
-    assert not rule.due(0) and rule.due(1)  # the upload of fragment 0 moves its fetch only
-    assert not rule.at_step(149, 100)
-    assert rule.at_step(150, 100) and rule.due(0) and rule.wants(0, 8)
-    # F = 2: fetches every 50 steps, none sooner than 25 after an upload.
-    twice = FetchRule("newest", fragments=1, fetches_per_period=2, h_steps=100)
-    twice.at_step(90, 100)
-    twice.started(0)  # the next may start at 140
-    twice.at_step(100, 100)
-    twice.uploaded(0, newest_version=3)  # 140 is more than 25 steps after it
-    assert not twice.at_step(139, 100) and twice.at_step(140, 100)
-    twice.started(0)  # the next may start at 190
-    twice.at_step(180, 100)
-    twice.uploaded(0, newest_version=4)  # ... and not before 205
-    assert not twice.at_step(204, 100) and twice.at_step(205, 100)
-    # Without pacing an upload changes nothing.
-    unpaced = FetchRule("newest", fragments=1)
-    unpaced.at_step(10, 100)
-    unpaced.uploaded(0, newest_version=1)
-    assert unpaced.due(0) and unpaced.wants(0, 2)
 
 
 def test_sync_mode_paces_nothing() -> None:

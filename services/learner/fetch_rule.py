@@ -10,11 +10,7 @@ outer publishes.
 With ``newest``, ``fetches_per_period`` F paces the fetches: a fragment's next fetch starts no
 sooner than H/F of the unit's steps after its last one began (H: the unit's own sync period, as
 DyLU sets it), so a unit takes at most about F versions per upload of the fragment, whatever
-the number of units publishing. 0: no pacing. The paced fetches sit between the uploads: none
-starts sooner than H/(2F) steps after an upload of the fragment was accepted. Units that run at
-one speed upload together, and a fetch at the moment of an upload would take a version without
-the merges of that round (the unit's own among them), which the unit would then train against
-for a whole period; half a gap later they are in it.
+the number of units publishing. 0: no pacing.
 """
 
 from __future__ import annotations
@@ -73,13 +69,9 @@ class FetchRule:
 
     def uploaded(self, fragment: int, newest_version: int) -> None:
         """An upload of ``fragment`` was accepted while ``newest_version`` was the newest
-        published: with ``after_upload``, the first version after it is wanted; with paced
-        ``newest``, the next fetch waits until half a gap after now."""
+        published: with ``after_upload``, the first version after it is wanted."""
         if self.policy == "after_upload":
             self._wanted[fragment] = newest_version
-        elif self.fetches_per_period > 0:
-            half_gap = max(1, self._h_steps // self.fetches_per_period) // 2
-            self._next_step[fragment] = max(self._next_step[fragment], self._step + half_gap)
 
     def fetched(self, fragment: int, wanted: int | None) -> None:
         """A version was fetched for the want ``wanted`` (what :meth:`wanted` said when the

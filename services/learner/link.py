@@ -93,7 +93,7 @@ class LearnerLink:
             self.unit_state,
             self.counters,
             self.encoder,
-            on_published=self.params.upload_accepted,
+            on_published=self.params.want_after_upload,
             sync_latency=self.params.sync_latency,
         )
         self.control = UnitControl(settings, self.unit_state)

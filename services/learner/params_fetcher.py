@@ -10,7 +10,7 @@ merge. Two policies (``--params-fetch``):
   keeps a unit's base fresh, which the quality benchmark shows matters (BENCHMARKS.md,
   "Quality: downlink").
 * ``after_upload``: fragment p once at start and then once after each upload of p that
-  JetStream accepted (:meth:`ParamsFetcher.upload_accepted`): the first version published
+  JetStream accepted (:meth:`ParamsFetcher.want_after_upload`): the first version published
   after that moment. One copy per sync period, not one per merge of any unit, at the cost of
   staler params.
 
@@ -153,13 +153,11 @@ class ParamsFetcher:
         """The version of the latest params head of ``fragment`` seen (-1: none yet)."""
         return self._head_versions[fragment]
 
-    def upload_accepted(self, fragment: int) -> None:
-        """JetStream accepted an upload of ``fragment``. With ``after_upload``: fetch it once
-        more, its first version published after now (the merge that applies the upload, or a
-        later one); with paced fetches, the next one waits until half a gap after now. Call on
-        the link's event loop."""
-        with self._lock:
-            self.rule.uploaded(fragment, self._head_versions[fragment])
+    def want_after_upload(self, fragment: int) -> None:
+        """With ``after_upload``: fetch ``fragment`` once more, its first version published
+        after now (the merge that applies the upload JetStream just accepted, or a later one).
+        Call on the link's event loop."""
+        self.rule.uploaded(fragment, self._head_versions[fragment])
         if self._head_seen is not None:
             self._head_seen.set()
 
