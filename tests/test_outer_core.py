@@ -64,6 +64,32 @@ def test_one_fragment_reproduces_the_non_fragmented_outer_step_exactly():
         np.testing.assert_array_equal(value, np.asarray(expected[key]))
 
 
+def test_a_quorum_merge_under_delayed_nesterov_is_one_round_of_synchronous_diloco():
+    """K units' uploads merged together (``--merge-policy quorum``, ``--mode sync``) under the
+    default outer, Delayed Nesterov with N = K: one Nesterov step on their mean, the step
+    synchronous DiLoCo takes, and not a K-th of it."""
+    named = tiny_named()
+    rng = np.random.default_rng(5)
+    deltas = [
+        {k: rng.normal(0, 0.01, v.shape).astype(np.float32) for k, v in named.items()}
+        for _ in range(4)
+    ]
+    algorithm = outer_algorithm(
+        4, merge_policy="quorum", min_quorum=4, staleness_rule="constant", token_weighting="uniform"
+    )
+    assert algorithm.optimizer == "delayed_nesterov" and algorithm.dn_period == 4
+    core = OuterCore(named, algorithm)
+    for unit, delta in enumerate(deltas):
+        core.offer(0, arrival(unit, delta))
+    assert core.due(1e9) == [0]
+    core.merge(0)
+    mean = {k: np.mean([d[k] for d in deltas], axis=0) for k in named}
+    optimizer = make_outer_optimizer("nesterov", 0.7, 0.9)
+    expected = make_outer_step(optimizer)(named, optimizer.init(named), mean).params
+    for key, value in core.full_params().items():
+        np.testing.assert_allclose(value, np.asarray(expected[key]), rtol=1e-5, atol=1e-7)
+
+
 def test_fragmented_updates_add_up_to_the_whole_update():
     named = tiny_named()
     delta = {

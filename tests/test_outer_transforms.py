@@ -487,6 +487,45 @@ def test_delayed_nesterov_between_milestones_is_sgd_on_g_over_n():
         assert int(state.count) == period + i + 1
 
 
+@pytest.mark.parametrize("period", [2, 4])
+def test_delayed_nesterov_merges_of_n_arrivals_are_nesterov_step_for_step(period):
+    """A round of N units merged as one update (their mean, ``arrivals=N``) is one Nesterov
+    step on it: synchronous DiLoCo, not a N-th of one."""
+    rng = np.random.default_rng(70 + period)
+    theta0 = rand_tree(rng)
+    means = [rand_tree(rng) for _ in range(3)]
+    lr, beta = 0.7, 0.9
+    opt = make_outer_optimizer("delayed_nesterov", lr, beta, period)
+    step = make_outer_step(opt)
+    params, state = theta0, opt.init(theta0)
+    nest, _ = _run("nesterov", lr, means, beta, params=theta0)
+    for mean, expected in zip(means, nest, strict=True):
+        params, state, *_ = step(params, state, mean, 1.0, period)
+        assert_tree_close(params, expected)
+    assert int(state.count) == 3 * period
+
+
+def test_delayed_nesterov_merge_of_k_arrivals_counts_k_of_them():
+    """Below a milestone a merge of the mean of k arrivals moves the params by lr·k·g/N, as its
+    k arrivals one by one would; a merge that reaches a milestone takes the momentum step."""
+    period, lr, beta = 4, 0.5, 0.9
+    rng = np.random.default_rng(80)
+    theta0 = rand_tree(rng)
+    g1, g2 = rand_tree(rng), rand_tree(rng)
+    opt = make_outer_optimizer("delayed_nesterov", lr, beta, period)
+    step = make_outer_step(opt)
+    params, state, *_ = step(theta0, opt.init(theta0), g1, 1.0, 2)
+    one_by_one, _ = _run("delayed_nesterov", lr, [g1, g1], beta, period, params=theta0)
+    assert_tree_close(params, one_by_one[-1])
+    assert int(state.count) == 2
+    # Two more (count 4): the milestone, over the period's mean (g1 + g2) / 2.
+    params, state, *_ = step(params, state, g2, 1.0, 2)
+    reference, _ = _run("delayed_nesterov", lr, [g1, g1, g2, g2], beta, period, params=theta0)
+    assert_tree_close(params, reference[-1])
+    assert int(state.count) == 4
+    assert_tree_close(state.accumulated, {k: np.zeros(s) for k, s in SHAPES.items()})
+
+
 def test_outer_step_is_jitted_and_does_not_retrace():
     opt = make_outer_optimizer("delayed_nesterov", 0.7, 0.9, 3)
     step = make_outer_step(opt)

@@ -321,9 +321,12 @@ class OuterCore:
         if a.participation_scale and a.optimizer != "delayed_nesterov":
             # An update from m of K units counts as m/K of a synchronous round (each unit's
             # work enters the global params with the same total weight however it is batched).
-            share = len({arr.unit for arr in arrivals}) / a.num_units
+            share = len(per_unit) / a.num_units
             merged = jax.tree_util.tree_map(lambda x: x * share, merged)
-        step = self._step(state.params, state.opt_state, merged, self._freshness(staleness))
+        # Delayed Nesterov counts the merge as m of its N arrivals (m/N of a round) instead.
+        step = self._step(
+            state.params, state.opt_state, merged, self._freshness(staleness), len(per_unit)
+        )
         state.params, state.opt_state = step.params, step.opt_state
         state.version += 1
         self.guard.merged(fragment, [arr.norm for arr in arrivals if arr.norm is not None])

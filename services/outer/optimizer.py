@@ -9,6 +9,9 @@ arXiv 2311.08105, Alg. 1):
   milestones plain SGD on g/N; every N-th arrival m ← βm + mean(buffer) and θ ← θ − lr(βm + g/N).
   Over N equal arrivals this equals one Nesterov step on their mean, which is what keeps
   sequentially applied asynchronous updates from over-amplifying momentum (§4.2 of that paper).
+  A merge of the mean g of k arrivals (a quorum merge, a synchronous round) counts as k of them:
+  k·g enters the buffer, the step is lr·k·g/N, and a milestone reached within it takes the whole
+  merge; so a round of N units is one Nesterov step on their mean, as in synchronous DiLoCo.
 
 All state lives in NamedTuples and every update is jit-compatible (no Python branching on traced
 values).
@@ -41,9 +44,10 @@ def delayed_nesterov(
     """Delayed Nesterov (arXiv 2401.09135, Alg. 3, c = 0) as an optax transform, whose momentum
     follows the freshness of what it merges.
 
-    Each arrival comes with its freshness f in [0, 1] (``update(..., freshness=f)``; 1 when not
-    given). At a milestone the momentum is ``β·f̄`` instead of β, f̄ the mean freshness of the
-    period's arrivals: fresh arrivals give Delayed Nesterov, stale ones plain SGD on the mean,
+    Each update is the mean of ``arrivals`` arrivals (``update(..., arrivals=k)``; 1 when not
+    given) with their mean freshness f in [0, 1] (``update(..., freshness=f)``; 1 when not
+    given). At a milestone the momentum is ``β·f̄`` instead of β, f̄ the period's freshness sum
+    over N (at most 1): fresh arrivals give Delayed Nesterov, stale ones plain SGD on the mean,
     with nothing of the old momentum kept. Momentum applied to updates computed against old
     params keeps pushing where the outer has already gone (the units have not seen its moves
     yet); over slow links that made training diverge (docs/ALGORITHMS.md, "Staleness").
@@ -64,17 +68,25 @@ def delayed_nesterov(
 
     def update(grads: Any, state: DelayedNesterovState, params: Any = None, **extra: Any):
         del params
-        freshness = state.freshness + jnp.asarray(extra.get("freshness", 1.0), jnp.float32)
-        beta = momentum * freshness / period  # used at a milestone only, when it is the mean
-        accumulated = jax.tree_util.tree_map(jnp.add, state.accumulated, grads)
-        milestone = (state.count + 1) % period == 0
+        arrivals = jnp.asarray(extra.get("arrivals", 1), jnp.int32)
+        weight = arrivals.astype(jnp.float32)
+        freshness = state.freshness + weight * jnp.asarray(
+            extra.get("freshness", 1.0), jnp.float32
+        )
+        # Used at a milestone only, when (but for a merge that overshoots it) N arrivals' sum.
+        beta = momentum * jnp.minimum(freshness / period, 1.0)
+        accumulated = jax.tree_util.tree_map(
+            lambda acc, g: acc + weight * g, state.accumulated, grads
+        )
+        count = state.count + arrivals
+        milestone = count // period > state.count // period
         new_momentum = jax.tree_util.tree_map(
             lambda m, acc: jnp.where(milestone, beta * m + acc / period, m),
             state.momentum,
             accumulated,
         )
         updates = jax.tree_util.tree_map(
-            lambda m, g: -lr * (jnp.where(milestone, beta * m, 0.0) + g / period),
+            lambda m, g: -lr * (jnp.where(milestone, beta * m, 0.0) + weight * g / period),
             new_momentum,
             grads,
         )
@@ -82,7 +94,7 @@ def delayed_nesterov(
             lambda acc: jnp.where(milestone, jnp.zeros_like(acc), acc), accumulated
         )
         freshness = jnp.where(milestone, 0.0, freshness)
-        return updates, DelayedNesterovState(new_momentum, accumulated, state.count + 1, freshness)
+        return updates, DelayedNesterovState(new_momentum, accumulated, count, freshness)
 
     return optax.GradientTransformationExtraArgs(init, update)
 
@@ -133,12 +145,17 @@ class OuterStep(NamedTuple):
 
 
 def make_outer_step(optimizer: optax.GradientTransformationExtraArgs):
-    """Return a jitted ``step(params, opt_state, pseudo_grad, freshness=1.0) -> OuterStep``
-    (``freshness``: see :func:`delayed_nesterov`; the other optimizers ignore it)."""
+    """Return a jitted ``step(params, opt_state, pseudo_grad, freshness=1.0, arrivals=1) ->
+    OuterStep`` (``freshness`` and ``arrivals``: see :func:`delayed_nesterov`; the other
+    optimizers ignore them)."""
 
     @jax.jit
-    def step(params: Any, opt_state: Any, pseudo_grad: Any, freshness: Any = 1.0) -> OuterStep:
-        updates, opt_state = optimizer.update(pseudo_grad, opt_state, params, freshness=freshness)
+    def step(
+        params: Any, opt_state: Any, pseudo_grad: Any, freshness: Any = 1.0, arrivals: Any = 1
+    ) -> OuterStep:
+        updates, opt_state = optimizer.update(
+            pseudo_grad, opt_state, params, freshness=freshness, arrivals=arrivals
+        )
         momentum = momentum_of(opt_state)
         momentum_norm = jnp.zeros([]) if momentum is None else optax.tree.norm(momentum)
         return OuterStep(
