@@ -89,10 +89,9 @@ PACED_MOONSHOT_FLAGS = (*MOONSHOT_FLAGS, "--params-fetches-per-period", "1")
 #: ... as claimed: with an outer learning rate that makes up for the momentum its staler merges
 #: lose (docs/ALGORITHMS.md, "Staleness").
 CLAIMED_MOONSHOT_FLAGS = (*PACED_MOONSHOT_FLAGS, "--outer-lr", "1.0")
-#: ... with quorum merges: a unit's upload waits a grace window for the others' of its round;
-#: with the default outer (Delayed Nesterov), and with Nesterov on every merge.
-QUORUM_MOONSHOT_FLAGS = (*PACED_MOONSHOT_FLAGS, "--merge-policy", "quorum")
-NESTEROV_QUORUM_MOONSHOT_FLAGS = (*QUORUM_MOONSHOT_FLAGS, "--outer-optimizer", "nesterov")
+#: ... with it, two fetches per period, or momentum kept up to two periods of staleness.
+TWICE_MOONSHOT_FLAGS = (*MOONSHOT_FLAGS, "--params-fetches-per-period", "2", "--outer-lr", "1.0")
+MOMENTUM_MOONSHOT_FLAGS = (*CLAIMED_MOONSHOT_FLAGS, "--momentum-max-age", "2")
 #: The default before it became five fragments staggered when the link is slow: every default
 #: row's twin, labelled ", 1 fragment".
 ONE_FRAGMENT_FLAGS = ("--fragments", "1")
@@ -176,12 +175,12 @@ def rows() -> list[Row]:
         Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 1 fetch per period, outer lr 1.0), "
             f"{MOONSHOT_STEPS} steps", UNITS, "no cap", "int2", CLAIMED_MOONSHOT_FLAGS,
             MOONSHOT_STEPS),
-        Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 1 fetch per period, quorum merges), "
-            f"{MOONSHOT_STEPS} steps", UNITS, "no cap", "int2", QUORUM_MOONSHOT_FLAGS,
+        Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 2 fetches per period, outer lr 1.0), "
+            f"{MOONSHOT_STEPS} steps", UNITS, "no cap", "int2", TWICE_MOONSHOT_FLAGS,
             MOONSHOT_STEPS),
-        Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 1 fetch per period, quorum merges, "
-            f"Nesterov), {MOONSHOT_STEPS} steps", UNITS, "no cap", "int2",
-            NESTEROV_QUORUM_MOONSHOT_FLAGS, MOONSHOT_STEPS),
+        Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 1 fetch per period, outer lr 1.0, "
+            f"momentum age 2), {MOONSHOT_STEPS} steps", UNITS, "no cap", "int2",
+            MOMENTUM_MOONSHOT_FLAGS, MOONSHOT_STEPS),
         Row(f"{UNITS} units, no cap, int8, {MOONSHOT_STEPS} steps", UNITS, "no cap", "int8",
             steps=MOONSHOT_STEPS),
         *(
