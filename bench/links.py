@@ -89,8 +89,10 @@ PACED_MOONSHOT_FLAGS = (*MOONSHOT_FLAGS, "--params-fetches-per-period", "1")
 #: ... as claimed: with an outer learning rate that makes up for the momentum its staler merges
 #: lose (docs/ALGORITHMS.md, "Staleness").
 CLAIMED_MOONSHOT_FLAGS = (*PACED_MOONSHOT_FLAGS, "--outer-lr", "1.0")
-#: ... with it, two fetches per period, or momentum kept up to two periods of staleness.
+#: ... with it, two fetches per period (with the default outer learning rate too), or momentum
+#: kept up to two periods of staleness.
 TWICE_MOONSHOT_FLAGS = (*MOONSHOT_FLAGS, "--params-fetches-per-period", "2", "--outer-lr", "1.0")
+TWICE_DEFAULT_LR_MOONSHOT_FLAGS = (*MOONSHOT_FLAGS, "--params-fetches-per-period", "2")
 MOMENTUM_MOONSHOT_FLAGS = (*CLAIMED_MOONSHOT_FLAGS, "--momentum-max-age", "2")
 #: The default before it became five fragments staggered when the link is slow: every default
 #: row's twin, labelled ", 1 fragment".
@@ -177,6 +179,9 @@ def rows() -> list[Row]:
             MOONSHOT_STEPS),
         Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 2 fetches per period, outer lr 1.0), "
             f"{MOONSHOT_STEPS} steps", UNITS, "no cap", "int2", TWICE_MOONSHOT_FLAGS,
+            MOONSHOT_STEPS),
+        Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 2 fetches per period), "
+            f"{MOONSHOT_STEPS} steps", UNITS, "no cap", "int2", TWICE_DEFAULT_LR_MOONSHOT_FLAGS,
             MOONSHOT_STEPS),
         Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 1 fetch per period, outer lr 1.0, "
             f"momentum age 2), {MOONSHOT_STEPS} steps", UNITS, "no cap", "int2",
