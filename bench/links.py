@@ -10,9 +10,10 @@ the default algorithm and codecs) but for what the row names:
 * the reference: 4 units without a cap, fp32 copies of every version sent down;
 * 2 units without a cap, at 1 Mbit/s and at 500 kbit/s (the case that diverged before the
   outer's momentum followed staleness: docs/ALGORITHMS.md, "Staleness");
-* the moonshot: 4 units without a cap, H = 100, the smallest codec both ways; as claimed, also
-  with one fetch of each fragment per period and over 900 steps (nine syncs at H = 100), beside
-  the default at the same 900 steps;
+* the moonshot: 4 units without a cap, H = 100, the smallest codec both ways; over 900 steps
+  (nine syncs at H = 100), beside the default at the same 900 steps, with at most one or two
+  fetches of each fragment per period and the outer learning rates and momentum ages of
+  ``MOONSHOT_VARIANTS`` (as claimed: two fetches, outer lr 1.0);
 * each of these with one fragment (``--fragments 1``, the default until five fragments with
   ``--stagger auto`` replaced it), and 4 units with five fragments staggered from the start
   (``--stagger always``) at no cap, 1 Mbit/s and 500 kbit/s;
@@ -82,18 +83,25 @@ REFERENCE_FLAGS = (
     "newest",
 )
 MOONSHOT_FLAGS = ("--h-steps", "100", "--params-downlink", "delta", "--params-delta-codec", "int2")
-#: The moonshot: one fetch of each fragment per period, over a budget long enough for H = 100 to
-#: sync nine times; compared with the default at the same budget.
+#: The moonshot over a budget long enough for H = 100 to sync nine times, compared with the
+#: default at the same budget: what each row adds to MOONSHOT_FLAGS (docs/ALGORITHMS.md,
+#: "Staleness", for what each did). The first is the one claimed: two fetches of each fragment
+#: per period, and an outer learning rate that makes up for the momentum staler merges lose.
 MOONSHOT_STEPS = 900
-PACED_MOONSHOT_FLAGS = (*MOONSHOT_FLAGS, "--params-fetches-per-period", "1")
-#: ... as claimed: with an outer learning rate that makes up for the momentum its staler merges
-#: lose (docs/ALGORITHMS.md, "Staleness").
-CLAIMED_MOONSHOT_FLAGS = (*PACED_MOONSHOT_FLAGS, "--outer-lr", "1.0")
-#: ... with it, two fetches per period (with the default outer learning rate too), or momentum
-#: kept up to two periods of staleness.
-TWICE_MOONSHOT_FLAGS = (*MOONSHOT_FLAGS, "--params-fetches-per-period", "2", "--outer-lr", "1.0")
-TWICE_DEFAULT_LR_MOONSHOT_FLAGS = (*MOONSHOT_FLAGS, "--params-fetches-per-period", "2")
-MOMENTUM_MOONSHOT_FLAGS = (*CLAIMED_MOONSHOT_FLAGS, "--momentum-max-age", "2")
+MOONSHOT_VARIANTS = (
+    (
+        "2 fetches per period, outer lr 1.0",
+        ("--params-fetches-per-period", "2", "--outer-lr", "1.0"),
+    ),
+    ("2 fetches per period", ("--params-fetches-per-period", "2")),
+    ("1 fetch per period, outer lr 1.0", ("--params-fetches-per-period", "1", "--outer-lr", "1.0")),
+    ("1 fetch per period", ("--params-fetches-per-period", "1")),
+    (
+        "1 fetch per period, outer lr 1.0, momentum age 2",
+        ("--params-fetches-per-period", "1", "--outer-lr", "1.0", "--momentum-max-age", "2"),
+    ),
+)
+CLAIMED_MOONSHOT_FLAGS = (*MOONSHOT_FLAGS, *MOONSHOT_VARIANTS[0][1])
 #: The default before it became five fragments staggered when the link is slow: every default
 #: row's twin, labelled ", 1 fragment".
 ONE_FRAGMENT_FLAGS = ("--fragments", "1")
@@ -171,21 +179,11 @@ def rows() -> list[Row]:
     ]
     return [
         *defaults,
-        Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 1 fetch per period), "
-            f"{MOONSHOT_STEPS} steps", UNITS, "no cap", "int2", PACED_MOONSHOT_FLAGS,
-            MOONSHOT_STEPS),
-        Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 1 fetch per period, outer lr 1.0), "
-            f"{MOONSHOT_STEPS} steps", UNITS, "no cap", "int2", CLAIMED_MOONSHOT_FLAGS,
-            MOONSHOT_STEPS),
-        Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 2 fetches per period, outer lr 1.0), "
-            f"{MOONSHOT_STEPS} steps", UNITS, "no cap", "int2", TWICE_MOONSHOT_FLAGS,
-            MOONSHOT_STEPS),
-        Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 2 fetches per period), "
-            f"{MOONSHOT_STEPS} steps", UNITS, "no cap", "int2", TWICE_DEFAULT_LR_MOONSHOT_FLAGS,
-            MOONSHOT_STEPS),
-        Row(f"{UNITS} units, no cap, moonshot (H=100, int2, 1 fetch per period, outer lr 1.0, "
-            f"momentum age 2), {MOONSHOT_STEPS} steps", UNITS, "no cap", "int2",
-            MOMENTUM_MOONSHOT_FLAGS, MOONSHOT_STEPS),
+        *(
+            Row(f"{UNITS} units, no cap, moonshot (H=100, int2, {what}), {MOONSHOT_STEPS} steps",
+                UNITS, "no cap", "int2", (*MOONSHOT_FLAGS, *flags), MOONSHOT_STEPS)
+            for what, flags in MOONSHOT_VARIANTS
+        ),
         Row(f"{UNITS} units, no cap, int8, {MOONSHOT_STEPS} steps", UNITS, "no cap", "int8",
             steps=MOONSHOT_STEPS),
         *(
@@ -489,7 +487,8 @@ def render(table: Table, checked: list[Claim], results: Results, command: str, a
         "with int8 uploads, int2 with int4). "
         "The rows ', 1 fragment' ran the default of their commit, one fragment; the rows "
         "', int4 deltas down' without that flag ran the default of their commit, int4 deltas "
-        "for every codec. Raw figures of every run: "
+        "for every codec. The moonshot rows with fewer than 2 seeds are probes of one seed. "
+        "Raw figures of every run: "
         f"`{RESULTS.relative_to(REPO)}` "
         f"(machine: {results.machine}); the runs were made by "
         + ", ".join(f"`{c}`" for c in results.invocations)
