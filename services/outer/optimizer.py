@@ -70,10 +70,9 @@ def delayed_nesterov(
         del params
         arrivals = jnp.asarray(extra.get("arrivals", 1), jnp.int32)
         weight = arrivals.astype(jnp.float32)
-        freshness = state.freshness + weight * jnp.asarray(
-            extra.get("freshness", 1.0), jnp.float32
-        )
-        # Used at a milestone only, when (but for a merge that overshoots it) N arrivals' sum.
+        freshness = state.freshness + weight * jnp.asarray(extra.get("freshness", 1.0), jnp.float32)
+        # β·f̄, used at a milestone: the period's freshness sum over N, at most 1 (a merge that
+        # reaches the milestone may bring it more than N arrivals).
         beta = momentum * jnp.minimum(freshness / period, 1.0)
         accumulated = jax.tree_util.tree_map(
             lambda acc, g: acc + weight * g, state.accumulated, grads
