@@ -1,11 +1,11 @@
-"""When a ``diloco up`` run is complete (``services.orchestration.local.run.job_is_complete``) and
-when its units are ready to start together (``services.orchestration.local.release.all_ready``). No
+"""When a ``diloco up`` run is complete (``services.orchestration.local.run.job_is_complete``),
+when it reached its target eval (``target_reached``) and when its units are ready to start together (``services.orchestration.local.release.all_ready``). No
 NATS."""
 
 from __future__ import annotations
 
 from services.orchestration.local.release import READY_TIMEOUT_S, all_ready
-from services.orchestration.local.run import job_is_complete
+from services.orchestration.local.run import job_is_complete, target_reached
 from shared.records.outer import EvalRecord, EvaluationRecord, OuterStatus
 from shared.records.unit import UnitStatus
 
@@ -39,6 +39,15 @@ def test_a_job_is_not_complete_before():
     assert not job_is_complete(missing, UNITS)  # round 3 neither applied nor rejected
     rejected = outer(applied=3, applied_rounds={0: [(0, 2)]}, rejected_rounds={0: [(3, 3)]})
     assert job_is_complete(rejected, UNITS)
+
+
+def test_a_run_reaches_its_target_when_the_newest_eval_is_at_or_below_it():
+    assert target_reached(outer(), 1.0)  # the newest eval is 1.0 nats/byte
+    assert target_reached(outer(), 1.5)
+    assert not target_reached(outer(), 0.99)
+    assert not target_reached(outer(), None)  # no target: never
+    assert not target_reached(outer(evaluated=None), 1.0)
+    assert not target_reached(None, 1.0)
 
 
 def test_units_start_together_once_every_live_one_waits_paused():

@@ -171,6 +171,9 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
             if fresh and cluster.ready_to_end() and job_is_complete(watch.outer, watch.units):
                 reason = "finished"
                 break
+            if target_reached(watch.outer, s.stop_at_eval):
+                reason = f"target eval {s.stop_at_eval:g} nats/byte reached"
+                break
             if elapsed > s.max_duration_s:
                 reason = f"time limit {s.max_duration_s:.0f}s reached"
                 break
@@ -193,6 +196,14 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
         started_at=watch.started_at,
         chaos_offset_s=watch.chaos_offset_s if cluster.chaos else None,
     )
+
+
+def target_reached(outer: OuterStatus | None, target: float | None) -> bool:
+    """Whether the outer's newest held-out eval is at or below ``target`` (never without one)."""
+    if target is None or outer is None or outer.evaluation.last is None:
+        return False
+    loss = outer.evaluation.last.nats_per_byte
+    return loss is not None and loss <= target
 
 
 async def inject_failures(cluster: Cluster, desired_kv: Any, released: bool) -> None:

@@ -74,6 +74,12 @@ class UpSettings(
     max_duration_s: float = Field(
         1800.0, gt=0, description="stop the run after this many seconds even if not finished"
     )
+    stop_at_eval: float | None = Field(
+        None,
+        gt=0,
+        description="end the run once the outer's held-out eval reaches this many nats/byte "
+        "(time to a quality target)",
+    )
     start_together: bool = Field(
         True,
         description="create the units paused and start them together once all are ready "
