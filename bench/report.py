@@ -14,11 +14,13 @@ HEADER = "# Benchmarks\n\nEvery figure comes from the command written above its 
 
 def commit(*own: Path) -> str:
     """HEAD, marked ``-dirty`` when tracked files differ from it, other than ``own`` (the
-    results a benchmark writes itself, so that its second run in one invocation is not)."""
+    results a benchmark writes itself, so that its second run in one invocation is not; paths
+    outside the repository are not tracked anyway)."""
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
     ).stdout.strip()
-    excluded = [f":!{path.relative_to(REPO)}" for path in own]
+    inside = [path for path in own if path.resolve().is_relative_to(REPO)]
+    excluded = [f":!{path.resolve().relative_to(REPO)}" for path in inside]
     changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", *excluded], cwd=REPO)
     return (head or "unknown") + ("-dirty" if changed.returncode else "")
 

@@ -124,7 +124,9 @@ class GoodputRun(Record):
     ``bench/scaling.py`` calibrates and checks its simulator against. Times are seconds from
     the units' start; unit indexes are strings (JSON keys)."""
 
-    key: str = Field(max_length=200, description="method / failure rate / link")
+    key: str = Field(max_length=200, description="method / failure rate / link / seed")
+    commit: str = Field(max_length=40, description="the code the run ran (git HEAD)")
+    seed: Count = Field(description="seed of the data and of the failures")
     method: GoodputMethod
     mtbf_s: PositiveFloat | None = Field(description="mean seconds between a unit's failures")
     link: str | None = Field(None, max_length=100, description="every unit's link (None: none)")
