@@ -64,7 +64,7 @@ from evidence import (
     results_path,
     save,
 )
-from pydantic import BaseModel, Field
+from goodput_results import GoodputResults, Target, load
 from report import commit, write_section
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,23 +87,6 @@ METHODS = {
         *("--outer-optimizer", "sgd", "--outer-lr", "1.0", "--outer-momentum", "0"),
     ],
 }
-
-
-class Target(BaseModel):
-    """The target eval, defined from the first run before any other ran."""
-
-    nats_per_byte: float
-    source: str = Field(description="the run it was derived from, and how")
-    commit: str
-    defined_before: list[str] = Field(description="the runs not yet measured when it was set")
-
-
-class GoodputResults(BaseModel):
-    """``bench/results/goodput.json``: every run, the target, and each invocation that ran."""
-
-    provenance: list[Provenance] = []
-    target: Target | None = None
-    runs: dict[str, GoodputRun] = {}
 
 
 @dataclass(frozen=True)
@@ -568,12 +551,6 @@ def plot(stored: Stored, path: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-
-
-def load(path: Path) -> GoodputResults:
-    if not path.exists():
-        raise SystemExit(f"{path}: no stored results (run the benchmark first)")
-    return GoodputResults.model_validate_json(path.read_text())
 
 
 def parser() -> argparse.ArgumentParser:

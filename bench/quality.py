@@ -1,21 +1,25 @@
-"""Quality benchmark: does asynchronous merging match synchronous DiLoCo?
+"""Quality benchmarks: final held-out eval at equal tokens.
 
-Protocol (as in the DiLoCo papers): every method starts from the same briefly pretrained
-checkpoint (single-unit steps on unit 0's shard), then trains the same model on the same corpus
-with K units and the same total token budget. Methods run on a simulated clock in one process
-(``sim/training.py``, driving the very ``LearnerCore``/``OuterCore`` the services run),
-with unit speeds homogeneous or heterogeneous (slowdowns 1, 1, 2, 4). Headline rows are repeated
-over several data-order seeds and reported as mean ± standard deviation.
+**The real system** (the default; ``## Quality: asynchronous merging vs synchronous DiLoCo``):
+the decoupled default, synchronous DiLoCo (``--mode sync``) and the data-parallel-like
+parameter server, each run by ``bench/goodput.py`` as a whole ``diloco up`` cluster (processes
++ NATS, the shipped downlink) without failures, with 3 seeds; this script reads those runs
+from ``bench/results/goodput.json``, runs the simulator's twin of each (``sim/training.py``,
+driving the very ``LearnerCore``/``OuterCore`` the services run: same model, units, budget, H,
+seed and start, on a simulated clock with equal unit speeds), stores the twins in
+``bench/results/quality.json`` and renders both with the gap between them.
 
-The default configuration is also run once on the real system (``diloco up``: nats-server,
-outer, gateway and learner processes) from scratch, beside a simulated twin of that same run.
+**Simulator studies** (``--alternatives``, ``--codecs``, ``--downlink``): protocol as in the
+DiLoCo papers: every method starts from the same briefly pretrained checkpoint, then trains
+with K units and the same total token budget on the simulated clock, with unit speeds
+homogeneous or heterogeneous (slowdowns 1, 1, 2, 4); headline rows are repeated over several
+data-order seeds and reported as mean ± standard deviation. ``--alternatives``: the other
+merge rules (naive async, quorum, RDA, fragments); ``--codecs``: the default configuration
+once per upload codec against fp32; ``--downlink``: how global params reach units.
 
-With ``--codecs`` it instead runs the default configuration (heterogeneous speeds) once per
-upload codec — fp32, int8, int4, int2 without and with error feedback — over the same seeds,
-and reports each against fp32 (its own BENCHMARKS.md section).
-
-    .venv/bin/python bench/quality.py --write          # ≈ 15-20 min on 2 cores
-    .venv/bin/python bench/quality.py --codecs --write # ≈ 15 min on 2 cores
+    .venv/bin/python bench/quality.py --write            # the real-system table (sim twins)
+    .venv/bin/python bench/quality.py --render --write   # from the stored results
+    .venv/bin/python bench/quality.py --codecs --write   # ≈ 15 min on 2 cores
 """
 
 from __future__ import annotations
@@ -23,11 +27,8 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,18 +39,39 @@ import jax
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from evidence import (
+    Claim,
+    Provenance,
+    at_least,
+    exit_on,
+    note,
+    ratio_at_most,
+    render_claims,
+    results_path,
+    save,
+)
+from goodput_results import GoodputRun
+from goodput_results import load as load_goodput
+from pydantic import BaseModel
 from report import shown_command, write_section
 
 from shared import data, evaluation, model
 from shared.codec.config import BITS
 from shared.runtime import configure_jax
 from shared.settings.algorithm import AlgorithmSettings
-from shared.settings.cli import to_flags
 from shared.settings.codec import CodecSettings
 from shared.settings.workload import WorkloadSettings
 from sim import training as sim
 
 SECTION = "## Quality: asynchronous merging vs synchronous DiLoCo"
+ALTERNATIVES_SECTION = "## Quality in the simulator: alternatives to the default"
+NAME = "quality"
+PROGRAM = ".venv/bin/python bench/quality.py"
+GOODPUT = REPO / "bench" / "results" / "goodput.json"
+REAL_METHODS = ("decoupled", "sync", "dp-like")
+REAL_SEEDS = 3  # seeds per method the real-system table needs
+MAX_VS_SYNC = 1.02  # decoupled's mean final eval over synchronous DiLoCo's
+MAX_TWIN_GAP = 1.03  # the simulator's twin against the real system, either way, per method
 CODEC_SECTION = "## Quality: upload codecs"
 DOWNLINK_SECTION = "## Quality: downlink (how global params reach units)"
 CODECS: list[tuple[str, dict[str, Any]]] = [
@@ -197,47 +219,203 @@ def downlink_methods(setup: sim.SimSetup) -> list[Method]:
     ]
 
 
-def real_system_run(setup: sim.SimSetup, cache: Path) -> tuple[float, str]:
-    """`diloco up` with the setup's settings (the flags of what it changes from the defaults)
-    and heterogeneous speeds; returns its final eval and the command."""
-    changed = [
-        *to_flags(setup.workload, sorted(setup.workload.model_fields_set)),
-        *to_flags(setup.algorithm, sorted(setup.algorithm.model_fields_set)),
-    ]
-    command = [
-        sys.executable,
-        "-m",
-        "services.cli",
-        "up",
-        *changed,
-        "--learners",
-        str(setup.num_units),
-        "--slowdowns",
-        ",".join(str(s) for s in HETEROGENEOUS),
-        "--gateway-port",
-        "0",
-    ]
-    with tempfile.TemporaryDirectory() as data_dir:
-        env = {**os.environ, "DILOCO_JAX_CACHE": str(cache)}
-        out = subprocess.run(
-            [*command, "--data-dir", data_dir],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-    match = re.search(r"-> ([\d.]+) nats/byte", out.stdout)
-    if out.returncode != 0 or not match:
-        raise SystemExit(f"real-system run failed:\n{out.stdout}\n{out.stderr}")
-    shown = " ".join(command[2:])
-    return float(match.group(1)), f"diloco {shown}"
-
-
 def fmt(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.4f}"
     return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f} (n={len(values)})"
+
+
+class TwinRun(BaseModel):
+    """The simulator's twin of one real run: same method, seed, model, units, budget and H."""
+
+    method: str
+    seed: int
+    final_eval: float
+    curve: list[tuple[int, float]]
+    outer_steps: int
+    seconds: float
+
+
+class QualityResults(BaseModel):
+    """``bench/results/quality.json``: the simulator's twins of the real runs."""
+
+    provenance: Provenance
+    twins: list[TwinRun] = []
+
+
+def real_runs(goodput: Path) -> dict[str, list[GoodputRun]]:
+    """Per method, the real runs without failures and without a link cap, by seed."""
+    runs = load_goodput(goodput).runs.values()
+    out: dict[str, list[GoodputRun]] = {m: [] for m in REAL_METHODS}
+    for run in sorted(runs, key=lambda r: r.seed):
+        if run.mtbf_s is None and run.link is None and run.method in out:
+            out[run.method].append(run)
+    return out
+
+
+def twin_algorithm(method: str, h_steps: int) -> AlgorithmSettings:
+    """The algorithm settings of a method as ``bench/goodput.py`` runs it."""
+    if method == "dp-like":
+        return AlgorithmSettings(h_steps=1, outer_lr=1.0, outer_momentum=0.0)
+    return AlgorithmSettings(h_steps=h_steps)
+
+
+def run_twin(method: str, seed: int, config: dict[str, Any], corpus, evaluate) -> TwinRun:
+    """The simulated twin of a real run: from the same initial params (the seed's), the same
+    data order, equal unit speeds."""
+    workload = WorkloadSettings(model=config["model"], max_steps=config["steps"], seed=seed)
+    setup = sim.SimSetup(
+        workload=workload,
+        algorithm=twin_algorithm(method, config["h_steps"]),
+        num_units=config["learners"],
+    )
+    cfg = model.get_config(config["model"])
+    init = model.init_params(cfg, jax.random.PRNGKey(seed))
+    work = sim.Workload(setup, corpus, evaluate)
+    t0 = time.time()
+    if method == "decoupled":
+        result = sim.async_run(work, init, [1.0] * setup.num_units, "decoupled (twin)")
+    else:
+        result = sim.sync_diloco(work, init)
+    return TwinRun(
+        method=method,
+        seed=seed,
+        final_eval=round(result.final_eval, 5),
+        curve=[(t, round(v, 5)) for t, v in result.curve],
+        outer_steps=result.outer_steps,
+        seconds=round(time.time() - t0, 1),
+    )
+
+
+def real_claims(real: dict[str, list[GoodputRun]], twins: list[TwinRun]) -> list[Claim]:
+    """Seeds measured, decoupled against synchronous DiLoCo, and the simulator's gap."""
+
+    def mean(values: list[float]) -> float | None:
+        return statistics.fmean(values) if values else None
+
+    finals = {m: [r.final_eval for r in runs if r.final_eval] for m, runs in real.items()}
+    out = [
+        at_least(
+            f"{method}: seeds measured on the real system", len(finals[method]), REAL_SEEDS, "d"
+        )
+        for method in REAL_METHODS
+    ]
+    out.append(
+        ratio_at_most(
+            f"decoupled's mean final eval ≤ {MAX_VS_SYNC:g}× synchronous DiLoCo's (real system)",
+            mean(finals["decoupled"]),
+            mean(finals["sync"]),
+            MAX_VS_SYNC,
+        )
+    )
+    for method in REAL_METHODS:
+        twin = mean([t.final_eval for t in twins if t.method == method])
+        real_mean = mean(finals[method])
+        gap = None
+        if twin is not None and real_mean is not None:
+            gap = max(twin / real_mean, real_mean / twin)
+        out.append(
+            Claim(
+                f"{method}: the simulator's twin within {100 * (MAX_TWIN_GAP - 1):g}% of the "
+                "real system (mean final eval)",
+                "not measured" if gap is None else f"{twin:.4f} vs {real_mean:.4f}",
+                None if gap is None else gap <= MAX_TWIN_GAP,
+            )
+        )
+    return out
+
+
+def render_real(
+    real: dict[str, list[GoodputRun]], results: QualityResults, checked: list[Claim], path: Path
+) -> str:
+    config = results.provenance.configuration
+    twins = {(t.method, t.seed): t for t in results.twins}
+    sync = [r.final_eval for r in real["sync"] if r.final_eval]
+    sync_mean = statistics.fmean(sync) if sync else None
+    commits = sorted({r.commit for runs in real.values() for r in runs})
+    lines = [
+        SECTION,
+        "",
+        results.provenance.line(path)
+        + f" Real runs: `{config['goodput']}` (made by `.venv/bin/python bench/goodput.py`, "
+        f"commit{'s' if len(commits) > 1 else ''} {', '.join(f'`{c}`' for c in commits)}).",
+        "",
+        f"Model `{config['model']}`, {config['learners']} units, {config['steps']} inner steps "
+        f"per unit (the same tokens for every method), H={config['h_steps']}, from scratch "
+        "(the seed's initial params), without failures or link caps. **Real**: whole `diloco "
+        "up` clusters with the shipped codecs and downlink (int8 uploads, int4 deltas down; the "
+        "parameter server fp32 both ways). **Simulator**: the twin of each run (same seed, "
+        "model, units, budget and H; equal unit speeds on a simulated clock; the sync and "
+        "parameter-server twins average exact fp32 deltas and hand back exact params). Methods: "
+        "decoupled (the shipped defaults); sync (`--mode sync`: every H steps every unit waits "
+        "for the Nesterov step on the units' mean); dp-like (a parameter server: `--mode sync "
+        "--h-steps 1 --codec fp32 --params-codec fp32 --outer-optimizer sgd --outer-lr 1.0 "
+        "--outer-momentum 0`). Final held-out eval in nats/byte; ± is the standard deviation "
+        "over seeds.",
+        "",
+        "| method | real: final eval | real: vs sync | simulator: final eval | simulator − real "
+        "| seeds | real per seed |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for method in REAL_METHODS:
+        runs = [r for r in real[method] if r.final_eval]
+        finals = [r.final_eval for r in runs]
+        sims = [twins[(method, r.seed)].final_eval for r in runs if (method, r.seed) in twins]
+        real_mean = statistics.fmean(finals) if finals else None
+        sim_mean = statistics.fmean(sims) if sims else None
+        vs_sync = f"{100 * (real_mean / sync_mean - 1):+.2f}%" if real_mean and sync_mean else "-"
+        gap = f"{100 * (sim_mean / real_mean - 1):+.2f}%" if sim_mean and real_mean else "-"
+        per_seed = ", ".join(f"{r.final_eval:.4f} (seed {r.seed})" for r in runs)
+        lines.append(
+            f"| {method} | {fmt(finals) if finals else '-'} | {vs_sync} "
+            f"| {fmt(sims) if sims else '-'} | {gap} | {len(finals)} | {per_seed} |"
+        )
+    lines += ["", render_claims(checked)]
+    return "\n".join(lines)
+
+
+def real_main(args: argparse.Namespace) -> None:
+    """The real-system table: read the real runs, run (or load) their twins, render, check."""
+    path = results_path(NAME, args.quick)
+    goodput = args.goodput or results_path("goodput", args.quick)
+    real = real_runs(goodput)
+    if args.render:
+        if not path.exists():
+            raise SystemExit(f"{path}: no stored results (run bench/quality.py first)")
+        results = QualityResults.model_validate_json(path.read_text())
+    else:
+        stored = load_goodput(goodput).provenance
+        configuration = {
+            k: stored[-1].configuration[k] for k in ("model", "learners", "steps", "h_steps")
+        }
+        shown = goodput.resolve()
+        configuration["goodput"] = str(
+            shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown
+        )
+        configuration["sim_seeds"] = args.sim_seeds
+        results = QualityResults(provenance=Provenance.start(PROGRAM, configuration, path))
+        started = time.monotonic()
+        configure_jax()
+        cfg = model.get_config(configuration["model"])
+        corpus = data.split_corpus(data.load_corpus(None), 0.02)
+        evaluate = evaluation.make_evaluator(
+            cfg, data.eval_batches(corpus.heldout, cfg.seq_len, 16, 8)
+        )
+        last = stored[-1].configuration
+        seeds = list(dict.fromkeys([last["seed"], *last["seeds"]]))[: args.sim_seeds]
+        for method in REAL_METHODS:
+            for seed in seeds:
+                twin = run_twin(method, seed, configuration, corpus, evaluate)
+                results.twins.append(twin)
+                note(f"twin {method} seed {seed}: {twin.final_eval:.4f} ({twin.seconds:.0f}s)")
+                results.provenance.seconds = round(time.monotonic() - started, 1)
+                save(path, results)
+    checked = real_claims(real, results.twins)
+    text = render_real(real, results, checked, path)
+    print(text)
+    if args.write and not args.quick:
+        write_section(SECTION, text)
+    exit_on(checked, args.quick)
 
 
 def main() -> None:
@@ -249,7 +427,9 @@ def main() -> None:
     )
     parser.add_argument("--pretrain", type=int, default=40, help="shared pretraining steps")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the headline rows")
-    parser.add_argument("--no-real", action="store_true", help="skip the real-system run")
+    parser.add_argument(
+        "--alternatives", action="store_true", help="simulator: the other merge rules instead"
+    )
     parser.add_argument("--codecs", action="store_true", help="compare upload codecs instead")
     parser.add_argument(
         "--downlink", action="store_true", help="compare how globals reach units instead"
@@ -264,7 +444,16 @@ def main() -> None:
         "--section", default=CODEC_SECTION, help="BENCHMARKS.md heading of the --codecs table"
     )
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md + plot")
+    parser.add_argument(
+        "--goodput", type=Path, default=None, help="the real runs (bench/results/goodput.json)"
+    )
+    parser.add_argument("--sim-seeds", type=int, default=REAL_SEEDS, help="twins per method")
+    parser.add_argument("--render", action="store_true", help="run nothing: render the stored")
+    parser.add_argument("--quick", action="store_true", help="smoke run (results elsewhere)")
     args = parser.parse_args()
+    if not (args.alternatives or args.codecs or args.downlink):
+        real_main(args)
+        return
     configure_jax()
     started = time.time()
     workload = WorkloadSettings(model=args.model, max_steps=args.steps)
@@ -313,21 +502,14 @@ def main() -> None:
         if args.write:
             write_section(DOWNLINK_SECTION, table)
         return
-    twin = real = None
-    if not args.no_real:
-        twin = sim.async_run(base, init, HETEROGENEOUS, "default (twin)")
-        print(f"simulated twin of the real run (from scratch): {twin.final_eval:.4f}", flush=True)
-        real, real_command = real_system_run(setup, Path(tempfile.mkdtemp()))
-        print(f"real system: {real:.4f}  ({real_command})", flush=True)
-
-    table = render(args, setup, rows, results, twin, real, time.time() - started)
+    table = render(args, setup, rows, results, time.time() - started)
     print("\n" + table)
     if args.write:
         plot(rows, results, REPO / "bench" / "quality.png")
-        write_section(SECTION, table)
+        write_section(ALTERNATIVES_SECTION, table)
 
 
-def render(args, setup, rows, results, twin, real, elapsed_s) -> str:
+def render(args, setup, rows, results, elapsed_s) -> str:
     def mean(index):
         return statistics.mean(r.final_eval for r in results[index])
 
@@ -336,7 +518,7 @@ def render(args, setup, rows, results, twin, real, elapsed_s) -> str:
     dp = mean(names.index("data-parallel")) if "data-parallel" in names else None
     command = shown_command("python bench/quality.py")
     lines = [
-        SECTION,
+        ALTERNATIVES_SECTION,
         "",
         f"`{command.strip()}` — model `{setup.workload.model}`, K={setup.num_units} units, "
         f"{setup.steps_per_unit} inner steps per unit of batch {setup.workload.batch_size} "
@@ -370,14 +552,6 @@ def render(args, setup, rows, results, twin, real, elapsed_s) -> str:
             f"| {method.name} | {speeds} | {fmt([r.final_eval for r in results[index]])} "
             f"| {vs_sync} | {vs_dp} | {first.outer_steps} | {merged} |"
         )
-    if twin is not None and real is not None:
-        lines += [
-            "",
-            "Real system (processes + NATS, `diloco up` with the default algorithm, slowdowns "
-            f"1,1,2,4, from scratch, same budget): **{real:.4f}** nats/byte; its simulated twin "
-            f"(same start, budget and algorithm): **{twin.final_eval:.4f}** "
-            f"({100 * (real / twin.final_eval - 1):+.2f}%).",
-        ]
     lines += ["", "![eval loss vs tokens](bench/quality.png)", ""]
     return "\n".join(lines)
 

@@ -1,19 +1,25 @@
-"""The time-aware cluster simulator (``services/clustersim``): checked against the real runs of
+"""The cluster simulator (``sim/cluster``): checked out of sample against the real runs of
 ``bench/goodput.py``, then run at the paper's chip scale and at the seed's 12B / four regions /
-2–5 Gbit/s setting. No JAX; about a minute.
+2–5 Gbit/s setting. No JAX; seconds.
 
-1. **Calibration and check.** Each run in ``bench/results/goodput.json`` is simulated with its
-   own measured unit speeds, upload size, links and seeded failures. Two figures the simulator
-   cannot derive are fitted on the real runs: a killed unit's restart time (from the decoupled
-   runs with failures) and the outer's seconds per round of the synchronous methods (from their
-   runs without failures). Every run with failures of sync and dp-like is then a prediction;
-   the table gives real and simulated goodput side by side.
-2. **Chip scale.** Chips with a mean time between interruptions of one year each, 150k to 2.4M
-   chips; plain data-parallel (restart on every failure), elastic data-parallel (stall on a
-   failure and on the chip's return), synchronous DiLoCo and Decoupled DiLoCo with M = 8 elastic
-   learners. The stall and restart times are fitted to the paper's elastic and plain
-   data-parallel goodput at 1.2M chips; every other figure is a prediction.
-3. **12B over four regions**: wall-clock per 1,000 inner steps of each method at 2 and 5 Gbit/s.
+1. **Fit, then predict other runs.** The runs of ``bench/results/goodput.json`` split in two.
+   The **fit set** is the runs of one seed (``--fit-seed``) without a link cap: from them come
+   the figures the simulator cannot derive (a killed unit's restart time, from the decoupled
+   runs with failures; the outer's seconds per round of sync and dp-like, from their runs
+   without failures) and each method's healthy unit speeds. The **held-out set** is every other
+   run (other seeds, other failure schedules, the throttled link): each is simulated with the
+   fit set's figures and speeds and only its own conditions (the link, the seeded failure
+   schedule, the budget), and only these predictions are scored.
+2. **Chip scale** (model output): chips with a mean time between interruptions of one year
+   each, 150k to 2.4M chips; plain data-parallel (restart on every failure), elastic
+   data-parallel (stall on a failure and on the chip's return), synchronous DiLoCo and
+   Decoupled DiLoCo with M = 8 elastic learners. The stall and restart times are fitted to the
+   paper's elastic and plain data-parallel goodput at 1.2M chips (two figures of a secondary
+   summary); every other cell is the model's output, not a measurement.
+3. **12B over four regions** (model output): wall-clock per 1,000 inner steps of each method at
+   2 and 5 Gbit/s, from assumed step and merge times.
+
+Raw results: ``bench/results/scaling.json``.
 
     .venv/bin/python bench/scaling.py --write
 """
@@ -22,13 +28,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
 
-from report import shown_command, write_section
+from evidence import Claim, Provenance, at_most, exit_on, render_claims, results_path, save
+from goodput_results import GoodputRun
+from goodput_results import load as load_goodput
+from pydantic import BaseModel
+from report import write_section
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -36,30 +46,63 @@ sys.path.insert(0, str(REPO))
 from shared.model_config import get_config
 from sim.cluster import scenarios
 from sim.cluster.engine import simulate
-from sim.cluster.model import GoodputRun
 from sim.cluster.scenarios import CHIP_COUNTS, PAPER_GOODPUT, Calibration, ChipScale, TwelveB
 
 SECTION = "## Scaling (simulated)"
 PLOT = REPO / "bench" / "scaling.png"
-RESULTS = REPO / "bench" / "results" / "goodput.json"
+GOODPUT = REPO / "bench" / "results" / "goodput.json"
+NAME = "scaling"
+PROGRAM = ".venv/bin/python bench/scaling.py"
 DECOUPLED_MERGE_S = 0.1  # assumed: far from the outer's limit at these upload rates
 CHIP_METHODS = ("data-parallel", "elastic data-parallel", "sync DiLoCo M=8", "decoupled M=8")
+MAX_MEAN_ERROR_PP = 5.0  # held-out goodput predictions: mean absolute error, percentage points
+
+
+class Prediction(BaseModel):
+    """One held-out run: what it measured and what the fitted simulator predicted."""
+
+    key: str
+    commit: str
+    real: float | None
+    sim: float
+    real_up: float | None
+    sim_up: float
+    real_window: float
+    sim_window: float
+    cut_off: bool
+
+
+class ScalingResults(BaseModel):
+    """``bench/results/scaling.json``."""
+
+    provenance: Provenance
+    fit_runs: list[str]
+    restart_s: float
+    merge_s: dict[str, float]
+    predictions: list[Prediction]
+    chip_inputs: dict[str, float]
+    chip_goodput: dict[str, list[float]]
+    twelve_b: list[dict[str, float | str]]
+    twelve_b_inputs: dict[str, float]
+    link_share: dict[str, float]
 
 
 def _f(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def load_runs(path: Path) -> list[GoodputRun]:
-    return [GoodputRun.model_validate(v) for v in json.loads(path.read_text()).values()]
+def split(runs: list[GoodputRun], fit_seed: int) -> tuple[list[GoodputRun], list[GoodputRun]]:
+    """The fit set (the fit seed's runs without a link cap) and the held-out set (the rest)."""
+    fit = [r for r in runs if r.seed == fit_seed and r.link is None]
+    return fit, [r for r in runs if r not in fit]
 
 
-def calibrate(runs: list[GoodputRun], model: str) -> Calibration:
-    """The restart time and the outer's seconds per round, fitted on the real runs."""
+def calibrate(fit: list[GoodputRun], model: str) -> Calibration:
+    """The restart time and the outer's seconds per round, fitted on the fit set only."""
     fp32 = 4 * sum(math.prod(s) for s in get_config(model).param_shapes().values())
-    int8 = next(r.upload_bytes for r in runs if r.method == "decoupled" and r.upload_bytes)
+    int8 = next(r.upload_bytes for r in fit if r.method == "decoupled" and r.upload_bytes)
     restart = scenarios.fit_restart_s(
-        [r for r in runs if r.method == "decoupled" and r.mtbf_s is not None]
+        [r for r in fit if r.method == "decoupled" and r.mtbf_s is not None]
     )
     calibration = Calibration(
         restart_s=restart,
@@ -68,34 +111,61 @@ def calibrate(runs: list[GoodputRun], model: str) -> Calibration:
     )
     merge = dict(calibration.merge_s)
     for method in ("sync", "dp-like"):
-        base = next(
-            (r for r in runs if r.method == method and r.mtbf_s is None and r.link is None), None
-        )
+        base = next((r for r in fit if r.method == method and r.mtbf_s is None), None)
         if base is not None:
             merge[method] = scenarios.fit_merge_s(base, calibration)
     return dataclasses.replace(calibration, merge_s=merge)
 
 
-def check(runs: list[GoodputRun], calibration: Calibration) -> list[dict]:
-    """Real against simulated goodput, per run."""
-    rows = []
-    for run in runs:
-        outcome = simulate(scenarios.small_cluster(run, calibration))
-        fitted = run.mtbf_s is None and run.link is None and run.method != "decoupled"
-        rows.append(
-            {
-                "key": run.key,
-                "real": run.goodput,
-                "sim": outcome.goodput,
-                "real_up": run.up,
-                "sim_up": outcome.up,
-                "real_window": scenarios.mean_window_s(run),
-                "sim_window": sum(outcome.windows_s) / len(outcome.windows_s),
-                "role": "fitted" if fitted else "predicted",
-                "cut_off": run.reason != "finished",
-            }
+def as_predicted(run: GoodputRun, fit: list[GoodputRun]) -> GoodputRun:
+    """The held-out run as the simulator may see it: its conditions (link, failures, budget)
+    with the unit speeds and upload size of the fit set's run of its method without failures
+    (its own measured speeds are an outcome, not an input)."""
+    base = next((r for r in fit if r.method == run.method and r.mtbf_s is None), None)
+    if base is None:
+        return run
+    return run.model_copy(update={"speeds": base.speeds, "upload_bytes": base.upload_bytes})
+
+
+def predict(held: list[GoodputRun], fit: list[GoodputRun], c: Calibration) -> list[Prediction]:
+    """Real against predicted goodput, per held-out run."""
+    out = []
+    for run in held:
+        outcome = simulate(scenarios.small_cluster(as_predicted(run, fit), c))
+        out.append(
+            Prediction(
+                key=run.key,
+                commit=run.commit,
+                real=run.goodput,
+                sim=outcome.goodput,
+                real_up=run.up,
+                sim_up=outcome.up,
+                real_window=scenarios.mean_window_s(run),
+                sim_window=sum(outcome.windows_s) / len(outcome.windows_s),
+                cut_off=run.reason != "finished",
+            )
         )
-    return rows
+    return out
+
+
+def errors_pp(predictions: list[Prediction]) -> list[float]:
+    """Absolute prediction errors in percentage points, of the runs that ran their budget."""
+    return [
+        abs(100 * (p.sim - p.real)) for p in predictions if p.real is not None and not p.cut_off
+    ]
+
+
+def claims(results: ScalingResults) -> list[Claim]:
+    errors = errors_pp(results.predictions)
+    return [
+        at_most(
+            f"held-out goodput predictions: mean absolute error ≤ {MAX_MEAN_ERROR_PP:g} pp "
+            f"({len(errors)} runs)",
+            statistics.fmean(errors) if errors else None,
+            MAX_MEAN_ERROR_PP,
+            ".1f",
+        )
+    ]
 
 
 def chip_sweep(c: ChipScale) -> dict[str, list[float]]:
@@ -153,118 +223,151 @@ def plot(sweep: dict[str, list[float]], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def table(args, calibration, checked, fitted_c, sweep, budget, elapsed_s, command) -> str:
-    t = TwelveB()
+def render(results: ScalingResults, checked: list[Claim], path: Path) -> str:
+    p = results.provenance
+    chip = results.chip_inputs
     lines = [
         SECTION,
         "",
-        f"`{command}` — `services/clustersim`, a discrete-event model of whole clusters "
-        "(docs/SCALING.md). No JAX; "
-        f"{elapsed_s:.0f} s.",
+        p.line(path) + " `sim/cluster`, a discrete-event model of whole clusters "
+        "(docs/SCALING.md); no JAX.",
         "",
-        "**Calibration and check against `bench/goodput.py`** (`bench/results/goodput.json`). "
-        "Fitted: a killed unit's restart time "
-        f"{calibration.restart_s:.1f} s (from the decoupled runs with failures: measured down "
-        "time beyond the scheduled repairs, per kill); the outer's seconds per round of sync "
-        f"{calibration.merge_s['sync']:.2f} s and of dp-like {calibration.merge_s['dp-like']:.2f} s"
-        " (from their runs without failures: the simulated units end when the real ones did). "
-        f"Assumed: decoupled {DECOUPLED_MERGE_S} s per merge. Measured per run: "
-        "each unit's healthy speed, the upload size, the link, the failures.",
+        "**Out-of-sample check against `bench/goodput.py`** "
+        f"(`{p.configuration.get('goodput', GOODPUT.relative_to(REPO))}`). Fit "
+        f"set: {', '.join(f'`{k}`' for k in results.fit_runs)}. Fitted on it: a killed unit's "
+        f"restart time {results.restart_s:.1f} s (the decoupled runs with failures: measured "
+        "down time beyond the scheduled repairs, per kill); the outer's seconds per round of "
+        f"sync {results.merge_s['sync']:.2f} s and of dp-like {results.merge_s['dp-like']:.2f} s "
+        "(their runs without failures: the simulated units end when the real ones did); each "
+        "method's unit speeds and upload size. Assumed: decoupled "
+        f"{results.merge_s['decoupled']:g} s per merge. Each held-out run below is predicted "
+        "from those and its own conditions only (seed, failure schedule, link, budget); no "
+        "held-out figure enters the fit.",
         "",
-        "| run | role | goodput real | goodput sim | difference pp | up real / sim "
-        "| units' mean window s real / sim |",
+        "| held-out run | goodput real | goodput predicted | error pp | up real / predicted "
+        "| units' mean window s real / predicted | commit |",
         "|---|---|---|---|---|---|---|",
     ]
-    within = 0
-    for row in checked:
-        diff = None if row["real"] is None else 100 * (row["sim"] - row["real"])
-        counted = row["role"] == "predicted" and not row["cut_off"]
-        if diff is not None and abs(diff) <= 5 and counted:
-            within += 1
-        note = " (cut off: not counted)" if row["cut_off"] else ""
+    for row in results.predictions:
+        diff = None if row.real is None else 100 * (row.sim - row.real)
+        note = " (cut off: not scored)" if row.cut_off else ""
         lines.append(
-            f"| {row['key']}{note} | {row['role']} | {_f(row['real'], '.3f')} "
-            f"| {row['sim']:.3f} | {_f(diff, '+.1f')} "
-            f"| {_f(row['real_up'], '.3f')} / {row['sim_up']:.3f} "
-            f"| {row['real_window']:.0f} / {row['sim_window']:.0f} |"
+            f"| {row.key}{note} | {_f(row.real, '.3f')} | {row.sim:.3f} | {_f(diff, '+.1f')} "
+            f"| {_f(row.real_up, '.3f')} / {row.sim_up:.3f} "
+            f"| {row.real_window:.0f} / {row.sim_window:.0f} | {row.commit} |"
         )
+    errors = errors_pp(results.predictions)
+    if errors:
+        lines += [
+            "",
+            f"Held-out prediction errors ({len(errors)} runs): mean {statistics.fmean(errors):.1f} "
+            f"pp, largest {max(errors):.1f} pp; {sum(e <= 5 for e in errors)} within 5 pp.",
+        ]
     lines += [
         "",
-        f"Predicted runs (not cut off) within 5 percentage points: **{within}** of "
-        f"{sum(r['role'] == 'predicted' and not r['cut_off'] for r in checked)}.",
-        "",
-        "**Chip scale.** Inputs: MTBI 1 year per chip and the chip counts (the paper, via "
-        "secondary sources: `../shared/research/algorithms.md` §1.7–1.8); step "
-        f"{fitted_c.step_s:g} s, H = {fitted_c.h_steps}, a failed chip returns after "
-        f"{fitted_c.repair_s:.0f} s, synchronous DiLoCo's timeout {fitted_c.sync_timeout_s:g} s "
-        f"(assumed); {fitted_c.horizon_s / 3600:.0f} h simulated per point. Fitted at 1.2M "
-        f"chips: an elastic slice stalls {fitted_c.stall_s:.1f} s on a failure and again on the "
-        f"chip's return (elastic data-parallel → 58%); plain data-parallel restarts in "
-        f"{fitted_c.restart_s:.1f} s (→ 27%). Every other cell is a prediction; the paper's "
-        "figures (one summary's Table 1) are in brackets.",
+        "**Chip scale — model output, not a measurement.** Inputs: MTBI 1 year per chip and the "
+        "chip counts (the paper, via secondary sources: `../shared/research/algorithms.md` "
+        f"§1.7–1.8); step {chip['step_s']:g} s, H = {chip['h_steps']:.0f}, a failed chip returns "
+        f"after {chip['repair_s']:.0f} s, synchronous DiLoCo's timeout "
+        f"{chip['sync_timeout_s']:g} s (assumed); {chip['horizon_s'] / 3600:.0f} h simulated per "
+        f"point. Fitted to two figures of one summary of the paper, at 1.2M chips: an elastic "
+        f"slice stalls {chip['stall_s']:.1f} s on a failure and again on the chip's return "
+        f"(elastic data-parallel → 58%); plain data-parallel restarts in "
+        f"{chip['restart_s']:.1f} s (→ 27%). Every other cell is the model's output; the "
+        "paper's figures (the same summary's Table 1) are in brackets for comparison.",
         "",
         "| method | " + " | ".join(f"{c / 1e6:g}M chips" for c in CHIP_COUNTS) + " |",
         "|---|" + "---|" * len(CHIP_COUNTS),
     ]
-    for method, values in sweep.items():
+    for method, values in results.chip_goodput.items():
         paper = PAPER_GOODPUT.get(method)
         cells = [f"{v:.0%}" + (f" [{paper[i]:.0%}]" if paper else "") for i, v in enumerate(values)]
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    t = results.twelve_b_inputs
     lines += [
         "",
         f"![goodput vs chips]({PLOT.relative_to(REPO)})",
         "",
-        f"**12B over four regions** (the seed's setting). Inputs: {t.params / 1e9:.0f}B "
-        f"parameters, {t.regions} regions, one inner step {t.step_s:g} s of compute (assumed), "
-        f"H = {t.h_steps} (assumed), {t.latency_s * 1000:.0f} ms between regions (assumed), "
-        f"the decoupled outer applies an update in {t.merge_s:g} s (assumed). Data-parallel: a "
-        "ring all-reduce of bf16 gradients every step; synchronous DiLoCo: the same of bf16 "
-        "pseudo-gradients every H steps; decoupled: int4 uploads and int8 globals, never "
-        f"waited for ({t.steps:,} steps simulated, no failures).",
+        f"**12B over four regions — model output** (the seed's setting). Inputs: "
+        f"{t['params'] / 1e9:.0f}B parameters, {t['regions']:.0f} regions, one inner step "
+        f"{t['step_s']:g} s of compute (assumed), H = {t['h_steps']:.0f} (assumed), "
+        f"{t['latency_s'] * 1000:.0f} ms between regions (assumed), the decoupled outer applies "
+        f"an update in {t['merge_s']:g} s (assumed). Data-parallel: a ring all-reduce of bf16 "
+        "gradients every step; synchronous DiLoCo: the same of bf16 pseudo-gradients every H "
+        "steps; decoupled: int4 uploads and int8 globals, never waited for "
+        f"({t['steps']:,.0f} steps simulated, no failures).",
         "",
         "| link per region | method | wall-clock per 1,000 steps | vs decoupled |",
         "|---|---|---|---|",
     ]
-    for row in budget:
+    for row in results.twelve_b:
         lines.append(
             f"| {row['gbit']:g} Gbit/s | {row['method']} | "
-            f"{row['per_1000_steps_s'] / 3600:,.2f} h | {row['vs_decoupled']:,.1f}× |"
+            f"{float(row['per_1000_steps_s']) / 3600:,.2f} h | {row['vs_decoupled']:,.1f}× |"
         )
+    share = results.link_share
     lines += [
         "",
-        "A decoupled region's downlink is busy "
-        f"{decoupled_link_share(t, 2.0):.0%} of a sync period at 2 Gbit/s and "
-        f"{decoupled_link_share(t, 5.0):.0%} at 5 Gbit/s (one int8 global per period), so "
-        "communication stays hidden behind compute.",
+        f"A decoupled region's downlink is busy {share['2']:.0%} of a sync period at 2 Gbit/s "
+        f"and {share['5']:.0%} at 5 Gbit/s (one int8 global per period), so communication "
+        "stays hidden behind compute.",
         "",
+        render_claims(checked),
     ]
     return "\n".join(lines)
+
+
+def measure(args: argparse.Namespace, path: Path) -> ScalingResults:
+    shown = args.goodput.resolve()
+    shown = shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown
+    configuration = {"model": args.model, "fit_seed": args.fit_seed, "goodput": str(shown)}
+    provenance = Provenance.start(PROGRAM, configuration, path)
+    started = time.monotonic()
+    runs = list(load_goodput(args.goodput).runs.values())
+    fit, held = split(runs, args.fit_seed)
+    calibration = calibrate(fit, args.model)
+    fitted_c = scenarios.fit_chip_scale(ChipScale())
+    t = TwelveB()
+    results = ScalingResults(
+        provenance=provenance,
+        fit_runs=[r.key for r in fit],
+        restart_s=calibration.restart_s,
+        merge_s=calibration.merge_s,
+        predictions=predict(held, fit, calibration),
+        chip_inputs={k: float(v) for k, v in dataclasses.asdict(fitted_c).items()},
+        chip_goodput=chip_sweep(fitted_c),
+        twelve_b=twelve_b_table(t),
+        twelve_b_inputs={k: float(v) for k, v in dataclasses.asdict(t).items()},
+        link_share={"2": decoupled_link_share(t, 2.0), "5": decoupled_link_share(t, 5.0)},
+    )
+    results.provenance.seconds = round(time.monotonic() - started, 1)
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", help="the model of the goodput runs")
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--goodput", type=Path, default=GOODPUT, help="the real runs")
+    parser.add_argument("--fit-seed", type=int, default=1, help="the seed of the fit set")
+    parser.add_argument("--render", action="store_true", help="run nothing: render the stored")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md + plot")
+    parser.add_argument("--quick", action="store_true", help="smoke run (results elsewhere)")
     args = parser.parse_args()
-    command = shown_command(".venv/bin/python bench/scaling.py")
-    started = time.time()
-    runs = load_runs(args.results)
-    calibration = calibrate(runs, args.model)
-    checked = check(runs, calibration)
-    for row in checked:
-        print(json.dumps(row), flush=True)
-    fitted_c = scenarios.fit_chip_scale(ChipScale())
-    print(f"chip scale fitted: stall {fitted_c.stall_s:.2f} s, restart {fitted_c.restart_s:.2f} s")
-    sweep = chip_sweep(fitted_c)
-    budget = twelve_b_table(TwelveB())
-    text = table(
-        args, calibration, checked, fitted_c, sweep, budget, time.time() - started, command
-    )
-    print("\n" + text)
-    if args.write:
-        plot(sweep, PLOT)
+    path = results_path(NAME, args.quick)
+    if args.render:
+        if not path.exists():
+            raise SystemExit(f"{path}: no stored results (run bench/scaling.py first)")
+        results = ScalingResults.model_validate_json(path.read_text())
+    else:
+        results = measure(args, path)
+        save(path, results)
+    checked = claims(results)
+    text = render(results, checked, path)
+    print(text)
+    if args.write and not args.quick:
+        plot(results.chip_goodput, PLOT)
         write_section(SECTION, text)
+    exit_on(checked, args.quick)
 
 
 if __name__ == "__main__":
