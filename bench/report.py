@@ -9,18 +9,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "BENCHMARKS.md"
+OUTPUTS = ("bench/results", "BENCHMARKS.md", "bench/*.png")
 HEADER = "# Benchmarks\n\nEvery figure comes from the command written above its table.\n"
 
 
 def commit(*own: Path) -> str:
     """HEAD, marked ``-dirty`` when tracked files differ from it, other than ``own`` (the
     results a benchmark writes itself, so that its second run in one invocation is not; paths
-    outside the repository are not tracked anyway)."""
+    outside the repository are not tracked anyway) and the benchmarks' outputs (``OUTPUTS``:
+    results, tables and plots are what runs write, not the code they ran)."""
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
     ).stdout.strip()
     inside = [path for path in own if path.resolve().is_relative_to(REPO)]
     excluded = [f":!{path.resolve().relative_to(REPO)}" for path in inside]
+    excluded += [f":!{path}" for path in OUTPUTS]
     changed = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", ".", *excluded], cwd=REPO)
     return (head or "unknown") + ("-dirty" if changed.returncode else "")
 
