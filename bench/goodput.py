@@ -85,6 +85,10 @@ METHODS = {
     "dp-like": [
         *("--mode", "sync", "--h-steps", "1", "--codec", "fp32", "--params-codec", "fp32"),
         *("--outer-optimizer", "sgd", "--outer-lr", "1.0", "--outer-momentum", "0"),
+        # fp32 copies down, as a parameter server sends; and no norm guard: its reference, the
+        # first merged norms, comes from the warm-up's first steps (learning rate near 0), so
+        # it rejected every later step as an outlier.
+        *("--params-downlink", "copy", "--norm-guard", "off"),
     ],
 }
 
@@ -394,7 +398,7 @@ def render(stored: Stored, results: GoodputResults, checked: list[Claim], path: 
         f"{_f(period, '.0f')} s). Methods: decoupled (the shipped defaults); sync (`--mode sync "
         f"--sync-timeout-s {args.sync_timeout_s:g}`); dp-like (a parameter server: `--mode sync "
         "--h-steps 1 --codec fp32 --params-codec fp32 --outer-optimizer sgd --outer-lr 1.0 "
-        "--outer-momentum 0`). **Target**: "
+        "--outer-momentum 0 --params-downlink copy --norm-guard off`). **Target**: "
         + (
             f"{goal:.4f} nats/byte, set from `{target.source}` before any other run"
             if target
