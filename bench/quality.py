@@ -350,8 +350,8 @@ def render_real(
         "decoupled (the shipped defaults); sync (`--mode sync`: every H steps every unit waits "
         "for the Nesterov step on the units' mean); dp-like (a parameter server: `--mode sync "
         "--h-steps 1 --codec fp32 --params-codec fp32 --outer-optimizer sgd --outer-lr 1.0 "
-        "--outer-momentum 0 --params-downlink copy --norm-guard off`). Final held-out eval in nats/byte; ± is the standard deviation "
-        "over seeds.",
+        "--outer-momentum 0 --params-downlink copy --norm-guard off`). Final held-out eval in "
+        "nats/byte; ± is the standard deviation over seeds.",
         "",
         "| method | real: final eval | real: vs sync | simulator: final eval | simulator − real "
         "| seeds | real per seed |",
