@@ -111,6 +111,16 @@ def ratio_at_least(text: str, value: float | None, base: float | None, bound: fl
     return Claim(text, f"{value:.4f} / {base:.4f} = {ratio:.3f}", ratio >= bound)
 
 
+def ratio_within(
+    text: str, value: float | None, base: float | None, low: float, high: float
+) -> Claim:
+    """``low ≤ value / base ≤ high``."""
+    if value is None or base is None or base == 0:
+        return Claim(text, "not measured", None)
+    ratio = value / base
+    return Claim(text, f"{value:.4f} / {base:.4f} = {ratio:.3f}", low <= ratio <= high)
+
+
 def render_claims(claims: Iterable[Claim]) -> str:
     """The claims as the list under a table."""
     lines = ["Claims (checked by the script; it exits 1 when one fails or is not measured):", ""]
@@ -132,7 +142,8 @@ def exit_on(claims: list[Claim], quick: bool = False) -> None:
     """Exit 1, naming them, when :func:`failures` finds any."""
     failed = failures(claims, quick)
     for claim in claims:
-        print(f"claim {'holds' if claim.holds else 'fails'}: {claim.text} ({claim.measured})")
+        verdict = {True: "holds", False: "fails", None: "not measured"}[claim.holds]
+        print(f"claim {verdict}: {claim.text} ({claim.measured})", file=sys.stderr)
     if failed:
         names = "; ".join(c.text for c in failed)
         kind = "are not measured" if quick else "fail or are not measured"
