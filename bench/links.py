@@ -31,16 +31,23 @@ training loops spent in calls to the link.
 The raw figures of every run go to ``bench/results/links.json`` (with the commit, the command
 and the machine); ``--reuse`` keeps the runs stored there and runs only the missing ones, so the
 grid can be filled over several invocations. The BENCHMARKS.md section is rendered from that
-file, with the issue's claims checked (``claims``): the script exits 1 when one fails or is not
-measured.
+file (``--render`` renders it without running anything), with the issue's claims checked
+(``claims``, ``evidence.Claim``): the script exits 1 when one fails or is not measured.
+
+``--quick`` is the smoke version (``make bench-quick``): the same code on the model ``tiny``,
+``QUICK_STEPS`` inner steps, one seed and only the rows ``QUICK_LABELS``, its runs stored under
+``evidence.quick_dir()`` and BENCHMARKS.md left alone. It checks only the claims about the rows
+it ran (claims are made from the rows of the run's table: the full table has every row, so a
+full run needs them all), and fails only when one of those is not measured.
 
     .venv/bin/python bench/links.py --write
+    .venv/bin/python bench/links.py --render --seeds 2   # the section from the stored runs
+    .venv/bin/python bench/links.py --quick              # the smoke version
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -53,6 +60,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster import up_command  # bench/ is on sys.path when run as a script
+from evidence import (
+    Claim,
+    at_least,
+    exit_on,
+    note,
+    ratio_at_most,
+    render_claims,
+    results_path,
+    save,
+)
 from pydantic import BaseModel
 from report import BENCHMARKS, commit, shown_command, write_section
 
@@ -64,7 +81,8 @@ from shared.bandwidth import unit_data_parallel_bytes_per_token
 from shared.records.unit import UnitStatus
 
 SECTION = "## Throttled links"
-RESULTS = REPO / "bench" / "results" / "links.json"
+NAME = "links"
+RESULTS = results_path(NAME, quick=False)
 PLOT = REPO / "bench" / "links.png"
 DELAY = "50ms"
 RATES = ["no cap", "100mbit", "20mbit", "5mbit", "1mbit", "500kbit"]
@@ -73,6 +91,16 @@ CODECS = ["int8", "int4"]
 UNITS = 4
 FEW_UNITS = 2
 MODEL = "small"
+STEPS = 300  # inner steps per unit (``--steps``)
+SEEDS = 2  # (``--seeds``)
+#: The quick run: the same code on a small model, few steps, one seed and two of the rows, a
+#: no-cap row and its 1 Mbit/s twin (the claims it makes: the slow link's final eval, and every
+#: run's time in network calls). Its 4-unit twins would add the bytes and speed claims, but take
+#: about 1.6 times as long (~100 CPU-s against ~65).
+QUICK_MODEL = "tiny"
+QUICK_STEPS = 60
+QUICK_SEEDS = 1
+QUICK_LABELS = (f"{FEW_UNITS} units, no cap, int8", f"{FEW_UNITS} units, 1mbit, int8")
 #: Flags of the rows that are not on the grid (each on top of the shipped defaults).
 REFERENCE_FLAGS = (
     "--params-downlink",
@@ -208,6 +236,11 @@ def rows() -> list[Row]:
     ]  # fmt: skip
 
 
+def quick_rows() -> list[Row]:
+    """The rows of the quick run (``QUICK_LABELS``), as the full run has them."""
+    return [row for row in rows() if row.label in QUICK_LABELS]
+
+
 class RunFigures(BaseModel):
     """What one run measured (the worst unit where units differ)."""
 
@@ -247,7 +280,7 @@ def machine() -> str:
 
 def command_of(row: Row, args: argparse.Namespace, seed: int, data_dir: str) -> list[str]:
     flags = [
-        *("--model", MODEL, "--learners", str(row.units)),
+        *("--model", args.model, "--learners", str(row.units)),
         *("--max-steps", str(row.steps or args.steps)),
         *("--seed", str(seed), "--codec", row.codec, "--link", row.link),
         *row.flags,
@@ -330,12 +363,12 @@ def figures(
 
 
 class Table:
-    """The stored runs of each row, and means over the seeds measured."""
+    """The stored runs of each of a run's rows, and means over the seeds measured."""
 
-    def __init__(self, results: Results, seeds: int) -> None:
+    def __init__(self, results: Results, seeds: int, table_rows: list[Row]) -> None:
         self.runs = {
             row: [r for s in range(seeds) if (r := results.runs.get(row.key(s))) is not None]
-            for row in rows()
+            for row in table_rows
         }
 
     def find(
@@ -345,107 +378,103 @@ class Table:
         codec: str,
         flags: tuple[str, ...] = (),
         steps: int | None = None,
-    ) -> Row:
-        return next(
-            r
-            for r in self.runs
-            if (r.units, r.rate, r.codec, r.flags, r.steps) == (units, rate, codec, flags, steps)
-        )
+    ) -> Row | None:
+        """The row of this configuration; None where the table does not have it."""
+        wanted = (units, rate, codec, flags, steps)
+        found = [r for r in self.runs if (r.units, r.rate, r.codec, r.flags, r.steps) == wanted]
+        return found[0] if found else None
 
     def mean(self, row: Row, get: Callable[[RunFigures], float | None]) -> float | None:
         values = [v for run in self.runs[row] if (v := get(run)) is not None]
         return statistics.fmean(values) if values else None
 
 
-@dataclass
-class Claim:
-    """One claim: what it says, what was measured, and whether it holds (None: not measured)."""
-
-    text: str
-    measured: str
-    holds: bool | None
+def final(run: RunFigures) -> float | None:
+    return run.final_eval
 
 
-def ratio_claim(text: str, value: float | None, base: float | None, bound: float) -> Claim:
-    if value is None or base is None:
-        return Claim(text, "not measured", None)
-    ratio = value / base
-    return Claim(text, f"{value:.4f} / {base:.4f} = {ratio:.3f}", ratio <= bound)
+def slow_link_claim(table: Table, row: Row, base: Row) -> Claim:
+    """``row``'s final eval is at most ``MAX_SLOW_LOSS_RATIO`` times its no-cap twin's."""
+    return ratio_at_most(
+        f"{row.label}: final eval ≤ {MAX_SLOW_LOSS_RATIO:g}× no cap",
+        table.mean(row, final),
+        table.mean(base, final),
+        MAX_SLOW_LOSS_RATIO,
+    )
+
+
+def bytes_claim(table: Table, row: Row, bound: float) -> Claim:
+    """``row`` sends at least ``bound`` times fewer bytes than data-parallel training."""
+    claim = at_least(
+        f"{row.label}: ≥ {bound:g}× fewer bytes than data-parallel",
+        table.mean(row, lambda run: run.times_less),
+        bound,
+        ",.0f",
+    )
+    return claim if claim.holds is None else Claim(claim.text, f"{claim.measured}×", claim.holds)
+
+
+def speed_claim(table: Table, row: Row, base: Row) -> Claim:
+    """``row``'s slowest unit trains at least ``MIN_SPEED_RATIO`` times as fast as the no-cap
+    twin's."""
+    now = table.mean(row, lambda run: run.tokens_per_s)
+    before = table.mean(base, lambda run: run.tokens_per_s)
+    return at_least(
+        f"{row.label}: tokens/s ≥ {MIN_SPEED_RATIO:g}× no cap",
+        now / before if now is not None and before else None,
+        MIN_SPEED_RATIO,
+        ".2f",
+    )
 
 
 def claims(table: Table) -> list[Claim]:
-    """The issue's "Done when" figures, checked against the stored runs."""
-    final = lambda run: run.final_eval  # noqa: E731
+    """The issue's "Done when" figures, checked against the stored runs: each claim whose rows
+    the table has. A full run's table has every row, so each claim is made (and is "not
+    measured" where its runs are missing); a quick run's has only its own rows, so it makes only
+    the claims about them."""
     out: list[Claim] = []
     for units, codecs in ((UNITS, CODECS), (FEW_UNITS, ["int8"])):
         for codec in codecs:
-            base = table.mean(table.find(units, "no cap", codec), final)
+            base = table.find(units, "no cap", codec)
             for rate in SLOW_RATES:
                 row = table.find(units, rate, codec)
-                out.append(
-                    ratio_claim(
-                        f"{row.label}: final eval ≤ {MAX_SLOW_LOSS_RATIO:g}× no cap",
-                        table.mean(row, final),
-                        base,
-                        MAX_SLOW_LOSS_RATIO,
-                    )
-                )
-    reference = table.mean(table.find(UNITS, "no cap", "int8", REFERENCE_FLAGS), final)
+                if row is not None and base is not None:
+                    out.append(slow_link_claim(table, row, base))
+    reference = table.find(UNITS, "no cap", "int8", REFERENCE_FLAGS)
     for codec in CODECS:
         for rate in RATES:
             row = table.find(UNITS, rate, codec)
-            less = table.mean(row, lambda run: run.times_less)
-            bound = MIN_TIMES_LESS[codec]
-            out.append(
-                Claim(
-                    f"{row.label}: ≥ {bound:g}× fewer bytes than data-parallel",
-                    "not measured" if less is None else f"{less:,.0f}×",
-                    None if less is None else less >= bound,
-                )
-            )
+            if row is not None:
+                out.append(bytes_claim(table, row, MIN_TIMES_LESS[codec]))
         row = table.find(UNITS, "no cap", codec)
-        out.append(
-            ratio_claim(
-                f"{row.label}: final eval ≤ {MAX_REFERENCE_LOSS_RATIO:g}× fp32 copies of every "
-                "version",
-                table.mean(row, final),
-                reference,
-                MAX_REFERENCE_LOSS_RATIO,
-            )
-        )
-    moonshot = table.find(UNITS, "no cap", "int2", CLAIMED_MOONSHOT_FLAGS, MOONSHOT_STEPS)
-    less = table.mean(moonshot, lambda run: run.times_less)
-    out.append(
-        Claim(
-            f"{moonshot.label}: ≥ {MIN_MOONSHOT_TIMES_LESS:g}× fewer bytes than data-parallel",
-            "not measured" if less is None else f"{less:,.0f}×",
-            None if less is None else less >= MIN_MOONSHOT_TIMES_LESS,
-        )
-    )
-    out.append(
-        ratio_claim(
-            f"{moonshot.label}: final eval ≤ {MAX_MOONSHOT_LOSS_RATIO:g}× the default at the "
-            "same budget",
-            table.mean(moonshot, final),
-            table.mean(table.find(UNITS, "no cap", "int8", steps=MOONSHOT_STEPS), final),
-            MAX_MOONSHOT_LOSS_RATIO,
-        )
-    )
-    for codec in CODECS:
-        row = table.find(UNITS, "1mbit", codec)
-        speed_now = table.mean(row, lambda run: run.tokens_per_s)
-        speed_base = table.mean(table.find(UNITS, "no cap", codec), lambda run: run.tokens_per_s)
-        if speed_now is None or speed_base is None:
-            out.append(Claim(f"{row.label}: tokens/s ≥ 0.9× no cap", "not measured", None))
-        else:
-            ratio = speed_now / speed_base
+        if row is not None and reference is not None:
             out.append(
-                Claim(
-                    f"{row.label}: tokens/s ≥ {MIN_SPEED_RATIO:g}× no cap",
-                    f"{ratio:.2f}",
-                    ratio >= MIN_SPEED_RATIO,
+                ratio_at_most(
+                    f"{row.label}: final eval ≤ {MAX_REFERENCE_LOSS_RATIO:g}× fp32 copies of "
+                    "every version",
+                    table.mean(row, final),
+                    table.mean(reference, final),
+                    MAX_REFERENCE_LOSS_RATIO,
                 )
             )
+    moonshot = table.find(UNITS, "no cap", "int2", CLAIMED_MOONSHOT_FLAGS, MOONSHOT_STEPS)
+    default = table.find(UNITS, "no cap", "int8", steps=MOONSHOT_STEPS)
+    if moonshot is not None:
+        out.append(bytes_claim(table, moonshot, MIN_MOONSHOT_TIMES_LESS))
+    if moonshot is not None and default is not None:
+        out.append(
+            ratio_at_most(
+                f"{moonshot.label}: final eval ≤ {MAX_MOONSHOT_LOSS_RATIO:g}× the default at the "
+                "same budget",
+                table.mean(moonshot, final),
+                table.mean(default, final),
+                MAX_MOONSHOT_LOSS_RATIO,
+            )
+        )
+    for codec in CODECS:
+        row, base = table.find(UNITS, "1mbit", codec), table.find(UNITS, "no cap", codec)
+        if row is not None and base is not None:
+            out.append(speed_claim(table, row, base))
     every = [run for runs in table.runs.values() for run in runs]
     waited = [
         f"{run.label} seed {run.seed}: {run.network_wait_share:.2%}"
@@ -467,12 +496,30 @@ def _f(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def render(table: Table, checked: list[Claim], results: Results, command: str, args) -> str:
+def shown(path: Path) -> Path:
+    """``path`` relative to the repository where it is inside it."""
+    return path.relative_to(REPO) if path.resolve().is_relative_to(REPO) else path
+
+
+def render(
+    table: Table,
+    checked: list[Claim],
+    results: Results,
+    command: str,
+    *,
+    model: str = MODEL,
+    steps: int = STEPS,
+    path: Path = RESULTS,
+    plotted: Path | None = None,
+) -> str:
+    """The section: the stored runs ``results`` (from ``path``) of ``table``'s rows, run on
+    ``model`` for ``steps`` inner steps, the claims ``checked`` and the plot ``plotted``."""
     lines = [
         SECTION,
         "",
-        f"`{command}` — `diloco up` on the shipped defaults (model `{MODEL}`, H = 30, "
-        f"{args.steps} inner steps per unit) but for what each row names; every learner "
+        f"`{command}` — `diloco up` runs, each at the commit in its row's last column, on the "
+        f"shipped defaults (model `{model}`, H = 30, {steps} inner steps per unit) but for what "
+        "each row names; every learner "
         f"reaches NATS through its own `diloco link` ({DELAY} one-way delay; 'no cap': the "
         "same links without a rate cap). Means over the seeds measured (the 'seeds' column); "
         "final held-out eval in nats/byte; tokens/s of the slowest unit; bytes per token "
@@ -489,7 +536,7 @@ def render(table: Table, checked: list[Claim], results: Results, command: str, a
         "', int4 deltas down' without that flag ran the default of their commit, int4 deltas "
         "for every codec. The moonshot rows with fewer than 2 seeds are probes of one seed. "
         "Raw figures of every run: "
-        f"`{RESULTS.relative_to(REPO)}` "
+        f"`{shown(path)}` "
         f"(machine: {results.machine}); the runs were made by "
         + ", ".join(f"`{c}`" for c in results.invocations)
         + ".",
@@ -521,18 +568,9 @@ def render(table: Table, checked: list[Claim], results: Results, command: str, a
             f"{_f(table.mean(row, lambda r: r.control_down_per_s), ',.0f')} "
             f"| {', '.join(commits)} |"
         )
-    lines += [
-        "",
-        "Claims (checked by the script; it exits 1 when one fails or is not measured):",
-        "",
-    ]
-    lines += [
-        f"- {'not measured' if c.holds is None else 'holds' if c.holds else 'FAILS'}: "
-        f"{c.text} ({c.measured})"
-        for c in checked
-    ]
-    if PLOT.exists():
-        lines += ["", f"![bytes per token and speed by link rate]({PLOT.relative_to(REPO)})"]
+    lines += ["", render_claims(checked).rstrip("\n")]
+    if plotted is not None:
+        lines += ["", f"![bytes per token and speed by link rate]({shown(plotted)})"]
     return "\n".join(lines) + "\n"
 
 
@@ -545,7 +583,7 @@ def plot(table: Table, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for codec in CODECS:
         picked = [(rate, table.find(UNITS, rate, codec)) for rate in RATES]
-        picked = [(rate, row) for rate, row in picked if table.runs[row]]
+        picked = [(rate, row) for rate, row in picked if row is not None and table.runs[row]]
         if not picked:
             continue
         labels = [rate for rate, _ in picked]
@@ -564,23 +602,44 @@ def plot(table: Table, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="inner steps per unit")
-    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument(
+        "--steps", type=int, help=f"inner steps per unit ({STEPS}; quick: {QUICK_STEPS})"
+    )
+    parser.add_argument("--seeds", type=int, help=f"{SEEDS} (quick: {QUICK_SEEDS})")
     parser.add_argument(
         "--only", default="", help="run only rows whose label contains this (a|b: either)"
     )
     parser.add_argument("--reuse", action="store_true", help="keep the runs already stored")
     parser.add_argument("--render", action="store_true", help="run nothing: render the stored")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md + plot")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke version: {QUICK_MODEL}, {QUICK_STEPS} steps, 1 seed, rows "
+        + "; ".join(QUICK_LABELS),
+    )
     args = parser.parse_args()
+    if args.quick and args.write:
+        parser.error("--quick writes nothing here: leave out --write")
+    args.model = QUICK_MODEL if args.quick else MODEL
+    if args.steps is None:
+        args.steps = QUICK_STEPS if args.quick else STEPS
+    if args.seeds is None:
+        args.seeds = QUICK_SEEDS if args.quick else SEEDS
+    path = results_path(NAME, args.quick)
+    table_rows = quick_rows() if args.quick else rows()
     command = shown_command(".venv/bin/python bench/links.py")
-    results = Results(machine=machine())
-    if (args.reuse or args.render) and RESULTS.exists():
-        results = Results.model_validate_json(RESULTS.read_text())
-    if not args.render:
+    if args.render:
+        if not path.exists():
+            raise SystemExit(f"{path}: no stored results (run bench/links.py first)")
+        results = Results.model_validate_json(path.read_text())
+    else:
+        results = Results(machine=machine())
+        if args.reuse and path.exists():
+            results = Results.model_validate_json(path.read_text())
         results.invocations.append(command)
         cache = Path(tempfile.mkdtemp(prefix="links-jax-cache-"))
-        for row in rows():
+        for row in table_rows:
             if not any(part in row.label for part in args.only.split("|")):
                 continue
             for seed in range(args.seeds):
@@ -588,20 +647,21 @@ def main() -> None:
                     continue
                 run_figures = run(row, args, seed, cache)
                 results.runs[row.key(seed)] = run_figures
-                print(f"{row.key(seed)}: {run_figures.model_dump_json()}", flush=True)
-                RESULTS.parent.mkdir(parents=True, exist_ok=True)
-                RESULTS.write_text(json.dumps(results.model_dump(mode="json"), indent=1) + "\n")
-    table = Table(results, args.seeds)
+                note(f"{row.key(seed)}: {run_figures.model_dump_json()}")
+                save(path, results)
+    table = Table(results, args.seeds, table_rows)
     checked = claims(table)
     if args.write:
         plot(table, PLOT)
-    text = render(table, checked, results, command, args)
-    print("\n" + text)
+    plotted = PLOT if not args.quick and PLOT.exists() else None
+    text = render(
+        table, checked, results, command, model=args.model, steps=args.steps, path=path,
+        plotted=plotted,
+    )  # fmt: skip
+    print(text)
     if args.write:
         write_section(SECTION, text)
-    failed = [c for c in checked if not c.holds]
-    if failed:
-        raise SystemExit(f"{len(failed)} of {len(checked)} claims fail or are not measured")
+    exit_on(checked, args.quick)
 
 
 if __name__ == "__main__":
