@@ -1,66 +1,437 @@
 """Load test of the outer and the broker: ``diloco loadtest`` with 4, 8, 16, 32 and 64 synthetic
 units of the ``medium`` model, each uploading every 10 s through its own shaped link and
-fetching the params it would adopt; the stages' table and the saturation point go into the
-"Load test" section of BENCHMARKS.md.
+fetching the params it would adopt; the stages' table, the outer's CPU-seconds per applied
+upload and MB, and the saturation point with its noise go into the "Load test" section of
+BENCHMARKS.md.
 
-    .venv/bin/python bench/loadtest.py --write
+1. **Sweep**: one ``diloco loadtest`` over every unit count of ``--units`` (seed ``--seed``).
+2. **Repeats**: its deciding stages, the last stage that kept up and the first that saturated
+   (the largest stage alone when none saturated), run again ``--repeats`` times, each a fresh
+   ``diloco loadtest --units 16,32`` with the next seed (other phases and payloads). The
+   saturation point is claimed only when the sweep and every repeat agree on both stages;
+   otherwise it is not determined at the ``--saturation-share`` margin, and the claim fails.
+
+Raw results: ``bench/results/loadtest.json`` (every run's ``LoadtestReport``: each stage's raw
+figures). The outer's CPU-seconds per applied upload (and MB) are its CPU cores over the window
+(``/proc`` user + system time of its process, ``services/loadtest/stage.py``) over the uploads
+(MB) per second it applied in that window.
+
+    .venv/bin/python bench/loadtest.py --write            # sweep + 3 repeats (about 25 min)
+    .venv/bin/python bench/loadtest.py --render --write   # the section from the stored runs
+    .venv/bin/python bench/loadtest.py --quick            # the smoke version (tiny, 2 stages)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from report import shown_command, write_section  # bench/ is on sys.path when run as a script
+from evidence import (
+    Claim,
+    Provenance,
+    exit_on,
+    note,
+    ratio_at_least,
+    render_claims,
+    results_path,
+    save,
+)
+from pydantic import BaseModel
+from report import write_section  # bench/ is on sys.path when run as a script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from services.loadtest.records import LoadtestReport
-from services.loadtest.report import table, verdict
+from services.loadtest.records import LoadtestReport, LoadtestStage
+from services.loadtest.report import table
+from services.loadtest.run import REPORT_FILE
 from shared import records
 
 SECTION = "## Load test"
+NAME = "loadtest"
+PROGRAM = ".venv/bin/python bench/loadtest.py"
+KEEP_UP = 0.95  # below the saturation point the outer applies at least this share of the offer
+# What README.md and docs/NETWORK.md say of the shipped configuration's run on this machine:
+DOCUMENTED_POINT = 32  # "saturation point: 32 units (16 units kept up)"
+DOCUMENTED_KEPT = 16
+# docs/NETWORK.md: "one outer of a `medium` job merges about 2.6–2.9 uploads a second"; ± 0.1
+# for "about".
+SATURATED_RATE = (2.5, 3.0)
+# docs/NETWORK.md: "at 32 units the outer, nats-server and the generator together used all of
+# the machine's two cores (0.76 + 0.44 + 0.67)": at least this share of the cores.
+CORES_SHARE = 0.9
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="medium")
-    parser.add_argument("--units", default="4,8,16,32,64")
-    parser.add_argument("--upload-every-s", default="10")
-    parser.add_argument("--link", default="100mbit/25ms")
-    parser.add_argument("--warmup-s", default="30")
-    parser.add_argument("--stage-s", default="60")
-    parser.add_argument("--params-fetch", default="newest")
-    parser.add_argument("--write", action="store_true", help="write BENCHMARKS.md")
-    args = parser.parse_args()
-    command = shown_command(".venv/bin/python bench/loadtest.py")
-    started = time.time()
-    with tempfile.TemporaryDirectory(prefix="loadtest-") as data_dir:
-        flags = [
-            *("--model", args.model, "--units", args.units),
-            *("--upload-every-s", args.upload_every_s, "--link", args.link),
-            *("--warmup-s", args.warmup_s, "--stage-s", args.stage_s),
-            *("--params-fetch", args.params_fetch, "--data-dir", data_dir),
-        ]
-        subprocess.run(
-            [sys.executable, "-m", "services.cli", "loadtest", *flags],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            check=True,
+class LoadtestRun(BaseModel):
+    """One ``diloco loadtest`` invocation: its unit counts, seed and exit code, and its report
+    (the stages it finished; None when it wrote none)."""
+
+    role: Literal["sweep", "repeat"]
+    units: str
+    seed: int
+    returncode: int
+    report: LoadtestReport | None = None
+
+    def label(self, index: int = 0) -> str:
+        """``sweep (seed 0)`` or ``repeat 2 (seed 2)``."""
+        name = "sweep" if self.role == "sweep" else f"repeat {index}"
+        return f"{name} (seed {self.seed})"
+
+
+class LoadtestResults(BaseModel):
+    """``bench/results/loadtest.json``."""
+
+    provenance: Provenance
+    sweep: LoadtestRun | None = None
+    repeats: list[LoadtestRun] = []
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One stage as one run measured it."""
+
+    label: str
+    stage: LoadtestStage
+
+
+def share(results: LoadtestResults) -> float:
+    """The saturation share the stages were judged with."""
+    return float(results.provenance.configuration.get("saturation_share", 0.9))
+
+
+def ratio(stage: LoadtestStage) -> float | None:
+    """Applied over offered uploads per second."""
+    offered = stage.offered_uploads_per_s
+    return stage.ingest_uploads_per_s / offered if offered else None
+
+
+def cpu_s_per_upload(stage: LoadtestStage) -> float | None:
+    """The outer's CPU-seconds per upload it applied (its CPU seconds over the window over the
+    uploads it applied in the window: the window's length cancels)."""
+    applied = stage.ingest_uploads_per_s
+    return stage.outer_cpu / applied if applied else None
+
+
+def cpu_s_per_mb(stage: LoadtestStage) -> float | None:
+    """The outer's CPU-seconds per payload MB (10^6 bytes) it applied."""
+    applied = stage.ingest_mb_per_s
+    return stage.outer_cpu / applied if applied else None
+
+
+def _f(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def deciding(report: LoadtestReport) -> list[int]:
+    """The unit counts that decide the saturation point: the last stage that kept up and the
+    first that saturated (only the first when it is the first stage; the largest stage alone
+    when none saturated)."""
+    counts = [stage.units for stage in report.stages]
+    if not counts:
+        return []
+    point = report.saturation_units
+    if point is None:
+        return [counts[-1]]
+    below = [count for count in counts if count < point]
+    return [*below[-1:], point]
+
+
+def which(report: LoadtestReport) -> str:
+    """The deciding stages in words."""
+    units = deciding(report)
+    if report.saturation_units is None:
+        return f"stage ({units[-1]} units: the largest, as none saturated)"
+    if len(units) == 1:
+        return f"stage ({units[0]} units: the first, which saturated)"
+    return (
+        f"stages ({units[0]} and {units[1]} units: the last that kept up, the first that saturated)"
+    )
+
+
+def runs(results: LoadtestResults) -> list[tuple[str, LoadtestRun]]:
+    """Every run with its label, the sweep first."""
+    out = [(results.sweep.label(), results.sweep)] if results.sweep else []
+    return out + [(run.label(i), run) for i, run in enumerate(results.repeats, start=1)]
+
+
+def measurements(results: LoadtestResults, units: int | None = None) -> list[Measurement]:
+    """Every stage every run measured (of ``units`` units only, when given)."""
+    return [
+        Measurement(label, stage)
+        for label, run in runs(results)
+        if run.report is not None
+        for stage in run.report.stages
+        if units is None or stage.units == units
+    ]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The saturation point the sweep found, and whether every measurement agrees.
+
+    Attributes:
+        point: the sweep's first saturated stage (None: none saturated).
+        kept: the sweep's last stage below it, or its largest when none saturated.
+        wanted: repeats the run was configured with.
+        complete: every repeat measured every deciding stage (and every run finished).
+        agree: each deciding stage was judged the same (saturated or not) by every measurement.
+    """
+
+    point: int | None
+    kept: int | None
+    wanted: int
+    complete: bool
+    agree: bool
+
+
+def decide(results: LoadtestResults) -> Decision | None:
+    """The decision, or None when the sweep measured no stage."""
+    sweep = results.sweep
+    if sweep is None or sweep.report is None or not sweep.report.stages:
+        return None
+    point = sweep.report.saturation_units
+    kept = [units for units in deciding(sweep.report) if units != point]
+    wanted = int(results.provenance.configuration.get("repeats", 0))
+    complete = all(run.returncode == 0 for _, run in runs(results)) and sum(
+        1
+        for run in results.repeats
+        if run.report is not None
+        and set(deciding(sweep.report)) <= {stage.units for stage in run.report.stages}
+    ) >= max(wanted, 1)
+    agree = all(
+        m.stage.saturated == (m.stage.units == point)
+        for units in deciding(sweep.report)
+        for m in measurements(results, units)
+    )
+    return Decision(point, kept[0] if kept else None, wanted, complete, agree)
+
+
+def spread(results: LoadtestResults, units: int) -> str:
+    """A deciding stage's applied / offered over every measurement, and how many saturated."""
+    found = measurements(results, units)
+    ratios = [r for r in (ratio(m.stage) for m in found) if r is not None]
+    if not ratios:
+        return f"{units} units: not measured"
+    saturated = sum(m.stage.saturated for m in found)
+    return (
+        f"{units} units: applied / offered {', '.join(f'{r:.3f}' for r in ratios)} "
+        f"(min {min(ratios):.3f}, max {max(ratios):.3f}, spread {max(ratios) - min(ratios):.3f}, "
+        f"mean {statistics.fmean(ratios):.3f}); saturated in {saturated} of {len(found)}"
+    )
+
+
+def verdict(results: LoadtestResults) -> str:
+    """One line: the saturation point with its noise, or why it is not determined."""
+    decision = decide(results)
+    if decision is None:
+        return "saturation point: not measured (no stage finished)"
+    n = len(measurements(results, decision.point or decision.kept))
+    if not decision.complete:
+        return "saturation point: not determined (a run failed or repeats are missing)"
+    if not decision.agree:
+        return (
+            f"saturation point: not determined at the {share(results):.2f} margin (the "
+            "measurements of the deciding stages disagree)"
         )
-        report = records.decode(LoadtestReport, Path(data_dir, "loadtest.json").read_bytes())
-    assert report is not None, "the load test wrote no report"
-    minutes = (time.time() - started) / 60
+    if decision.point is None:
+        return f"saturation point: not reached up to {decision.kept} units in all {n} measurements"
+    kept = f", {decision.kept} units kept up" if decision.kept is not None else ""
+    return f"saturation point: {decision.point} units{kept}, in all {n} measurements"
+
+
+def claims(results: LoadtestResults) -> list[Claim]:
+    """What the section, README.md and docs/NETWORK.md claim, checked against the stored runs."""
+    out: list[Claim] = []
+    done = runs(results)
+    failed = [f"{label} exited {run.returncode}" for label, run in done if run.returncode]
+    out.append(
+        Claim(
+            "every `diloco loadtest` run finished",
+            "; ".join(failed) or f"{len(done)} runs",
+            (not failed) if done else None,
+        )
+    )
+    every = measurements(results)
+    balanced = sum(m.stage.books.balanced and m.stage.books.published > 0 for m in every)
+    out.append(
+        Claim(
+            "the books balance at every stage of every run (each published upload applied "
+            "exactly once)",
+            f"{balanced} of {len(every)} stages",
+            balanced == len(every) if every else None,
+        )
+    )
+    decision = decide(results)
+    out.append(point_claim(results, decision))
+    out.append(keep_up_claim(results, decision))
+    out.extend(documented_claims(results, decision))
+    return out
+
+
+def point_claim(results: LoadtestResults, decision: Decision | None) -> Claim:
+    """The saturation point holds in the sweep and in every repeat."""
+    if decision is None:
+        return Claim("the saturation point holds in every repeat", "not measured", None)
+    measured = "; ".join(spread(results, units) for units in deciding(results.sweep.report))  # type: ignore[union-attr]
+    if not decision.complete:
+        wanted = max(decision.wanted, 1)
+        return Claim(
+            f"the saturation point holds in every one of {wanted} repeats",
+            f"not measured: {len(results.repeats)} repeats stored, a run failed or missed a "
+            f"deciding stage; {measured}",
+            None,
+        )
+    if not decision.agree:
+        text = (
+            f"the saturation point is not determined at the {share(results):.2f} margin: the "
+            "deciding stages were not judged alike by every measurement"
+        )
+    elif decision.point is None:
+        text = f"no saturation up to {decision.kept} units, in the sweep and every repeat"
+    else:
+        kept = f" ({decision.kept} units kept up)" if decision.kept is not None else ""
+        text = (
+            f"the saturation point is {decision.point} units{kept}, in the sweep and every repeat"
+        )
+    return Claim(text, measured, decision.agree)
+
+
+def keep_up_claim(results: LoadtestResults, decision: Decision | None) -> Claim:
+    """Below the saturation point the outer applies ≥ ``KEEP_UP`` of the offered uploads."""
+    point = decision.point if decision else None
+    below = [m for m in measurements(results) if point is None or m.stage.units < point]
+    text = (
+        f"the outer keeps up (applied ≥ {KEEP_UP:g}× offered uploads/s) at every stage below "
+        f"the saturation point, in every run ({len(below)} stages)"
+    )
+    if not below:
+        return Claim(text, "not measured", None)
+    worst = min(below, key=lambda m: ratio(m.stage) or 0.0)
+    claim = ratio_at_least(
+        text, worst.stage.ingest_uploads_per_s, worst.stage.offered_uploads_per_s, KEEP_UP
+    )
+    claim.measured += f", lowest: {worst.stage.units} units, {worst.label}"
+    return claim
+
+
+def documented_claims(results: LoadtestResults, decision: Decision | None) -> list[Claim]:
+    """What README.md and docs/NETWORK.md say of the run: where it saturates, how fast a
+    saturated outer merges, and that the machine's cores are the limit."""
+    point = decision.point if decision else None
+    if decision is None:
+        found = "not measured"
+    elif point is None:
+        found = f"not reached up to {decision.kept} units"
+    else:
+        found = f"{point} units ({decision.kept} units kept up)"
+    out = [
+        Claim(
+            f"the sweep saturates at {DOCUMENTED_POINT} units and {DOCUMENTED_KEPT} units keep "
+            "up (README.md, docs/NETWORK.md)",
+            found,
+            None
+            if decision is None
+            else (point, decision.kept) == (DOCUMENTED_POINT, DOCUMENTED_KEPT),
+        )
+    ]
+    low, high = SATURATED_RATE
+    saturated = [m.stage for m in measurements(results) if m.stage.saturated]
+    rates = [stage.ingest_uploads_per_s for stage in saturated]
+    text = (
+        f"a saturated outer applies {low:.1f}–{high:.1f} uploads/s, every saturated stage "
+        "(docs/NETWORK.md: about 2.6–2.9)"
+    )
+    if decision is None:
+        out.append(Claim(text, "not measured", None))
+    elif not rates:
+        out.append(Claim(text, "no stage saturated", False))
+    else:
+        out.append(
+            Claim(
+                text,
+                f"{min(rates):.2f}–{max(rates):.2f} over {len(rates)} stages",
+                low <= min(rates) and max(rates) <= high,
+            )
+        )
+    cores = results.provenance.configuration.get("cores")
+    text = (
+        f"at the saturation point the outer, nats-server and the generator use ≥ "
+        f"{CORES_SHARE:.0%} of the machine's cores, in every run (docs/NETWORK.md: the cores "
+        "are the limit)"
+    )
+    at_point = [m.stage for m in measurements(results, point)] if point is not None else []
+    if decision is None or not cores:
+        out.append(Claim(text, "not measured", None))
+    elif not at_point:
+        out.append(Claim(text, "no stage saturated", False))
+    else:
+        used = min(s.outer_cpu + s.broker_cpu + s.generator_cpu for s in at_point)
+        out.append(ratio_at_least(text, used, float(cores), CORES_SHARE))
+    return out
+
+
+def cpu_cell(stage: LoadtestStage) -> str:
+    """The outer's CPU-seconds per applied upload and per applied MB."""
+    return f"{_f(cpu_s_per_upload(stage), '.3f')} / {_f(cpu_s_per_mb(stage), '.4f')}"
+
+
+def sweep_table(report: LoadtestReport) -> list[str]:
+    """The sweep's stages (``diloco loadtest``'s table) with the outer's CPU-seconds."""
+    lines = table(report)
+    cells = [" outer CPU-s per applied upload / per MB |", "---|"]
+    cells += [f" {cpu_cell(stage)} |" for stage in report.stages]
+    return [line + cell for line, cell in zip(lines, cells, strict=True)]
+
+
+def repeats_table(results: LoadtestResults, units: list[int]) -> list[str]:
+    """Every measurement of the deciding stages."""
+    limit = share(results)
+    lines = [
+        "| units | run | offered uploads/s | applied uploads/s | applied / offered "
+        f"| margin to {limit:.2f} | backlog start → end | sync latency p50 s "
+        "| CPU cores: outer / nats-server / generator "
+        "| outer CPU-s per applied upload / per MB | books | saturated |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for count in units:
+        for m in measurements(results, count):
+            s = m.stage
+            r = ratio(s)
+            p50 = s.sync_latency.p50_s if s.sync_latency is not None else None
+            books = "balanced" if s.books.balanced else "NOT balanced"
+            saturated = f"yes: {s.reason}" if s.saturated else "no"
+            lines.append(
+                f"| {s.units} | {m.label} | {s.offered_uploads_per_s:.2f} "
+                f"| {s.ingest_uploads_per_s:.2f} | {_f(r, '.3f')} "
+                f"| {_f(None if r is None else r - limit, '+.3f')} "
+                f"| {s.backlog_start} → {s.backlog_end} | {_f(p50, '.2f')} "
+                f"| {s.outer_cpu:.2f} / {s.broker_cpu:.2f} / {s.generator_cpu:.2f} "
+                f"| {cpu_cell(s)} | {books} | {saturated} |"
+            )
+    return lines
+
+
+def render(results: LoadtestResults, checked: list[Claim], path: Path) -> str:
+    """The section, from the stored results only."""
+    p = results.provenance
+    report = results.sweep.report if results.sweep else None
+    if report is None or not report.stages:
+        return "\n".join(
+            [SECTION, "", p.line(path) + " No stage finished.", "", render_claims(checked)]
+        )
+    c = p.configuration
     lines = [
         SECTION,
         "",
-        f"`{command}` — `diloco loadtest`: for each number of units, a fresh nats-server and "
+        p.line(path) + " `diloco loadtest`: for each number of units, a fresh nats-server and "
         f"`diloco outer` (model `{report.model}`, {report.param_count:,} parameters, params "
         f"codec {report.params_codec}, evaluations off) take uploads from that many synthetic "
         f"units (no JAX). Each unit uploads a {report.codec} pseudo-gradient "
@@ -68,24 +439,157 @@ def main() -> None:
         "compressed size of a real one: `services/loadtest/payloads.py`) every "
         f"{report.upload_every_s:g} s from a random phase, through its own "
         f"{report.link.text()} link, and fetches params as a learner does "
-        f"(`{report.params_fetch}`). Rates are over the measurement window after a warm-up; "
-        "sync latency is an upload's time from its sync point to the first params head that "
-        "includes it; backlog is uploads published and not yet applied; CPU is cores used by "
-        "the outer, nats-server and the load generator (its units and their links); drain is "
-        "the time the outer took to apply the rest after the last upload; books: every "
-        "published upload applied "
-        f"exactly once. Whole run: {minutes:.1f} min on {os.cpu_count()} cores, everything on "
-        "this one machine.",
+        f"(`{report.params_fetch}`). Rates are over the measurement window "
+        f"({c.get('stage_s', 0):g} s) after a warm-up ({c.get('warmup_s', 0):g} s); sync latency "
+        "is an upload's time from its sync point to the first params head that includes it; "
+        "backlog is uploads published and not yet applied; CPU is cores used by the outer, "
+        "nats-server and the load generator (its units and their links); the outer's CPU-s per "
+        "applied upload (per MB) are its process's CPU seconds over the window divided by the "
+        "uploads (payload MB) it applied in the window; drain is the time the outer took to "
+        "apply the rest after the last upload; books: every published upload applied exactly "
+        "once. Everything on this one machine. The sweep:",
         "",
-        *table(report),
-        "",
-        f"**{verdict(report)}**",
+        *sweep_table(report),
         "",
     ]
-    text = "\n".join(lines)
+    units = deciding(report)
+    if units:
+        counts = ",".join(map(str, units))
+        lines += [
+            f"The deciding {which(report)} again, in fresh runs (`diloco loadtest --units "
+            f"{counts}`, the next seed each: other phases and payloads), "
+            f"{len(results.repeats)} of {c.get('repeats', '?')} repeats. A stage is saturated "
+            f"when the outer applied less than {share(results):.2f} of the offered uploads, "
+            "or its backlog grew by more than one upload per unit over the window, or units "
+            "dropped uploads; the point is stated only when every measurement agrees.",
+            "",
+            *repeats_table(results, units),
+            "",
+            *(f"- {spread(results, count)}" for count in units),
+            "",
+        ]
+    lines += [f"**{verdict(results)}**", "", render_claims(checked)]
+    return "\n".join(lines)
+
+
+def invoke(
+    args: argparse.Namespace, units: str, seed: int, role: str, folder: Path, env: dict[str, str]
+) -> LoadtestRun:
+    """One ``diloco loadtest`` run (its output on stderr) and what it wrote."""
+    flags = [
+        *("--model", args.model, "--units", units, "--seed", str(seed)),
+        *("--upload-every-s", f"{args.upload_every_s:g}", "--link", args.link),
+        *("--warmup-s", f"{args.warmup_s:g}", "--stage-s", f"{args.stage_s:g}"),
+        *("--params-fetch", args.params_fetch, "--data-dir", str(folder)),
+        *("--saturation-share", f"{args.saturation_share:g}"),
+    ]
+    note(f"diloco loadtest {' '.join(flags)}")
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "loadtest", *flags],
+        cwd=REPO,
+        env=env,
+        stdout=sys.stderr,
+    )
+    written = folder / REPORT_FILE
+    report = records.decode(LoadtestReport, written.read_bytes()) if written.exists() else None
+    return LoadtestRun(
+        role=role,  # type: ignore[arg-type]
+        units=units,
+        seed=seed,
+        returncode=done.returncode,
+        report=report,
+    )
+
+
+def measure(args: argparse.Namespace, path: Path) -> LoadtestResults:
+    """The sweep, then the repeats of its deciding stages; saved after each run."""
+    configuration = {
+        key: getattr(args, key)
+        for key in (
+            "model",
+            "units",
+            "upload_every_s",
+            "link",
+            "warmup_s",
+            "stage_s",
+            "params_fetch",
+            "saturation_share",
+            "seed",
+            "repeats",
+        )
+    }
+    configuration["cores"] = os.cpu_count()
+    results = LoadtestResults(provenance=Provenance.start(PROGRAM, configuration, path))
+    started = time.monotonic()
+
+    def checkpoint() -> None:
+        results.provenance.seconds = round(time.monotonic() - started, 1)
+        save(path, results)
+
+    with tempfile.TemporaryDirectory(prefix="loadtest-") as data_dir:
+        # One compilation cache for every run's outers (unless the caller has one).
+        cache = os.environ.get("DILOCO_JAX_CACHE") or str(Path(data_dir, "jax-cache"))
+        env = {**os.environ, "PYTHONPATH": str(REPO), "DILOCO_JAX_CACHE": cache}
+        sweep = invoke(args, args.units, args.seed, "sweep", Path(data_dir, "sweep"), env)
+        results.sweep = sweep
+        checkpoint()
+        if sweep.returncode == 0 and sweep.report is not None and sweep.report.stages:
+            counts = ",".join(map(str, deciding(sweep.report)))
+            for index in range(1, args.repeats + 1):
+                folder = Path(data_dir, f"repeat-{index}")
+                run = invoke(args, counts, args.seed + index, "repeat", folder, env)
+                results.repeats.append(run)
+                checkpoint()
+                if run.returncode:
+                    break
+    return results
+
+
+def parser() -> argparse.ArgumentParser:
+    out = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    out.add_argument("--model", default="medium")
+    out.add_argument("--units", default="4,8,16,32,64", help="the sweep's unit counts")
+    out.add_argument("--upload-every-s", type=float, default=10.0)
+    out.add_argument("--link", default="100mbit/25ms")
+    out.add_argument("--warmup-s", type=float, default=30.0)
+    out.add_argument("--stage-s", type=float, default=60.0)
+    out.add_argument("--params-fetch", default="newest")
+    out.add_argument("--saturation-share", type=float, default=0.9)
+    out.add_argument("--seed", type=int, default=0, help="the sweep's; repeat i runs seed + i")
+    out.add_argument(
+        "--repeats", type=int, default=3, help="runs of the deciding stages after the sweep (≥ 1)"
+    )
+    out.add_argument("--render", action="store_true", help="run nothing: render the stored")
+    out.add_argument("--write", action="store_true", help="write BENCHMARKS.md")
+    out.add_argument("--quick", action="store_true", help="smoke version: tiny, 2 short stages")
+    return out
+
+
+QUICK = dict(
+    model="tiny", units="1,2", upload_every_s=1.0, link="20mbit/5ms", warmup_s=2.0, stage_s=4.0,
+    repeats=1,
+)  # fmt: skip
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.quick:
+        vars(args).update(QUICK)
+    if args.repeats < 1:
+        raise SystemExit("--repeats: at least 1")
+    path = results_path(NAME, args.quick)
+    if args.render:
+        if not path.exists():
+            raise SystemExit(f"{path}: no stored results (run bench/loadtest.py first)")
+        results = LoadtestResults.model_validate_json(path.read_text())
+    else:
+        results = measure(args, path)
+    checked = claims(results)
+    text = render(results, checked, path)
     print(text)
-    if args.write:
+    if args.write and not args.quick:
         write_section(SECTION, text)
+    exit_on(checked, args.quick)
 
 
 if __name__ == "__main__":

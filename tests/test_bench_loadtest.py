@@ -1,0 +1,210 @@
+"""The claims of ``bench/loadtest.py`` hold for figures that meet them and fail for figures that
+do not: the saturation point is claimed only when the sweep and every repeat of its deciding
+stages agree. Runs are built by hand: no load test runs here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from services.loadtest.records import LoadtestReport, LoadtestStage
+from services.loadtest.report import saturation_units
+from shared.ledger import Books
+from shared.link_spec import parse_link
+from shared.records.unit import LatencySummary
+from tests.helpers import REPO
+
+EVIDENCE = Path("bench/results/loadtest.json")
+
+
+@pytest.fixture
+def lt(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location(
+        "loadtest_under_test", REPO / "bench" / "loadtest.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def failures(claims, quick: bool = False):
+    from evidence import failures as of  # bench/ is on sys.path in these tests
+
+    return of(claims, quick)
+
+
+def stage(units: int, applied: float | None = None, balanced: bool = True) -> LoadtestStage:
+    """A stage of units uploading every 10 s; saturated below 0.9 of the offer."""
+    offered = units / 10
+    applied = offered if applied is None else applied
+    saturated = applied < 0.9 * offered
+    return LoadtestStage(
+        units=units,
+        window_s=60,
+        offered_uploads_per_s=offered,
+        published_per_s=offered,
+        ingest_uploads_per_s=applied,
+        ingest_mb_per_s=applied * 9.7,
+        merges_per_s=applied,
+        uploads_per_merge=1.0,
+        sync_latency=LatencySummary(count=10, p50_s=1, p95_s=2, p99_s=3, max_s=4),
+        backlog_start=0,
+        backlog_end=0,
+        dropped_unsent=0,
+        params_mb_per_s=2.0,
+        outer_cpu=0.76,
+        broker_cpu=0.44,
+        generator_cpu=0.67,
+        drain_s=1.0,
+        books=Books(balanced=balanced, applied=10, published=10),
+        saturated=saturated,
+        reason=f"the outer applied {applied:.2f} of {offered:.2f} offered uploads/s"
+        if saturated
+        else "",
+    )
+
+
+def report(*stages: LoadtestStage) -> LoadtestReport:
+    return LoadtestReport(
+        model="medium",
+        param_count=11_040_768,
+        codec="int8",
+        params_codec="int8",
+        params_fetch="newest",
+        link=parse_link("100mbit/25ms"),
+        upload_every_s=10,
+        upload_payload_bytes=9_710_000,
+        stages=list(stages),
+        saturation_units=saturation_units(list(stages)),
+    )
+
+
+def results(lt: ModuleType, sweep: LoadtestReport, *repeats: LoadtestReport, wanted: int = 3):
+    provenance = lt.Provenance(
+        commit="abc1234",
+        command="bench/loadtest.py",
+        machine="x86_64, 2 cores",
+        started="2026-01-01T00:00:00+00:00",
+        seconds=1500.0,
+        configuration={"repeats": wanted, "saturation_share": 0.9, "cores": 2},
+    )
+    return lt.LoadtestResults(
+        provenance=provenance,
+        sweep=lt.LoadtestRun(
+            role="sweep", units="4,8,16,32,64", seed=0, returncode=0, report=sweep
+        ),
+        repeats=[
+            lt.LoadtestRun(role="repeat", units="16,32", seed=i, returncode=0, report=r)
+            for i, r in enumerate(repeats, start=1)
+        ],
+    )
+
+
+SWEEP = (stage(4), stage(8), stage(16), stage(32, 2.87), stage(64, 2.60))
+
+
+def by_text(lt: ModuleType, res) -> dict[str, object]:
+    return {claim.text.split(" (")[0]: claim for claim in lt.claims(res)}
+
+
+def test_the_documented_run_with_agreeing_repeats_meets_every_claim(lt, tmp_path):
+    good = results(lt, report(*SWEEP), *(report(stage(16), stage(32, 2.8)) for _ in range(3)))
+    checked = lt.claims(good)
+    assert all(claim.holds for claim in checked), checked
+    assert not failures(checked)
+    assert lt.deciding(good.sweep.report) == [16, 32]
+    assert lt.verdict(good) == "saturation point: 32 units, 16 units kept up, in all 4 measurements"
+    point = next(c for c in checked if c.text.startswith("the saturation point is 32 units"))
+    assert "32 units: applied / offered 0.897, 0.875, 0.875, 0.875" in point.measured
+    assert "saturated in 4 of 4" in point.measured
+    # The stored file reloads to the same results, and the section renders from it.
+    path = tmp_path / "loadtest.json"
+    lt.save(path, good)
+    again = lt.LoadtestResults.model_validate_json(path.read_text())
+    assert again == good
+    text = lt.render(again, lt.claims(again), EVIDENCE)
+    assert text.startswith("## Load test\n\n`bench/loadtest.py` at commit `abc1234`")
+    # The outer's CPU-seconds per applied upload and per MB: 0.76 cores over 2.87 uploads/s.
+    assert "| 0.265 / 0.0273 |" in text
+    assert "**saturation point: 32 units, 16 units kept up, in all 4 measurements**" in text
+
+
+def test_a_repeat_that_disagrees_leaves_the_point_undetermined(lt):
+    # The third repeat keeps up at 32 units (0.91 of the offer): the 0.90 margin decides nothing.
+    bad = results(
+        lt,
+        report(*SWEEP),
+        report(stage(16), stage(32, 2.8)),
+        report(stage(16), stage(32, 2.8)),
+        report(stage(16), stage(32, 2.92)),
+    )
+    checked = lt.claims(bad)
+    point = next(c for c in checked if "saturation point is not determined" in c.text)
+    assert point.holds is False and "saturated in 3 of 4" in point.measured
+    assert point in failures(checked) and point not in failures(checked, quick=True)
+    assert "not determined at the 0.90 margin" in lt.verdict(bad)
+    # A repeat in which the last stage that kept up saturates disagrees as well.
+    bad = results(lt, report(*SWEEP), *(report(stage(16, 1.2), stage(32, 2.8)) for _ in range(3)))
+    assert any("not determined" in c.text and c.holds is False for c in lt.claims(bad))
+
+
+def test_missing_repeats_or_a_failed_run_are_not_measured(lt):
+    short = results(lt, report(*SWEEP), report(stage(16), stage(32, 2.8)))
+    point = next(c for c in lt.claims(short) if "saturation point holds" in c.text)
+    assert point.holds is None and "1 repeats stored" in point.measured
+    assert point in failures(lt.claims(short), quick=True)
+    short.repeats.append(
+        lt.LoadtestRun(role="repeat", units="16,32", seed=2, returncode=1, report=None)
+    )
+    finished = lt.claims(short)[0]
+    assert finished.holds is False and "repeat 2 (seed 2) exited 1" in finished.measured
+    empty = results(lt, report(), wanted=1)
+    checked = lt.claims(empty)
+    assert all(claim.holds is None for claim in checked[1:]), checked
+    assert lt.verdict(empty) == "saturation point: not measured (no stage finished)"
+    assert "No stage finished" in lt.render(empty, checked, EVIDENCE)
+
+
+def test_unbalanced_books_a_slow_stage_below_the_point_and_undocumented_figures_fail(lt):
+    claims = by_text(
+        lt,
+        results(
+            lt,
+            report(stage(4), stage(8, 0.74), stage(16, 1.0), stage(32, 1.5)),
+            *(report(stage(8, 0.74, balanced=False), stage(16, 1.0)) for _ in range(3)),
+        ),
+    )
+    books = claims["the books balance at every stage of every run"]
+    assert books.holds is False and books.measured == "7 of 10 stages"
+    keep_up = claims["the outer keeps up"]
+    assert keep_up.holds is False and keep_up.measured.startswith("0.7400 / 0.8000 = 0.925")
+    assert claims["the sweep saturates at 32 units and 16 units keep up"].holds is False
+    rate = claims["a saturated outer applies 2.5–3.0 uploads/s, every saturated stage"]
+    assert rate.holds is False and rate.measured == "1.00–1.50 over 5 stages"
+    # Nothing saturated: the point is "not reached", which the documentation does not say.
+    none = by_text(lt, results(lt, report(stage(4), stage(8)), report(stage(8)), wanted=1))
+    assert none["no saturation up to 8 units, in the sweep and every repeat"].holds
+    assert none["a saturated outer applies 2.5–3.0 uploads/s, every saturated stage"].holds is False
+
+
+def test_the_cores_claim_needs_the_machine_busy_at_the_saturation_point(lt):
+    idle = stage(32, 2.8).model_copy(update={"outer_cpu": 0.5, "generator_cpu": 0.3})
+    res = results(lt, report(*SWEEP), *(report(stage(16), idle) for _ in range(3)))
+    cores = next(c for c in lt.claims(res) if c.text.startswith("at the saturation point"))
+    assert cores.holds is False and cores.measured == "1.2400 / 2.0000 = 0.620"
+
+
+def test_the_deciding_stages(lt):
+    assert lt.deciding(report(stage(4, 0.1), stage(8, 0.2))) == [4]
+    assert lt.deciding(report(stage(4), stage(8))) == [8]
+    assert lt.deciding(report(stage(4), stage(8), stage(16, 0.5))) == [8, 16]
+    assert lt.deciding(report()) == []
