@@ -260,15 +260,25 @@ def compute_s_per_step(fig: GoodputRun) -> float | None:
     return fig.tokens_per_step / statistics.fmean(speeds) if speeds else None
 
 
+def seconds_per_step(fig: GoodputRun) -> float | None:
+    """The run's seconds per inner step: its time over the steps of each unit the outer applied
+    (their mean)."""
+    if not fig.unit_applied or not fig.tokens_per_step:
+        return None
+    steps = statistics.fmean(fig.unit_applied.values()) / fig.tokens_per_step
+    return fig.end_s / steps if steps else None
+
+
 def comm_over_compute(throttled: GoodputRun | None, free: GoodputRun | None) -> float | None:
-    """The parameter server's link time per version over its compute per version: its seconds
-    per version on the link less those without a cap, over its compute seconds per step."""
+    """The parameter server's link time per step over its compute per step: its seconds per
+    step on the link less those without a cap, over its compute seconds per step on the link."""
     if throttled is None or free is None:
         return None
     compute = compute_s_per_step(throttled)
-    if not compute or throttled.seconds_per_version is None or free.seconds_per_version is None:
+    linked, unlinked = seconds_per_step(throttled), seconds_per_step(free)
+    if not compute or linked is None or unlinked is None:
         return None
-    return (throttled.seconds_per_version - free.seconds_per_version) / compute
+    return (linked - unlinked) / compute
 
 
 def _f(value: float | None, spec: str) -> str:
@@ -407,13 +417,14 @@ def render(stored: Stored, results: GoodputResults, checked: list[Claim], path: 
         + "; time to target: from the units' start to the first held-out eval at or below it "
         "(the outer evaluates every 10 s; '-': not reached).",
         "",
-        "**Time to the target**, without failures. s per version: the run's time over the "
-        "global versions it made; ended: 'finished' (the token budget), or the parameter server "
+        "**Time to the target**, without failures. s per step: the run's time over the inner "
+        "steps of each unit the outer applied; compute: a unit's seconds of compute per step at "
+        "its healthy speed; ended: 'finished' (the token budget), or the parameter server "
         "stopped at the target (`--stop-at-eval`).",
         "",
-        "| link | method | seed | s per version | time to target s | vs decoupled "
-        "| final eval | run s | ended | commit |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| link | method | seed | s per step | compute s per step | time to target s "
+        "| vs decoupled | final eval | run s | ended | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for link in [None, *links(args)]:
         seeds = [args.seed, *args.seeds] if link is None else [args.seed]
@@ -427,7 +438,8 @@ def render(stored: Stored, results: GoodputResults, checked: list[Claim], path: 
                 ratio = reached / base if reached is not None and base else None
                 lines.append(
                     f"| {link or 'no cap'} | {method} | {seed} "
-                    f"| {_f(fig.seconds_per_version, '.2f')} | {_f(reached, ',.0f')} "
+                    f"| {_f(seconds_per_step(fig), '.2f')} | {_f(compute_s_per_step(fig), '.2f')} "
+                    f"| {_f(reached, ',.0f')} "
                     f"| {_f(ratio, '.2f')}× | {_f(fig.final_eval, '.4f')} | {fig.end_s:,.0f} "
                     f"| {fig.reason} | {fig.commit} |"
                 )
@@ -505,32 +517,42 @@ def render(stored: Stored, results: GoodputResults, checked: list[Claim], path: 
 
 
 def verdicts(stored: Stored) -> list[str]:
-    """Who reaches the target first, without a cap (mean over the seeds) and on each link."""
+    """Who reaches the target first, decoupled or the parameter server: without a cap (each seed,
+    and the mean ratio over the seeds where both reached it) and on each link."""
     args, target = stored.args, stored.target
     if target is None:
         return []
     out = []
     for link in [None, *links(args)]:
         seeds = list(dict.fromkeys([args.seed, *args.seeds])) if link is None else [args.seed]
-        times = {}
-        for method in ("decoupled", "dp-like"):
-            reached = [
-                time_to(stored.get(method, link=link, seed=s), target.nats_per_byte) for s in seeds
-            ]
-            times[method] = statistics.fmean(reached) if reached and None not in reached else None
-        d, p = times["decoupled"], times["dp-like"]
-        where = f"Over {link}" if link else f"Without a cap (mean over {len(seeds)} seeds)"
-        if d is None or p is None:
+        ratios, missed = [], []
+        for seed in seeds:
+            d = time_to(stored.get("decoupled", link=link, seed=seed), target.nats_per_byte)
+            p = time_to(stored.get("dp-like", link=link, seed=seed), target.nats_per_byte)
+            if d is None or p is None:
+                missed.append(seed)
+            else:
+                ratios.append(p / d)
+        where = f"Over {link}" if link else "Without a cap"
+        seen = (
+            f" ({len(ratios)} of {len(seeds)} seeds; seed {', '.join(map(str, missed))}: "
+            "not both reached the target)"
+            if missed
+            else ""
+        )
+        if not ratios:
             out.append(f"- {where}: not both reached the target.")
-        elif p < d:
+            continue
+        mean = statistics.fmean(ratios)
+        if mean < 1:
             out.append(
-                f"- {where} **the parameter server wins**: it reaches the target in {p:,.0f} s, "
-                f"decoupled in {d:,.0f} s ({d / p:.2f}× longer)."
+                f"- {where} **the parameter server wins**: it reaches the target in "
+                f"{mean:.2f}× decoupled's time, {1 / mean:.2f}× sooner{seen}."
             )
         else:
             out.append(
-                f"- {where} **decoupled wins**: it reaches the target in {d:,.0f} s, the "
-                f"parameter server in {p:,.0f} s ({p / d:.1f}× longer)."
+                f"- {where} **decoupled wins**: the parameter server takes {mean:.1f}× "
+                f"decoupled's time to the target{seen}."
             )
     return out
 
