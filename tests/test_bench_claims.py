@@ -223,20 +223,26 @@ def test_scaling_scores_held_out_runs_only(bench):
     other = run("decoupled", seed=2).model_copy(update={"speeds": {"0": 1.0, "1": 1.0}})
     assert scaling.as_predicted(other, fit).speeds == runs[0].speeds
 
-    def prediction(real: float, sim: float, cut_off: bool = False):
+    def prediction(key: str, real: float, sim: float, cut_off: bool = False):
         return scaling.Prediction(
-            key="k", commit="c", real=real, sim=sim, real_up=1.0, sim_up=1.0,
+            key=key, commit="c", real=real, sim=sim, real_up=1.0, sim_up=1.0,
             real_window=1.0, sim_window=1.0, cut_off=cut_off,
         )  # fmt: skip
 
     def results(predictions):
         return scaling.ScalingResults.model_construct(predictions=predictions)
 
-    close = [prediction(0.90, 0.93), prediction(0.50, 0.46), prediction(0.1, 0.9, cut_off=True)]
-    assert all(verdicts(scaling.claims(results(close))).values())
-    far = [prediction(0.90, 0.99), prediction(0.50, 0.40)]
-    assert not any(verdicts(scaling.claims(results(far))).values())
-    assert list(verdicts(scaling.claims(results([]))).values()) == [None]
+    seed2 = "none / unshaped / seed 2"
+    ranked = [
+        prediction(f"decoupled / {seed2}", 0.99, 0.90),
+        prediction(f"sync / {seed2}", 0.80, 0.60),
+        prediction(f"dp-like / {seed2}", 0.50, 0.55),
+        prediction("dp-like / none / 4mbit/25ms / seed 1", 0.03, 0.9, cut_off=True),  # not scored
+    ]
+    assert all(verdicts(scaling.claims(results(ranked))).values())
+    swapped = [*ranked[:2], prediction(f"dp-like / {seed2}", 0.50, 0.65)]
+    assert not any(verdicts(scaling.claims(results(swapped))).values())
+    assert list(verdicts(scaling.claims(results(ranked[:1]))).values()) == [None]
 
 
 def test_summary_claims_every_section_names_its_raw_results(bench):
