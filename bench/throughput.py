@@ -13,11 +13,14 @@
   work on the machine disturbed least), and the ratio is the median of the ratios of the blocks
   run next to each other.
 
-Each prints a table of absolute figures and ratios to its first row; with ``--write``, the
-tables and the exact command go into BENCHMARKS.md.
+Raw figures (each configuration's tokens/s and eval, each block's tokens/s), each part with its
+own provenance: ``bench/results/throughput.json``; running one part keeps the other's. Both
+tables are rendered from that file, with ratios to their first row and the claims below them.
 
     .venv/bin/python bench/throughput.py --write
     .venv/bin/python bench/throughput.py --only standalone --write
+    .venv/bin/python bench/throughput.py --render --write   # the sections from the stored file
+    .venv/bin/python bench/throughput.py --quick            # the smoke version (tiny model)
 """
 
 from __future__ import annotations
@@ -33,7 +36,18 @@ import time
 from pathlib import Path
 
 from cluster import up_command  # bench/ is on sys.path when run as a script
-from report import shown_command, write_section
+from evidence import (
+    Claim,
+    Provenance,
+    at_least,
+    exit_on,
+    note,
+    render_claims,
+    results_path,
+    save,
+)
+from pydantic import BaseModel
+from report import write_section
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -48,6 +62,31 @@ STANDALONE_ROWS = [
     ("loss read every step", True),
     ("loss read at upload boundaries", False),
 ]
+NAME = "throughput"
+PROGRAM = ".venv/bin/python bench/throughput.py"
+MIN_CLUSTER_RATIO = 0.9  # 4 learners sharing the cores against 1 learner using them all
+MIN_BOUNDARY_RATIO = 0.98  # the boundary-read loop against the every-step one (median of pairs)
+
+
+class ClusterPart(BaseModel):
+    """Each configuration's tokens/s (all units, first inner step to last) and final eval."""
+
+    provenance: Provenance
+    rows: dict[str, dict[str, float]] = {}
+
+
+class StandalonePart(BaseModel):
+    """Each row's tokens/s per block, in the order run (AB, BA, ...)."""
+
+    provenance: Provenance
+    blocks: dict[str, list[float]] = {}
+
+
+class ThroughputResults(BaseModel):
+    """``bench/results/throughput.json``."""
+
+    cluster: ClusterPart | None = None
+    standalone: StandalonePart | None = None
 
 
 def run_config(extra: list[str], common: list[str], cache: Path) -> dict[str, float]:
@@ -110,71 +149,116 @@ def standalone_rates(args: argparse.Namespace) -> dict[bool, list[float]]:
         order = STANDALONE_ROWS if repeat % 2 == 0 else STANDALONE_ROWS[::-1]
         for name, read_every_step in order:
             rates[read_every_step].append(block(read_every_step))
-            print(f"{name:32s} {rates[read_every_step][-1]:10,.0f} tokens/s", flush=True)
+            note(f"{name:32s} {rates[read_every_step][-1]:10,.0f} tokens/s")
     return rates
 
 
-def standalone_table(args: argparse.Namespace, command: str) -> str:
+def standalone_part(args: argparse.Namespace, path: Path) -> StandalonePart:
+    configuration = {k: getattr(args, k) for k in ("model", "h_steps", "block_steps", "repeats")}
+    part = StandalonePart(provenance=Provenance.start(PROGRAM, configuration, path))
+    started = time.monotonic()
     rates = standalone_rates(args)
-    first = rates[STANDALONE_ROWS[0][1]]
+    part.blocks = {name: rates[mode] for name, mode in STANDALONE_ROWS}
+    part.provenance.seconds = round(time.monotonic() - started, 1)
+    return part
+
+
+def boundary_ratio(part: StandalonePart) -> float | None:
+    """The median, over the pairs of blocks run next to each other, of the boundary-read
+    block over the every-step one."""
+    first, other = (part.blocks.get(name, []) for name, _ in STANDALONE_ROWS)
+    if not first or len(first) != len(other):
+        return None
+    return statistics.median(r / f for r, f in zip(other, first, strict=True))
+
+
+def standalone_table(part: StandalonePart, path: Path) -> str:
+    c = part.provenance.configuration
+    first = part.blocks[STANDALONE_ROWS[0][0]]
     lines = [
         STANDALONE_SECTION,
         "",
-        f"`{command}` — the learner service's core and sampler in one process (no NATS), model "
-        f"`{args.model}`, batch 16, H={args.h_steps}, on this machine ({os.cpu_count()} cores). "
-        f"Each row runs {args.repeats} blocks of {args.block_steps} inner steps (each step "
-        "followed by the uploads that are due, as in the service's loop), alternating with the "
-        "other row's (AB, BA, ...) after one warm-up block. Tokens/s is a row's best block (the "
-        "one other work on the machine disturbed least); the ratio is the median, over the "
-        "pairs of blocks run next to each other, of the row's block over the first row's.",
+        part.provenance.line(path) + " The learner service's core and sampler in one process "
+        f"(no NATS), model `{c['model']}`, batch 16, H={c['h_steps']}. Each row runs "
+        f"{c['repeats']} blocks of {c['block_steps']} inner steps (each step followed by the "
+        "uploads that are due, as in the service's loop), alternating with the other row's "
+        "(AB, BA, ...) after one warm-up block. Tokens/s is a row's best block (the one other "
+        "work on the machine disturbed least); the ratio is the median, over the pairs of "
+        "blocks run next to each other, of the row's block over the first row's.",
         "",
         "| learner loop | tokens/s (best block) | every block (tokens/s) | ratio |",
         "|---|---|---|---|",
     ]
-    for name, mode in STANDALONE_ROWS:
-        blocks = ", ".join(f"{rate:,.0f}" for rate in rates[mode])
-        ratio = statistics.median(r / f for r, f in zip(rates[mode], first, strict=True))
-        lines.append(f"| {name} | {max(rates[mode]):,.0f} | {blocks} | {ratio:.3f}× |")
+    for name, _ in STANDALONE_ROWS:
+        blocks = part.blocks[name]
+        ratio = statistics.median(r / f for r, f in zip(blocks, first, strict=True))
+        shown = ", ".join(f"{rate:,.0f}" for rate in blocks)
+        lines.append(f"| {name} | {max(blocks):,.0f} | {shown} | {ratio:.3f}× |")
     return "\n".join(lines) + "\n"
 
 
-def cluster_table(args: argparse.Namespace, command: str) -> str:
-    common = [
-        "--model",
-        args.model,
-        "--max-steps",
-        str(args.max_steps),
-        "--h-steps",
-        str(args.h_steps),
-    ]
+def cluster_part(args: argparse.Namespace, path: Path) -> ClusterPart:
+    configuration = {k: getattr(args, k) for k in ("model", "max_steps", "h_steps")}
+    part = ClusterPart(provenance=Provenance.start(PROGRAM, configuration, path))
+    started = time.monotonic()
+    common = ["--model", args.model, "--max-steps", str(args.max_steps)]
+    common += ["--h-steps", str(args.h_steps)]
     cache = Path(tempfile.mkdtemp(prefix="diloco-bench-jax-"))
-    rows = []
     for name, extra in CONFIGS:
         figures = run_config(extra, common, cache)
-        rows.append((name, figures))
-        print(
-            f"{name:34s} {figures['tokens_per_s']:10,.0f} tokens/s  eval {figures['eval']:.3f}",
-            flush=True,
-        )
-    base = rows[0][1]["tokens_per_s"]
+        part.rows[name] = figures
+        note(f"{name:34s} {figures['tokens_per_s']:10,.0f} tokens/s  eval {figures['eval']:.3f}")
+    part.provenance.seconds = round(time.monotonic() - started, 1)
+    return part
+
+
+def cluster_ratio(part: ClusterPart) -> float | None:
+    """4 learners of 1 XLA thread each against 1 learner of 2, in tokens/s."""
+    one, four = (part.rows.get(name) for name, _ in CONFIGS[:2])
+    if not one or not four or not one["tokens_per_s"]:
+        return None
+    return four["tokens_per_s"] / one["tokens_per_s"]
+
+
+def cluster_table(part: ClusterPart, path: Path) -> str:
+    c = part.provenance.configuration
+    base = next(iter(part.rows.values()))["tokens_per_s"]
     lines = [
         SECTION,
         "",
-        f"`{command}` — `diloco up` with model `{args.model}`, "
-        f"{args.max_steps} inner steps per unit, H={args.h_steps}, on this machine "
-        f"({os.cpu_count()} cores). Tokens/s are summed over all units from the first inner "
-        "step to the last; the ratio is to the first row, measured in the same run. The eval "
-        "column is not a quality comparison: a single learner trains on a quarter of the tokens.",
+        part.provenance.line(path) + f" `diloco up` with model `{c['model']}`, "
+        f"{c['max_steps']} inner steps per unit, H={c['h_steps']}. Tokens/s are summed over all "
+        "units from the first inner step to the last; the ratio is to the first row, measured "
+        "in the same run. The eval column is not a quality comparison: a single learner trains "
+        "on a quarter of the tokens.",
         "",
         "| configuration | tokens/s | ratio | final eval (nats/byte) |",
         "|---|---|---|---|",
     ]
-    for name, figures in rows:
+    for name, figures in part.rows.items():
         lines.append(
             f"| {name} | {figures['tokens_per_s']:,.0f} | {figures['tokens_per_s'] / base:.2f}× "
             f"| {figures['eval']:.3f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def cluster_claims(results: ThroughputResults) -> list[Claim]:
+    ratio = cluster_ratio(results.cluster) if results.cluster else None
+    text = f"4 learners sharing the machine reach ≥ {MIN_CLUSTER_RATIO:g}× one learner's tokens/s"
+    return [at_least(text, ratio, MIN_CLUSTER_RATIO, ".2f")]
+
+
+def standalone_claims(results: ThroughputResults) -> list[Claim]:
+    ratio = boundary_ratio(results.standalone) if results.standalone else None
+    text = (
+        "reading the loss only at upload boundaries is not slower: ≥ "
+        f"{MIN_BOUNDARY_RATIO:g}× the every-step loop"
+    )
+    return [at_least(text, ratio, MIN_BOUNDARY_RATIO, ".3f")]
+
+
+QUICK = {"model": "tiny", "max_steps": 40, "h_steps": 10, "block_steps": 10, "repeats": 2}
 
 
 def main() -> None:
@@ -189,18 +273,39 @@ def main() -> None:
         "--block-steps", type=int, default=30, help="standalone: inner steps per block"
     )
     parser.add_argument("--repeats", type=int, default=8, help="standalone: blocks per row")
+    parser.add_argument("--render", action="store_true", help="run nothing: render the stored")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+    parser.add_argument("--quick", action="store_true", help="smoke run (results elsewhere)")
     args = parser.parse_args()
-    command = shown_command("python bench/throughput.py")
-    tables = []
-    if args.only != "standalone":
-        tables.append((SECTION, cluster_table(args, command)))
-    if args.only != "cluster":
-        tables.append((STANDALONE_SECTION, standalone_table(args, command)))
-    for section, table in tables:
-        print("\n" + table)
-        if args.write:
-            write_section(section, table)
+    if args.quick:
+        vars(args).update(QUICK)
+    path = results_path(NAME, args.quick)
+    if path.exists() and not args.quick:
+        results = ThroughputResults.model_validate_json(path.read_text())
+    elif args.render:
+        raise SystemExit(f"{path}: no stored results (run bench/throughput.py first)")
+    else:
+        results = ThroughputResults()
+    if not args.render:
+        if args.only != "standalone":
+            results.cluster = cluster_part(args, path)
+            save(path, results)
+        if args.only != "cluster":
+            results.standalone = standalone_part(args, path)
+            save(path, results)
+    parts = []
+    if results.cluster is not None:
+        parts.append((SECTION, cluster_table(results.cluster, path), cluster_claims(results)))
+    if results.standalone is not None:
+        table = standalone_table(results.standalone, path)
+        parts.append((STANDALONE_SECTION, table, standalone_claims(results)))
+    checked = [claim for _, _, part_claims in parts for claim in part_claims]
+    for section, table, part_claims in parts:
+        text = table + "\n" + render_claims(part_claims)
+        print(text)
+        if args.write and not args.quick:
+            write_section(section, text)
+    exit_on(checked, args.quick)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""``bench/throughput.py``'s claims hold for figures that meet them and fail for those that do
+not, from hand-built results (no benchmark runs here)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import ModuleType
+
+import pytest
+
+from tests.helpers import REPO
+
+
+@pytest.fixture
+def throughput(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location(
+        "throughput_under_test", REPO / "bench" / "throughput.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def results(module: ModuleType, four_over_one: float, boundary: list[float]):
+    provenance = module.Provenance(commit="c", command="x", machine="m", started="s")
+    names = [name for name, _ in module.CONFIGS]
+    cluster = module.ClusterPart(
+        provenance=provenance,
+        rows={
+            names[0]: {"tokens_per_s": 1000.0, "eval": 3.0},
+            names[1]: {"tokens_per_s": 1000.0 * four_over_one, "eval": 3.0},
+            names[2]: {"tokens_per_s": 1000.0, "eval": 3.0},
+        },
+    )
+    every, at_boundaries = (name for name, _ in module.STANDALONE_ROWS)
+    standalone = module.StandalonePart(
+        provenance=provenance,
+        blocks={every: [100.0] * len(boundary), at_boundaries: [100.0 * r for r in boundary]},
+    )
+    return module.ThroughputResults(cluster=cluster, standalone=standalone)
+
+
+def test_claims_hold_for_good_figures_and_fail_for_bad_ones(throughput):
+    good = results(throughput, 1.06, [1.02, 0.99, 1.01])
+    claims = throughput.cluster_claims(good) + throughput.standalone_claims(good)
+    assert [c.holds for c in claims] == [True, True]
+    bad = results(throughput, 0.85, [0.95, 1.0, 0.97])  # median of the pairs: 0.97
+    claims = throughput.cluster_claims(bad) + throughput.standalone_claims(bad)
+    assert [c.holds for c in claims] == [False, False]
+    assert claims[1].measured == "0.970"
+
+
+def test_a_part_not_run_is_not_measured(throughput):
+    empty = throughput.ThroughputResults()
+    claims = throughput.cluster_claims(empty) + throughput.standalone_claims(empty)
+    assert [c.holds for c in claims] == [None, None]
