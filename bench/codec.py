@@ -7,9 +7,13 @@ zstd level 1 (the default) and -1 (fast), single-threaded (``threads=0``). Repor
 decode throughput (fp32 input bytes per second, best of N) and their ratio to a plain
 allocating memory copy (``np.copy``) of the same data measured in the same run, interleaved
 with the codec calls; the compression ratio vs fp32 without and with zstd; and the relative L2
-error. With ``--write``, the table and the exact command go into BENCHMARKS.md.
+error. Raw figures (every row's best times, sizes and error, the copies) go to
+``bench/results/codec.json``; the section is rendered from that file, with its claims (the
+error bounds of docs/CODEC.md and the compression ratios the docs quote) under the table.
 
-    .venv/bin/python bench/codec.py --write          # ≈ 2 min on 2 cores (+1 min first capture)
+    .venv/bin/python bench/codec.py --write          # ≈ 4 min on 2 cores (+1 min first capture)
+    .venv/bin/python bench/codec.py --render --write # the section from the stored results
+    .venv/bin/python bench/codec.py --quick          # the smoke version: 1M, 2 repeats
 
 The real pseudo-gradients are captured once (well under a minute) and cached in
 ``bench/.cache/`` (git-ignored); ``--recapture`` trains again.
@@ -32,6 +36,17 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from evidence import (
+    Claim,
+    Provenance,
+    at_least,
+    at_most,
+    exit_on,
+    render_claims,
+    results_path,
+    save,
+)
+from pydantic import BaseModel
 from report import write_section
 
 from shared.codec import api as codec
@@ -41,7 +56,12 @@ from shared.settings.algorithm import InnerAlgorithmSettings
 from shared.settings.workload import DEFAULT_UNITS, WorkloadSettings
 
 SECTION = "## Pseudo-gradient codec"
-COMMAND = ".venv/bin/python bench/codec.py --write"
+PROGRAM = ".venv/bin/python bench/codec.py"
+NAME = "codec"
+# docs/CODEC.md: relative L2 errors on Gaussian data (tests/test_codec.py bound them there too)
+MAX_ERROR = {"fp32": 0.0, "bf16": 0.003, "int8": 0.01, "int4": 0.15, "int2": 0.5}
+# docs/CODEC.md and docs/NETWORK.md: ratio of a real pseudo-gradient's payload to fp32 (zstd 1)
+MIN_RATIO = {"bf16": 2.0, "int8": 3.9, "int4": 7.7, "int2": 15.0}
 MI = 1 << 20
 SIZES = {"1M": MI, "10M": 10 * MI, "100M": 100 * MI}
 REPEATS = {"1M": 15, "10M": 7, "100M": 3}
@@ -228,8 +248,9 @@ def timed(function: Callable[[], object]) -> tuple[float, object]:
         gc.enable()
 
 
-@dataclass
-class Row:
+class Row(BaseModel):
+    """One codec at one zstd level on one data set: best times, sizes and error."""
+
     size: str
     kind: str
     codec: str
@@ -241,6 +262,21 @@ class Row:
     payload_size: int
     error: float
     copy_s: float  # best np.copy time of this row's own repeats (the ×copy reference)
+
+
+class CodecResults(BaseModel):
+    """``bench/results/codec.json``."""
+
+    provenance: Provenance
+    sizes: list[str]
+    repeats: dict[str, int]
+    captured_s: float
+    real_tensors: int
+    real_params: int
+    real_rounds: int
+    rows: list[Row] = []
+    copies: dict[str, float] = {}  # "size kind": best allocating copy, s
+    copytos: dict[str, float] = {}  # size: best copy into a preallocated buffer, s
 
 
 def measure(
@@ -276,17 +312,17 @@ def measure(
         best_dec = min(best_dec, t)
     error = rel_l2_error(ds, decoded)
     return Row(
-        ds.size,
-        ds.kind,
-        name,
-        level,
-        best_enc,
-        best_dict,
-        best_dec,
-        description["raw_size"],
-        len(payload),
-        error,
-        best_copy,
+        size=ds.size,
+        kind=ds.kind,
+        codec=name,
+        level=level,
+        encode_s=best_enc,
+        dict_encode_s=best_dict,
+        decode_s=best_dec,
+        raw_size=description["raw_size"],
+        payload_size=len(payload),
+        error=error,
+        copy_s=best_copy,
     )
 
 
@@ -305,12 +341,14 @@ def gbps(elements: int, seconds: float) -> float:
     return 4 * elements / seconds / 1e9
 
 
-def render(rows, copies, copytos, sizes, repeats, rounds, elapsed_s, captured_s, summary) -> str:
+def render(results: CodecResults, checked: list[Claim], path: Path) -> str:
     c = CAPTURE
-    n_params = sum(a.size for a in rounds[0].values())
+    rows, sizes, repeats = results.rows, results.sizes, results.repeats
+    copies, copytos = results.copies, results.copytos
+    n_params, captured_s = results.real_params, results.captured_s
     copy_text = "; ".join(
         f"{s}: {gbps(SIZES[s], copytos[s]):.1f} GB/s preallocated vs "
-        + ", ".join(f"{gbps(SIZES[s], copies[s, k]):.1f}" for k in KINDS)
+        + ", ".join(f"{gbps(SIZES[s], copies[f'{s} {k}']):.1f}" for k in KINDS)
         + " GB/s allocating (gaussian, real)"
         for s in sizes
     )
@@ -319,12 +357,13 @@ def render(rows, copies, copytos, sizes, repeats, rounds, elapsed_s, captured_s,
     lines = [
         SECTION,
         "",
-        f"`{COMMAND}` — every codec of `shared/codec/` (block size 256) at zstd level 1 "
+        results.provenance.line(path) + " Every codec of `shared/codec/` (block size 256) at "
+        "zstd level 1 "
         f"(the default) and -1 (fast), on this machine ({os.cpu_count()} shared cores), "
         "single-threaded (`threads=0`). Sizes in float32 values, M = 2^20 = 1,048,576 "
         f"(1M = 4 MiB of fp32). Throughput = fp32 input bytes (4 × values) / best time of N "
         f"repeats ({reps}); GB/s = 10^9 bytes/s; decode includes allocating its output. "
-        f"Whole run: {elapsed_s / 60:.1f} min, plus {captured_s:.0f} s to {load}.",
+        f"Before the timings: {captured_s:.0f} s to {load}.",
         "",
         "**encode** is `codec.encode_flat` of the data's one contiguous buffer with its "
         "`Layout`, the call a learner makes (its pseudo-gradient is one buffer); "
@@ -334,14 +373,15 @@ def render(rows, copies, copytos, sizes, repeats, rounds, elapsed_s, captured_s,
         "Data. **gaussian**: standard normal × 1e-3, in the same tensor layout as *real*. "
         f"**real**: pseudo-gradients Δ = anchor − θ captured with `LearnerCore` from "
         f"{c['rounds']} rounds of H={c['h_steps']} inner steps of a fresh `{c['model']}` model "
-        f"({n_params:,} parameters in {len(rounds[0])} tensors; AdamW peak lr {c['inner_lr']:g}, "
+        f"({n_params:,} parameters in {results.real_tensors} tensors; AdamW peak lr "
+        f"{c['inner_lr']:g}, "
         f"warm-up {c['warmup_steps']}, cosine over {c['max_steps']} steps, weight decay "
         f"{c['weight_decay']:g}, batch {c['batch_size']}, unit {c['unit']} of "
         f"{c['num_units']}, seed {c['seed']}: the learner's defaults). Each size takes the "
         "rounds' tensors in order (round 1, 2, …) and, past the captured rounds, tiles them "
         "again under distinct names until the value count is reached (the last tensor is "
         "truncated), so 100M holds each captured tensor about "
-        f"{SIZES['100M'] // (len(rounds) * n_params)} times.",
+        f"{SIZES['100M'] // (results.real_rounds * n_params)} times.",
         "",
         "**copy**: `np.copy` of the same fp32 data (one contiguous array), which, like encode "
         "and decode, allocates its output. It is timed right before every encode, in the same "
@@ -367,11 +407,43 @@ def render(rows, copies, copytos, sizes, repeats, rounds, elapsed_s, captured_s,
             f"| {4 * n / r.raw_size:.2f} | {4 * n / r.payload_size:.2f} | {r.error:.2e} |"
         )
     lines += ["", "Do int8 and int4 reach 0.5× copy (single-threaded)?", ""]
-    lines += [f"- {s}" for s in summary]
-    return "\n".join(lines) + "\n"
+    lines += [f"- {s}" for s in summarise(rows, sizes)]
+    lines += ["", render_claims(checked)]
+    return "\n".join(lines)
 
 
-def summarise(rows, copies, sizes) -> list[str]:
+def claims(results: CodecResults) -> list[Claim]:
+    """The error bounds of docs/CODEC.md (Gaussian data, zstd level 1, every size measured) and
+    the compression ratios the docs quote (real pseudo-gradients, zstd level 1)."""
+    out = []
+    for name, bound in MAX_ERROR.items():
+        errors = [r.error for r in results.rows if (r.codec, r.kind) == (name, "gaussian")]
+        out.append(
+            at_most(
+                f"{name}: relative L2 error on Gaussian data ≤ {bound:g} (docs/CODEC.md)",
+                max(errors) if errors else None,
+                bound,
+                ".2e",
+            )
+        )
+    for name, bound in MIN_RATIO.items():
+        ratios = [
+            4 * SIZES[r.size] / r.payload_size
+            for r in results.rows
+            if (r.codec, r.kind, r.level) == (name, "real", 1)
+        ]
+        out.append(
+            at_least(
+                f"{name}: real pseudo-gradients ≥ {bound:g}× smaller than fp32 with zstd",
+                min(ratios) if ratios else None,
+                bound,
+                ".2f",
+            )
+        )
+    return out
+
+
+def summarise(rows: list[Row], sizes: list[str]) -> list[str]:
     out = []
     for name in ("int8", "int4"):
         for size in sizes:
@@ -404,10 +476,18 @@ def main() -> None:
     parser.add_argument(
         "--levels", default=",".join(map(str, LEVELS)), help="comma-separated zstd levels"
     )
-    parser.add_argument("--quick", action="store_true", help="1M only, 2 repeats (development)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1M only, 2 repeats")
     parser.add_argument("--recapture", action="store_true", help="retrain the real data")
+    parser.add_argument("--render", action="store_true", help="run nothing: render the stored")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     args = parser.parse_args()
+    path = results_path(NAME, args.quick)
+    if args.render:
+        if not path.exists():
+            raise SystemExit(f"{path}: no stored results (run bench/codec.py first)")
+        results = CodecResults.model_validate_json(path.read_text())
+        report(results, args, path)
+        return
     started = time.perf_counter()
     sizes = ["1M"] if args.quick else [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
@@ -425,6 +505,8 @@ def main() -> None:
     if args.write and (args.quick or not full):
         parser.error("--write records the full benchmark; drop --quick/--sizes/--codecs/--levels")
 
+    configuration = {"sizes": sizes, "codecs": codecs, "levels": levels, "repeats": repeats}
+    provenance = Provenance.start(PROGRAM, configuration, path)
     rounds = load_rounds(args.recapture)
     captured_s = time.perf_counter() - started
     started = time.perf_counter()
@@ -455,12 +537,31 @@ def main() -> None:
             limit = 0.0 if name == "fp32" else 2.0**-9
             assert error <= limit, f"{name} error {error} above {limit}"
 
-    summary = summarise(rows, copies, sizes)
-    elapsed = time.perf_counter() - started
-    table = render(rows, copies, copytos, sizes, repeats, rounds, elapsed, captured_s, summary)
-    print("\n" + table)
-    if args.write:
+    provenance.seconds = round(time.perf_counter() - started + captured_s, 1)
+    results = CodecResults(
+        provenance=provenance,
+        sizes=sizes,
+        repeats=repeats,
+        captured_s=round(captured_s, 1),
+        real_tensors=len(rounds[0]),
+        real_params=sum(a.size for a in rounds[0].values()),
+        real_rounds=len(rounds),
+        rows=rows,
+        copies={f"{size} {kind}": t for (size, kind), t in copies.items()},
+        copytos=copytos,
+    )
+    save(path, results)
+    report(results, args, path)
+
+
+def report(results: CodecResults, args: argparse.Namespace, path: Path) -> None:
+    """Render the stored results, write the section when asked, exit on the claims."""
+    checked = claims(results)
+    table = render(results, checked, path)
+    print(table)
+    if args.write and not args.quick:
         write_section(SECTION, table)
+    exit_on(checked, args.quick)
 
 
 if __name__ == "__main__":
