@@ -186,7 +186,14 @@ def main() -> None:
         "--models", default=",".join(MODELS), help="comma-separated models of table 2"
     )
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: 5 calls per figure, model small only"
+    )
     args = parser.parse_args()
+    if args.quick:
+        if args.write:
+            parser.error("--quick does not write BENCHMARKS.md")
+        args.repeats, args.models = 5, "small"
     started = time.perf_counter()
     command = " ".join([".venv/bin/python bench/codec_parts.py", *sys.argv[1:]])
     print("Numba compile, cold and cached:", flush=True)
