@@ -156,16 +156,27 @@ def test_goodput_claims_fail_for_runs_that_do_not(bench):
     assert seen["4mbit/25ms: the parameter server's communication ≥ 10× its compute"] is False
     ran = "4mbit/25ms: the parameter server ran to the target (measured, not extrapolated)"
     assert seen[ran] is False
-    assert seen["4mbit/25ms: decoupled reaches the target sooner than the parameter server"] is None
+    # the parameter server never reached the target, decoupled did: decoupled was sooner
+    assert seen["4mbit/25ms: decoupled reaches the target sooner than the parameter server"]
     assert seen["1 per 30 s: sync saw at least one kill"] is False
     assert seen["1 per 30 s: decoupled goodput ≥ sync's"] is False
     assert seen["1 per 30 s: decoupled goodput ≥ dp-like's"] is True
     checked = goodput.claims(goodput.Stored(results, args))
-    assert len(evidence.failures(checked)) == 6
-    # A quick run fails only on what it could not measure.
+    assert len(evidence.failures(checked)) == 5
+    # A quick run fails only on what it could not measure: a run missing.
+    assert evidence.failures(checked, quick=True) == []
+    del results.runs["decoupled / none / 4mbit/25ms / seed 1"]
+    checked = goodput.claims(goodput.Stored(results, args))
     assert [c.text for c in evidence.failures(checked, quick=True)] == [
         "4mbit/25ms: decoupled reaches the target sooner than the parameter server"
     ]
+    # decoupled on the link never at the target: measured, and false
+    slow = run("decoupled", link="4mbit/25ms", curve=[(0.0, 5.0), (90.0, 3.2)])
+    results.runs[slow.key] = slow
+    seen = verdicts(goodput.claims(goodput.Stored(results, args)))
+    assert (
+        seen["4mbit/25ms: decoupled reaches the target sooner than the parameter server"] is False
+    )
 
 
 def test_goodput_rows_start_with_the_run_that_defines_the_target(bench):
