@@ -17,7 +17,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.orchestration.local import files
 from shared.job_status import JobStatus, read_job_status
@@ -432,3 +433,20 @@ def service_settings(cls: type[SettingsT], argv: list[str]) -> SettingsT:
     """The settings a service builds from a command line a launcher gives it
     (``argv[0]`` is the service's name, as in ``diloco <service> ...``)."""
     return settings_from_args(cls, argv[1:])
+
+
+def load_bench_script(name: str, monkeypatch: Any) -> ModuleType:
+    """``bench/<name>.py`` as a module (``bench/`` on ``sys.path``, as when run as a script),
+    registered in ``sys.modules`` for the test's duration (dataclasses look their module up
+    while defined)."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location(
+        f"{name}_under_test", REPO / "bench" / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module

@@ -6,35 +6,20 @@ by hand: no benchmark runs here."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from types import ModuleType
 
 import pytest
 
 from services.orchestration.local.records import ChaosEvent
 from sim.cluster.model import GoodputRun
-from tests.helpers import REPO
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        f"{name}_under_test", REPO / "bench" / f"{name}.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while defined
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_bench_script
 
 
 @pytest.fixture
-def bench(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    yield
-    for name in [n for n in sys.modules if n.endswith("_under_test")]:
-        sys.modules.pop(name)
+def bench(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]:
+    """Loads ``bench/<name>.py``."""
+    return lambda name: load_bench_script(name, monkeypatch)
 
 
 def run(
@@ -124,7 +109,7 @@ def verdicts(checked) -> dict[str, bool | None]:
 
 
 def test_goodput_claims_hold_for_runs_that_meet_them(bench):
-    goodput = load("goodput")
+    goodput = bench("goodput")
     args = goodput_args(goodput)
     results = goodput_results(goodput, args, good_goodput_runs())
     checked = goodput.claims(goodput.Stored(results, args))
@@ -136,8 +121,8 @@ def test_goodput_claims_hold_for_runs_that_meet_them(bench):
 
 
 def test_goodput_claims_fail_for_runs_that_do_not(bench):
-    goodput = load("goodput")
-    evidence = load("evidence")
+    goodput = bench("goodput")
+    evidence = bench("evidence")
     args = goodput_args(goodput)
     runs = good_goodput_runs()
     bad = {
@@ -180,7 +165,7 @@ def test_goodput_claims_fail_for_runs_that_do_not(bench):
 
 
 def test_goodput_rows_start_with_the_run_that_defines_the_target(bench):
-    goodput = load("goodput")
+    goodput = bench("goodput")
     args = goodput.parser().parse_args([])
     planned = goodput.rows(args)
     assert planned[0] == goodput.Row("decoupled", None, None, args.seed)
@@ -191,7 +176,7 @@ def test_goodput_rows_start_with_the_run_that_defines_the_target(bench):
 
 
 def test_quality_claims(bench):
-    quality = load("quality")
+    quality = bench("quality")
     real = {
         "decoupled": [run("decoupled", seed=s, curve=[(0.0, 5.0), (9.0, 2.80)]) for s in (1, 2, 3)],
         "sync": [run("sync", seed=s, curve=[(0.0, 5.0), (9.0, 2.79)]) for s in (1, 2, 3)],
@@ -220,7 +205,7 @@ def test_quality_claims(bench):
 
 
 def test_scaling_scores_held_out_runs_only(bench):
-    scaling = load("scaling")
+    scaling = bench("scaling")
     runs = [
         run("decoupled"),
         run("decoupled", 30.0),
@@ -257,7 +242,7 @@ def test_scaling_scores_held_out_runs_only(bench):
 
 
 def test_summary_claims_every_section_names_its_raw_results(bench):
-    summary = load("summary")
+    summary = bench("summary")
     text = (
         "# Benchmarks\n\n## Running the benchmarks\n\nno file\n\n"
         "## A\n\nRaw results: `bench/results/a.json`.\n\n## B\n\nfrom memory\n"

@@ -3,24 +3,16 @@ quote) hold for figures that meet them and fail for those that do not, from hand
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from types import ModuleType
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, load_bench_script
 
 
 @pytest.fixture
 def codec_bench(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location("codec_under_test", REPO / "bench" / "codec.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("codec", monkeypatch)
 
 
 def results(module: ModuleType, error_scale: float = 0.5, ratio_scale: float = 1.05):

@@ -3,26 +3,16 @@ not, from hand-built results (no benchmark runs here)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from types import ModuleType
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import load_bench_script
 
 
 @pytest.fixture
 def throughput(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location(
-        "throughput_under_test", REPO / "bench" / "throughput.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("throughput", monkeypatch)
 
 
 def results(module: ModuleType, four_over_one: float, boundary: list[float]):
