@@ -319,7 +319,7 @@ def measure(
         encode_s=best_enc,
         dict_encode_s=best_dict,
         decode_s=best_dec,
-        raw_size=description["raw_size"],
+        raw_size=description.raw_size,
         payload_size=len(payload),
         error=error,
         copy_s=best_copy,
