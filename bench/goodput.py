@@ -36,7 +36,7 @@ start to the target. Raw figures of every run, with its commit: ``bench/results/
 which ``bench/quality.py`` (the quality table and its simulated twin) and ``bench/scaling.py``
 (the cluster simulator's check) read too.
 
-    .venv/bin/python bench/goodput.py --write            # every row (about 2 h on 2 cores)
+    .venv/bin/python bench/goodput.py --write            # every row (about 70 min on 2 cores)
     .venv/bin/python bench/goodput.py --render --write   # the section from the stored runs
     .venv/bin/python bench/goodput.py --quick            # the smoke version (tiny model)
 """
