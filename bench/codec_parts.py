@@ -32,9 +32,16 @@ Three tables, one BENCHMARKS.md section:
    ``NUMBA_CACHE_DIR`` pointed at an empty directory (every kernel compiles), then again
    with the same directory (every kernel loads from the cache).
 
-With ``--write`` the tables and the command go into BENCHMARKS.md.
+Raw figures (every part's and row's best times, the checks, the compile runs) go to
+``bench/results/codec_parts.json``; the section is rendered from that file, with its claims
+under the tables: the public routes give the same bytes; the Numba quantiser gains more than the
+10% of a ``small`` upload's link time that docs/CODEC.md requires of a compiled piece;
+``shared.codec.zstd`` costs what python-zstandard's public API costs; the fast levels' hash log
+pays; Numba's cache removes the compile.
 
-    .venv/bin/python bench/codec_parts.py --write      # ≈ 3 min on 2 cores
+    .venv/bin/python bench/codec_parts.py --write          # ≈ 3 min on 2 cores
+    .venv/bin/python bench/codec_parts.py --render --write # the section from the stored results
+    .venv/bin/python bench/codec_parts.py --quick          # the smoke version
 """
 
 from __future__ import annotations
@@ -47,12 +54,25 @@ import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 from codec import REPO, SIZES, load_rounds, make_dataset  # bench/codec.py
 from codec import warm_up as warm_up_codec
 from codec_routes import BLOCK, address_us, best
-from codec_uploads import MODEL_REPEATS, MODELS, measure_model, upload_tables
+from codec_uploads import MODEL_REPEATS, MODELS, link_s, measure_model, upload_tables
+from evidence import (
+    Claim,
+    Provenance,
+    at_least,
+    at_most,
+    exit_on,
+    note,
+    render_claims,
+    results_path,
+    save,
+)
+from pydantic import BaseModel
 from report import write_section
 
 from shared.codec import api as codec
@@ -61,7 +81,83 @@ from shared.codec.config import CodecConfig
 from shared.codec.layout import Layout
 
 SECTION = "## Pseudo-gradient codec: the parts of a 1M-value int8 encode"
+PROGRAM = ".venv/bin/python bench/codec_parts.py"
+NAME = "codec_parts"
 LEVEL = -1
+COPY = "np.copy (the reference)"
+# docs/CODEC.md: a compiled piece stays where it gains more than this share of the upload's
+# transfer time at 1 Gbit/s over its public equivalent.
+KEEP_GAIN = 0.10
+# shared.codec.zstd is python-zstandard's public API plus one payload buffer: the two cost the
+# same within this share of the link time.
+SAME_COST = 0.02
+# The fast levels' hash log (shared/codec/zstd.py) is at least this much faster than a plain
+# ZstdCompressor(level=-1).
+HASH_LOG_SPEED_UP = 1.05
+# A cached Numba load takes at most this share of a cold compile.
+CACHED_SHARE = 0.10
+
+
+class Part(BaseModel):
+    """One part of the 1M-value encode on one data set: best cold and in-cache times."""
+
+    kind: str
+    part: str
+    cold_s: float
+    hot_s: float
+
+
+class UploadChecks(BaseModel):
+    """What table 2 checks before timing: both routes do the same work."""
+
+    numpy_codes_identical: bool
+    jax_codes_differing: int
+    jax_scales_differing: int
+    jax_scales_max_ulps: int
+    jax_max_steps: float
+    payload_identical: dict[int, bool]
+    jax_payload_identical: bool
+    decode_identical: bool
+    jax_compile_s: float
+    jax_cpu_per_wall: float
+    blocks: int
+
+
+class Upload(BaseModel):
+    """One model's upload in table 2: sizes, best CPU and wall time of every row, the checks."""
+
+    name: str
+    params: int
+    tensors: int
+    segments: int
+    filled: str
+    repeats: int
+    payload: dict[int, int]  # zstd level: payload bytes
+    plain_minus_1: int  # payload bytes at −1 without the project's hash log
+    times: dict[str, float]
+    walls: dict[str, float]
+    checks: UploadChecks
+
+
+class CompileRun(BaseModel):
+    """``codec.warm_up()`` in a fresh process."""
+
+    what: str
+    import_s: float
+    warm_up_s: float
+    cpu_s: float
+    cache_files: int
+
+
+class CodecPartsResults(BaseModel):
+    """``bench/results/codec_parts.json``."""
+
+    provenance: Provenance
+    repeats: int
+    parts: list[Part] = []
+    uploads: list[Upload] = []
+    address_us: float = 0.0
+    compile: list[CompileRun] = []
 
 
 # --------------------------------------------------------------------------- table 1
@@ -91,7 +187,25 @@ def parts(buffer: np.ndarray, layout: Layout) -> dict[str, Callable[[], object]]
     }
 
 
-def parts_table(rounds: list[dict[str, np.ndarray]], repeats: int) -> list[str]:
+def measure_parts(rounds: list[dict[str, np.ndarray]], repeats: int) -> list[Part]:
+    """Every part's best cold and in-cache time, real data first."""
+    out = []
+    for kind in ("real", "gaussian"):
+        ds = make_dataset("1M", kind, rounds)
+        assert ds.buffer.size == SIZES["1M"]
+        calls = parts(ds.buffer, ds.layout)
+        cold = {label: best(call, repeats, cold=True) for label, call in calls.items()}
+        hot = {label: best(call, repeats, cold=False) for label, call in calls.items()}
+        for label in calls:
+            out.append(Part(kind=kind, part=label, cold_s=cold[label], hot_s=hot[label]))
+            note(
+                f"  {kind} {label}: cold {cold[label] * 1e3:.3f} ms, "
+                f"in cache {hot[label] * 1e3:.3f} ms"
+            )
+    return out
+
+
+def parts_table(rows: list[Part], repeats: int) -> list[str]:
     lines = [
         f"The parts of `bench/codec.py`'s int8 encode at 1M values (4 MiB of fp32), "
         "single-threaded, timed as that benchmark times everything: a full `gc.collect()` "
@@ -101,20 +215,12 @@ def parts_table(rounds: list[dict[str, np.ndarray]], repeats: int) -> list[str]:
         "| data | part | cold ms | in cache ms | ×copy (cold) |",
         "|---|---|---|---|---|",
     ]
-    for kind in ("real", "gaussian"):
-        ds = make_dataset("1M", kind, rounds)
-        assert ds.buffer.size == SIZES["1M"]
-        calls = parts(ds.buffer, ds.layout)
-        cold = {label: best(call, repeats, cold=True) for label, call in calls.items()}
-        hot = {label: best(call, repeats, cold=False) for label, call in calls.items()}
-        copy = cold["np.copy (the reference)"]
-        for label in calls:
-            row = (
-                f"| {kind} | {label} | {cold[label] * 1e3:.3f} | {hot[label] * 1e3:.3f} "
-                f"| {copy / cold[label]:.2f}× |"
-            )
-            lines.append(row)
-            print(row, flush=True)
+    copies = {r.kind: r.cold_s for r in rows if r.part == COPY}
+    for r in rows:
+        lines.append(
+            f"| {r.kind} | {r.part} | {r.cold_s * 1e3:.3f} | {r.hot_s * 1e3:.3f} "
+            f"| {copies[r.kind] / r.cold_s:.2f}× |"
+        )
     return lines
 
 
@@ -133,9 +239,8 @@ def sources_stamp() -> list[int]:
     return [path.stat().st_mtime_ns for path in sources]
 
 
-def warm_up_runs() -> list[tuple[str, float, float, float, int]]:
-    """(what, import s, warm_up wall s, warm_up CPU s, cache files after) of a cold and a
-    cached process."""
+def warm_up_runs() -> list[CompileRun]:
+    """A cold and a cached process's ``codec.warm_up()``."""
     runs = []
     with tempfile.TemporaryDirectory(prefix="numba-cache-") as cache:
         env = {**os.environ, "NUMBA_CACHE_DIR": cache}
@@ -149,12 +254,21 @@ def warm_up_runs() -> list[tuple[str, float, float, float, int]]:
                 text=True,
             ).stdout.split()
             files = sum(len(f) for _, _, f in os.walk(cache))
-            runs.append((what, *map(float, out), files))
-            print(f"  warm_up {what}: {out[1]} s, CPU {out[2]} s ({files} cache files)", flush=True)
+            import_s, warm_up_s, cpu_s = map(float, out)
+            runs.append(
+                CompileRun(
+                    what=what,
+                    import_s=import_s,
+                    warm_up_s=warm_up_s,
+                    cpu_s=cpu_s,
+                    cache_files=files,
+                )
+            )
+            note(f"  warm_up {what}: {warm_up_s:.2f} s, CPU {cpu_s:.2f} s ({files} cache files)")
     return runs
 
 
-def compile_table() -> list[str]:
+def measure_compile() -> list[CompileRun]:
     """codec.warm_up() in fresh processes: an empty Numba cache, then the same cache (again,
     once, if the sources changed in between: that invalidates the cache)."""
     for _ in range(2):
@@ -162,7 +276,11 @@ def compile_table() -> list[str]:
         runs = warm_up_runs()
         if sources_stamp() == stamp:
             break
-        print("  the codec's sources changed during the runs; measuring again", flush=True)
+        note("  the codec's sources changed during the runs; measuring again")
+    return runs
+
+
+def compile_table(runs: list[CompileRun]) -> list[str]:
     lines = [
         "`codec.warm_up()` in a fresh `python -c` process with `NUMBA_CACHE_DIR` pointed at a "
         "new empty directory, then again in another fresh process with the same directory "
@@ -172,8 +290,107 @@ def compile_table() -> list[str]:
         "| files in the cache after |",
         "|---|---|---|---|---|",
     ]
-    lines += [f"| {w} | {i:.2f} | {s:.2f} | {c:.2f} | {f} |" for w, i, s, c, f in runs]
+    lines += [
+        f"| {r.what} | {r.import_s:.2f} | {r.warm_up_s:.2f} | {r.cpu_s:.2f} | {r.cache_files} |"
+        for r in runs
+    ]
     return lines
+
+
+# --------------------------------------------------------------------------- claims
+
+
+def gain_share(upload: Upload, own: str, public: str, level: int) -> float:
+    """The public row's CPU time minus the project's, as a share of the upload's link time."""
+    return (upload.times[public] - upload.times[own]) / link_s(upload.model_dump(), level)
+
+
+def claims(results: CodecPartsResults) -> list[Claim]:
+    """What docs/CODEC.md says of these tables, checked on the stored figures."""
+    uploads = results.uploads
+    measured = bool(uploads)
+    same = [
+        u.checks.numpy_codes_identical
+        and all(u.checks.payload_identical.values())
+        and u.checks.decode_identical
+        for u in uploads
+    ]
+    small = next((u for u in uploads if u.name == "small"), None)
+    zstd_gaps = [
+        abs(gain_share(u, own, public, level))
+        for u in uploads
+        for own, public, level in (("z1", "z1_np", 1), ("z-1", "z-1_np", -1), ("d", "d_pub", 1))
+    ]
+    hash_log = [u.times["z-1_plain"] / u.times["z-1"] for u in uploads]
+    cold = next((r.warm_up_s for r in results.compile if r.what.startswith("cold")), None)
+    cached = next((r.warm_up_s for r in results.compile if r.what.startswith("cached")), None)
+    return [
+        Claim(
+            "the public routes (NumPy quantiser, python-zstandard) give the codec's codes, "
+            "payload bytes (zstd 1 and −1) and decoded values, for every model",
+            f"{sum(same)} of {len(same)} models" if measured else "not measured",
+            all(same) if measured else None,
+        ),
+        at_most(
+            "`jax.jit` quantiser: the same codes as the codec (codes differing, all models)",
+            sum(u.checks.jax_codes_differing for u in uploads) if measured else None,
+            0,
+            "d",
+        ),
+        at_least(
+            f"the Numba quantiser gains > {KEEP_GAIN:.0%} of a `small` upload's 1 Gbit/s link "
+            "time over NumPy (docs/CODEC.md's rule for keeping it)",
+            gain_share(small, "q_numba", "q_np", 1) if small else None,
+            KEEP_GAIN,
+            ".1%",
+        ),
+        at_most(
+            "`shared.codec.zstd` compress (zstd 1, −1) and decompress cost what "
+            f"python-zstandard's public calls cost, within {SAME_COST:.0%} of the link time "
+            "(largest gap, all models)",
+            max(zstd_gaps) if zstd_gaps else None,
+            SAME_COST,
+            ".2%",
+        ),
+        at_least(
+            f"zstd −1 with the project's hash log is ≥ {HASH_LOG_SPEED_UP}× as fast as "
+            "`ZstdCompressor(level=-1)` (slowest model)",
+            min(hash_log) if hash_log else None,
+            HASH_LOG_SPEED_UP,
+            ".2f",
+        ),
+        at_most(
+            f"Numba's cache: `codec.warm_up()` from the cache takes ≤ {CACHED_SHARE:.0%} of a "
+            "cold compile",
+            cached / cold if cold and cached is not None else None,
+            CACHED_SHARE,
+            ".1%",
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------- report
+
+
+def render(results: CodecPartsResults, checked: list[Claim], path: Path) -> str:
+    lines = [SECTION, "", results.provenance.line(path) + " Three tables.", ""]
+    lines += parts_table(results.parts, results.repeats)
+    lines += ["", "### The codec stack against public APIs, at the sizes learners upload", ""]
+    lines += upload_tables([u.model_dump() for u in results.uploads], results.address_us)
+    lines += ["", "### Numba compile: cold and cached", ""]
+    lines += compile_table(results.compile)
+    lines += ["", render_claims(checked)]
+    return "\n".join(lines)
+
+
+def report(results: CodecPartsResults, args: argparse.Namespace, path: Path) -> None:
+    """Render the stored results, write the section when asked, exit on the claims."""
+    checked = claims(results)
+    table = render(results, checked, path)
+    print(table)
+    if args.write and not args.quick:
+        write_section(SECTION, table)
+    exit_on(checked, args.quick)
 
 
 # --------------------------------------------------------------------------- main
@@ -185,40 +402,52 @@ def main() -> None:
     parser.add_argument(
         "--models", default=",".join(MODELS), help="comma-separated models of table 2"
     )
+    parser.add_argument("--render", action="store_true", help="run nothing: render the stored")
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     parser.add_argument(
         "--quick", action="store_true", help="smoke run: 5 calls per figure, model small only"
     )
     args = parser.parse_args()
+    path = results_path(NAME, args.quick)
+    if args.render:
+        if not path.exists():
+            raise SystemExit(f"{path}: no stored results (run bench/codec_parts.py first)")
+        report(CodecPartsResults.model_validate_json(path.read_text()), args, path)
+        return
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if unknown := [m for m in models if m not in MODELS]:
+        parser.error(f"unknown models {unknown}; choose from {list(MODELS)}")
     if args.quick:
-        if args.write:
-            parser.error("--quick does not write BENCHMARKS.md")
-        args.repeats, args.models = 5, "small"
+        args.repeats, models = 5, ["small"]
+    elif args.write and (models != list(MODELS) or args.repeats != 41):
+        parser.error("--write records the full benchmark; drop --models/--repeats")
     started = time.perf_counter()
-    command = " ".join([".venv/bin/python bench/codec_parts.py", *sys.argv[1:]])
-    print("Numba compile, cold and cached:", flush=True)
-    compiled = compile_table()
+    configuration = {"repeats": args.repeats, "models": models, "level": LEVEL, "block": BLOCK}
+    provenance = Provenance.start(PROGRAM, configuration, path)
+    note("Numba compile, cold and cached:")
+    compiled = measure_compile()
     rounds = load_rounds(recapture=False)
     warm_up_codec()
     codec.warm_up()
-    print("1. the parts of a 1M-value int8 encode:", flush=True)
-    lines = [SECTION, "", f"`{command}` — three tables, {os.cpu_count()} shared cores.", ""]
-    lines += parts_table(rounds, args.repeats)
-    print("2. the codec stack against public APIs:", flush=True)
+    note("1. the parts of a 1M-value int8 encode:")
+    parts_rows = measure_parts(rounds, args.repeats)
+    note("2. the codec stack against public APIs:")
     address = address_us()
-    results = [
-        measure_model(name, rounds, MODEL_REPEATS.get(name, 3)) for name in args.models.split(",")
+    uploads = [
+        Upload.model_validate(measure_model(name, rounds, MODEL_REPEATS.get(name, 3)))
+        for name in models
     ]
-    lines += ["", "### The codec stack against public APIs, at the sizes learners upload", ""]
-    lines += upload_tables(results, address)
-    lines += ["", "### Numba compile: cold and cached", ""]
-    lines += compiled
-    lines += ["", f"Whole run: {time.perf_counter() - started:.0f} s.", ""]
-    table = "\n".join(lines)
-    if args.write:
-        write_section(SECTION, table)
-    else:
-        print(table)
+    provenance.seconds = round(time.perf_counter() - started, 1)
+    results = CodecPartsResults(
+        provenance=provenance,
+        repeats=args.repeats,
+        parts=parts_rows,
+        uploads=uploads,
+        address_us=address,
+        compile=compiled,
+    )
+    save(path, results)
+    report(results, args, path)
 
 
 if __name__ == "__main__":

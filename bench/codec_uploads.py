@@ -31,6 +31,7 @@ from codec_routes import (  # bench/codec_routes.py
     split,
     timed_cpu,
 )
+from evidence import note
 
 from shared.codec import api as codec
 from shared.codec import zstd
@@ -195,7 +196,7 @@ def measure_model(name: str, rounds, repeats: int) -> dict:
         "filled": filled,
         "repeats": repeats,
         "payload": {lv: len(payload[lv]) for lv in (1, -1)},
-        "plain_-1": len(plain),
+        "plain_minus_1": len(plain),
         "times": times,
         "walls": walls,
         "checks": {
@@ -212,13 +213,12 @@ def measure_model(name: str, rounds, repeats: int) -> dict:
             "blocks": blocks,
         },
     }
-    print(json.dumps({k: v for k, v in result.items() if k not in ("times", "walls")}), flush=True)
+    note(json.dumps({k: v for k, v in result.items() if k not in ("times", "walls")}))
     for key, label in ROWS.items():
         link = link_s(result, -1 if "-1" in key else 1)
-        print(
+        note(
             f"  {name} {label}: CPU {times[key] * 1e3:.2f} ms = {times[key] / link:.1%}, "
-            f"wall {walls[key] * 1e3:.2f} ms",
-            flush=True,
+            f"wall {walls[key] * 1e3:.2f} ms"
         )
     return result
 
@@ -348,7 +348,7 @@ def upload_tables(results: list[dict], address: float) -> list[str]:
             + ("identical" if r["checks"]["decode_identical"] else "DIFFERENT")
             + f"; `jax.jit` compile {r['checks']['jax_compile_s']:.1f} s, CPU/wall "
             f"{r['checks']['jax_cpu_per_wall']:.1f}; public zstd −1 without the hash log "
-            f"{r['plain_-1'] / r['payload'][-1] - 1:+.2%} bytes"
+            f"{r['plain_minus_1'] / r['payload'][-1] - 1:+.2%} bytes"
             for r in results
         )
         + ".",
