@@ -58,15 +58,15 @@ from shared import records
 SECTION = "## Load test"
 NAME = "loadtest"
 PROGRAM = ".venv/bin/python bench/loadtest.py"
-KEEP_UP = 0.95  # below the saturation point the outer applies at least this share of the offer
-# What README.md and docs/NETWORK.md say of the shipped configuration's run on this machine:
-DOCUMENTED_POINT = 32  # "saturation point: 32 units (16 units kept up)"
+KEEP_UP = 0.95  # where the outer keeps up it applies at least this share of the offer
+# What docs/NETWORK.md says of the shipped configuration's runs on this machine: "up to 16 units
+# the outer kept up", "64 units saturated it in all" (32 units sit on the edge).
 DOCUMENTED_KEPT = 16
-# docs/NETWORK.md: "one outer of a `medium` job merges about 2.6–2.9 uploads a second"; ± 0.1
-# for "about".
-SATURATED_RATE = (2.5, 3.0)
-# docs/NETWORK.md: "at 32 units the outer, nats-server and the generator together used all of
-# the machine's two cores (0.76 + 0.44 + 0.67)": at least this share of the cores.
+DOCUMENTED_SATURATED = 64
+# docs/NETWORK.md: saturated stages applied "2.45–2.88 uploads/s"; ± about 0.1.
+SATURATED_RATE = (2.4, 3.0)
+# docs/NETWORK.md: "at 32 units and above the outer, nats-server and the generator together
+# used 1.9 of the machine's two cores": at least this share of the cores.
 CORES_SHARE = 0.9
 
 
@@ -248,7 +248,12 @@ def verdict(results: LoadtestResults) -> str:
 
 
 def claims(results: LoadtestResults) -> list[Claim]:
-    """What the section, README.md and docs/NETWORK.md claim, checked against the stored runs."""
+    """What the section, README.md and docs/NETWORK.md claim, checked against the stored runs.
+
+    The saturation point itself is reported (:func:`verdict`), not claimed: on this machine the
+    stage at the edge (32 units) falls on either side of the margin from run to run. What the
+    documents claim is the bracket around it, the rate of a saturated outer and what saturates.
+    """
     out: list[Claim] = []
     done = runs(results)
     failed = [f"{label} exited {run.returncode}" for label, run in done if run.returncode]
@@ -270,111 +275,80 @@ def claims(results: LoadtestResults) -> list[Claim]:
         )
     )
     decision = decide(results)
-    out.append(point_claim(results, decision))
     out.append(keep_up_claim(results, decision))
-    out.extend(documented_claims(results, decision))
+    out.append(saturated_claim(results, decision))
+    out.extend(saturated_figures_claims(results, decision))
     return out
 
 
-def point_claim(results: LoadtestResults, decision: Decision | None) -> Claim:
-    """The saturation point holds in the sweep and in every repeat."""
-    if decision is None:
-        return Claim("the saturation point holds in every repeat", "not measured", None)
-    measured = "; ".join(spread(results, units) for units in deciding(results.sweep.report))  # type: ignore[union-attr]
-    if not decision.complete:
-        wanted = max(decision.wanted, 1)
-        return Claim(
-            f"the saturation point holds in every one of {wanted} repeats",
-            f"not measured: {len(results.repeats)} repeats stored, a run failed or missed a "
-            f"deciding stage; {measured}",
-            None,
-        )
-    if not decision.agree:
-        text = (
-            f"the saturation point is not determined at the {share(results):.2f} margin: the "
-            "deciding stages were not judged alike by every measurement"
-        )
-    elif decision.point is None:
-        text = f"no saturation up to {decision.kept} units, in the sweep and every repeat"
-    else:
-        kept = f" ({decision.kept} units kept up)" if decision.kept is not None else ""
-        text = (
-            f"the saturation point is {decision.point} units{kept}, in the sweep and every repeat"
-        )
-    return Claim(text, measured, decision.agree)
-
-
 def keep_up_claim(results: LoadtestResults, decision: Decision | None) -> Claim:
-    """Below the saturation point the outer applies ≥ ``KEEP_UP`` of the offered uploads."""
-    point = decision.point if decision else None
-    below = [m for m in measurements(results) if point is None or m.stage.units < point]
+    """Up to ``DOCUMENTED_KEPT`` units the outer applies ≥ ``KEEP_UP`` of the offered uploads."""
     text = (
-        f"the outer keeps up (applied ≥ {KEEP_UP:g}× offered uploads/s) at every stage below "
-        f"the saturation point, in every run ({len(below)} stages)"
+        f"the outer keeps up (applied ≥ {KEEP_UP:g}× offered uploads/s) at every stage of up to "
+        f"{DOCUMENTED_KEPT} units, in every run (docs/NETWORK.md: up to 16 units it kept up)"
     )
+    below = [m for m in measurements(results) if m.stage.units <= DOCUMENTED_KEPT]
+    if decision is None or not decision.complete:
+        return Claim(text, "not measured: a run failed or repeats are missing", None)
     if not below:
-        return Claim(text, "not measured", None)
+        return Claim(text, f"no stage of {DOCUMENTED_KEPT} units or fewer", False)
     worst = min(below, key=lambda m: ratio(m.stage) or 0.0)
     claim = ratio_at_least(
         text, worst.stage.ingest_uploads_per_s, worst.stage.offered_uploads_per_s, KEEP_UP
     )
-    claim.measured += f", lowest: {worst.stage.units} units, {worst.label}"
+    claim.measured += f", lowest of {len(below)}: {worst.stage.units} units, {worst.label}"
     return claim
 
 
-def documented_claims(results: LoadtestResults, decision: Decision | None) -> list[Claim]:
-    """What README.md and docs/NETWORK.md say of the run: where it saturates, how fast a
-    saturated outer merges, and that the machine's cores are the limit."""
-    point = decision.point if decision else None
-    if decision is None:
-        found = "not measured"
-    elif point is None:
-        found = f"not reached up to {decision.kept} units"
-    else:
-        found = f"{point} units ({decision.kept} units kept up)"
-    out = [
-        Claim(
-            f"the sweep saturates at {DOCUMENTED_POINT} units and {DOCUMENTED_KEPT} units keep "
-            "up (README.md, docs/NETWORK.md)",
-            found,
-            None
-            if decision is None
-            else (point, decision.kept) == (DOCUMENTED_POINT, DOCUMENTED_KEPT),
-        )
-    ]
+def saturated_claim(results: LoadtestResults, decision: Decision | None) -> Claim:
+    """Every stage of ``DOCUMENTED_SATURATED`` units or more saturated."""
+    text = (
+        f"{DOCUMENTED_SATURATED} units or more saturate the outer in every run (docs/NETWORK.md:"
+        " 64 units saturated it in all runs)"
+    )
+    above = [m for m in measurements(results) if m.stage.units >= DOCUMENTED_SATURATED]
+    if decision is None or not decision.complete:
+        return Claim(text, "not measured: a run failed or repeats are missing", None)
+    if not above:
+        return Claim(text, f"no stage of {DOCUMENTED_SATURATED} units or more", False)
+    saturated = sum(m.stage.saturated for m in above)
+    return Claim(text, f"saturated in {saturated} of {len(above)}", saturated == len(above))
+
+
+def saturated_figures_claims(results: LoadtestResults, decision: Decision | None) -> list[Claim]:
+    """What docs/NETWORK.md says of the saturated stages: how fast the outer merges there, and
+    that the machine's cores are the limit."""
     low, high = SATURATED_RATE
     saturated = [m.stage for m in measurements(results) if m.stage.saturated]
     rates = [stage.ingest_uploads_per_s for stage in saturated]
-    text = (
+    rate_text = (
         f"a saturated outer applies {low:.1f}–{high:.1f} uploads/s, every saturated stage "
-        "(docs/NETWORK.md: about 2.6–2.9)"
+        "(docs/NETWORK.md: 2.45–2.88 measured)"
+    )
+    cores = results.provenance.configuration.get("cores")
+    cores_text = (
+        f"at every saturated stage the outer, nats-server and the generator use ≥ "
+        f"{CORES_SHARE:.0%} of the machine's cores (docs/NETWORK.md: the cores are the limit)"
     )
     if decision is None:
-        out.append(Claim(text, "not measured", None))
-    elif not rates:
-        out.append(Claim(text, "no stage saturated", False))
-    else:
-        out.append(
-            Claim(
-                text,
-                f"{min(rates):.2f}–{max(rates):.2f} over {len(rates)} stages",
-                low <= min(rates) and max(rates) <= high,
-            )
+        return [Claim(rate_text, "not measured", None), Claim(cores_text, "not measured", None)]
+    if not saturated:
+        return [
+            Claim(rate_text, "no stage saturated", False),
+            Claim(cores_text, "no stage saturated", False),
+        ]
+    out = [
+        Claim(
+            rate_text,
+            f"{min(rates):.2f}–{max(rates):.2f} over {len(rates)} stages",
+            low <= min(rates) and max(rates) <= high,
         )
-    cores = results.provenance.configuration.get("cores")
-    text = (
-        f"at the saturation point the outer, nats-server and the generator use ≥ "
-        f"{CORES_SHARE:.0%} of the machine's cores, in every run (docs/NETWORK.md: the cores "
-        "are the limit)"
-    )
-    at_point = [m.stage for m in measurements(results, point)] if point is not None else []
-    if decision is None or not cores:
-        out.append(Claim(text, "not measured", None))
-    elif not at_point:
-        out.append(Claim(text, "no stage saturated", False))
+    ]
+    if not cores:
+        out.append(Claim(cores_text, "not measured: the machine's cores are not recorded", None))
     else:
-        used = min(s.outer_cpu + s.broker_cpu + s.generator_cpu for s in at_point)
-        out.append(ratio_at_least(text, used, float(cores), CORES_SHARE))
+        used = min(s.outer_cpu + s.broker_cpu + s.generator_cpu for s in saturated)
+        out.append(ratio_at_least(cores_text, used, float(cores), CORES_SHARE))
     return out
 
 
