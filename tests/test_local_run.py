@@ -1,6 +1,6 @@
 """When a ``diloco up`` run is complete (``services.orchestration.local.run.job_is_complete``),
-when it reached its target eval (``target_reached``) and when its units are ready to start together (``services.orchestration.local.release.all_ready``). No
-NATS."""
+when it reached its target eval (``target_reached``) and when its units are ready to start
+together (``services.orchestration.local.release.all_ready``). No NATS."""
 
 from __future__ import annotations
 
