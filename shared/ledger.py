@@ -108,7 +108,15 @@ def balance(outer: OuterStatus | None, units: Mapping[int, UnitStatus]) -> Books
 
     Every round a unit published (JetStream accepted it) must have been applied exactly once
     or rejected with a reason; no round may be both; the outer's ``applied`` counter must equal
-    the number of distinct applied rounds (nothing applied twice).
+    the number of distinct applied rounds (nothing applied twice); and every applied round
+    must be one its unit handed out (below its ``next_round``).
+
+    A unit records a round as published after the broker's ack, so one killed between the ack
+    and that record leaves a round the outer applied (or rejected) but the unit never recorded:
+    below its ``next_round`` (reserved before the publish), it is counted as ``unrecorded``,
+    not a problem. An applied round at or above it is one the unit never handed out (a forged
+    or replayed upload under its name) and unbalances the books; a rejected one is counted
+    (``foreign_rejected``): the outer refused it, which is what it should do.
 
     Args:
         outer: The outer's status record (None: no outer has reported).
@@ -119,19 +127,27 @@ def balance(outer: OuterStatus | None, units: Mapping[int, UnitStatus]) -> Books
     rejected = {u: RoundSet(r) for u, r in ledger.rejected_rounds.items()}
     problems: list[str] = []
     per_unit: dict[int, UnitBooks] = {}
-    published_total = 0
+    published_total = unrecorded_total = 0
     for unit in sorted(set(units) | set(applied) | set(rejected)):
         status = units.get(unit)
         published = RoundSet(status.published_rounds if status is not None else ())
+        handed_out = max(status.next_round if status is not None else 0, published.max() + 1)
         done, refused = applied.get(unit, RoundSet()), rejected.get(unit, RoundSet())
         missing = [r for r in published if r not in done and r not in refused]
         both = [r for r in done if r in refused]
+        unrecorded = [r for r in (*done, *refused) if r not in published and r < handed_out]
+        foreign = [r for r in done if r >= handed_out]
+        foreign_rejected = sum(1 for r in refused if r >= handed_out)
         published_total += len(published)
+        unrecorded_total += len(unrecorded)
         per_unit[unit] = UnitBooks(
             published=len(published),
             applied=len(done),
             rejected=len(refused),
             missing=missing[:20],
+            unrecorded=len(unrecorded),
+            foreign=foreign[:20],
+            foreign_rejected=foreign_rejected,
         )
         if missing:
             problems.append(
@@ -140,6 +156,11 @@ def balance(outer: OuterStatus | None, units: Mapping[int, UnitStatus]) -> Books
             )
         if both:
             problems.append(f"unit {unit}: rounds both applied and rejected: {both[:5]}")
+        if foreign:
+            problems.append(
+                f"unit {unit}: {len(foreign)} applied round(s) the unit never handed out "
+                f"(its next round is {handed_out}), e.g. {foreign[:5]}"
+            )
     distinct = sum(len(r) for r in applied.values())
     if outer is not None and outer.applied != distinct:
         problems.append(
@@ -152,6 +173,7 @@ def balance(outer: OuterStatus | None, units: Mapping[int, UnitStatus]) -> Books
         applied=distinct,
         published=published_total,
         rejected=sum(ledger.rejected.values()),
+        unrecorded=unrecorded_total,
     )
 
 
@@ -162,6 +184,17 @@ class UnitBooks(Record):
     applied: Count = 0
     rejected: Count = 0
     missing: list[Count] = Field([], description="published rounds neither applied nor rejected")
+    unrecorded: Count = Field(
+        0,
+        description="rounds applied or rejected that the unit handed out but never recorded as "
+        "published (killed between the broker's ack and its record)",
+    )
+    foreign: list[Count] = Field(
+        [], description="applied rounds the unit never handed out (at or above its next round)"
+    )
+    foreign_rejected: Count = Field(
+        0, description="rejected rounds the unit never handed out (the outer refused them)"
+    )
 
 
 class Books(Record):
@@ -173,3 +206,8 @@ class Books(Record):
     applied: Count = 0
     published: Count = 0
     rejected: Count = 0
+    unrecorded: Count = Field(
+        0,
+        description="rounds the outer saw that their units handed out but never recorded as "
+        "published (killed between the broker's ack and the record): JetStream accepted them too",
+    )

@@ -76,3 +76,26 @@ def test_balance_finds_missing_double_and_conflicting_rounds() -> None:
     assert any("both applied and rejected" in p for p in both.problems)
     nothing = balance(None, units)
     assert not nothing.balanced and nothing.applied == 0
+
+
+def test_balance_tells_a_lost_ack_from_a_round_the_unit_never_handed_out() -> None:
+    # Unit 0 handed out rounds 0-11 (next round 12) and recorded 0-9 as published: it was killed
+    # after the broker acked round 10, before its record. Round 11 was lost in its memory.
+    units = {0: UnitStatus(unit=0, published_rounds=[(0, 9)], next_round=12)}
+    ledger = {"applied": 11, "applied_rounds": {0: [(0, 10)]}}
+    books = balance(_outer(**ledger), units)
+    assert books.balanced, books.problems
+    assert books.unrecorded == 1 and books.per_unit[0].unrecorded == 1
+    assert books.applied == books.published + books.unrecorded
+    # Rounds 12 and 40 were never handed out: someone else uploaded under unit 0's name.
+    forged = {"applied": 13, "applied_rounds": {0: [(0, 10), (12, 12), (40, 40)]}}
+    books = balance(_outer(**forged), units)
+    assert not books.balanced and books.per_unit[0].foreign == [12, 40]
+    assert any("2 applied round(s) the unit never handed out" in p for p in books.problems)
+    # Refused, such rounds are counted but leave the books balanced: the outer did its job.
+    refused = {**ledger, "rejected_rounds": {0: [(12, 12)]}, "rejected": {"replayed": 1}}
+    books = balance(_outer(**refused), units)
+    assert books.balanced and books.per_unit[0].foreign_rejected == 1
+    # A unit with no status at all: everything applied under its name is foreign.
+    books = balance(_outer(applied=1, applied_rounds={3: [(0, 0)]}), units)
+    assert not books.balanced and books.per_unit[3].foreign == [0]

@@ -293,7 +293,11 @@ class Stage:
             for value in unit.tally.sync.latencies.values():
                 latencies.add(value)
         units = {
-            u.plan.unit: UnitStatus(unit=u.plan.unit, published_rounds=u.tally.published.ranges())
+            u.plan.unit: UnitStatus(
+                unit=u.plan.unit,
+                published_rounds=u.tally.published.ranges(),
+                next_round=u.next_round,
+            )
             for u in self.units
         }
         applied = end.outer.applied - start.outer.applied

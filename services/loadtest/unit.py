@@ -91,7 +91,7 @@ class SyntheticUnit:
         self.tally = UnitTally()
         self._queue: collections.deque[int] = collections.deque()
         self._queue_changed = asyncio.Event()
-        self._next_round = 0
+        self.next_round = 0  # the first round number never handed out
         self._base_version = 0  # the version uploads are computed against
         self._fetched = -1  # the newest version fetched
         self._newest_head = -1
@@ -138,8 +138,8 @@ class SyntheticUnit:
         # Units start at random phases, as independent units would.
         await asyncio.sleep(self.rng.uniform(0, self.plan.upload_every_s))
         while self._producing and not stop.is_set():
-            round_ = self._next_round
-            self._next_round += 1
+            round_ = self.next_round
+            self.next_round += 1
             self.tally.sync.due(round_, time.monotonic())
             if len(self._queue) >= self.plan.max_unsent:
                 # Never the head: it may be being sent.

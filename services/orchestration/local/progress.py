@@ -119,6 +119,12 @@ def summary_lines(summary: RunSummary) -> list[str]:
         f"ledger              {'balanced' if books.balanced else 'NOT balanced'}: "
         f"{books.published} rounds published, {books.applied} applied once, "
         f"{books.rejected} rejected"
+        + (
+            f", {books.unrecorded} published without the unit's record of it (killed after "
+            "the broker's ack)"
+            if books.unrecorded
+            else ""
+        )
         + ("" if books.balanced else f"; {'; '.join(books.problems[:3])}"),
     ]
     if summary.restarts:
