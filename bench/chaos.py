@@ -299,9 +299,11 @@ def claims(results: ChaosResults) -> list[Claim]:
     out.append(
         Claim(
             "every round JetStream accepted was applied exactly once or rejected with a reason "
-            "(README.md, docs/RELIABILITY.md): applied + rejected = published > 0",
-            f"{books.applied} + {books.rejected} of {books.published}",
-            books.published > 0 and books.applied + books.rejected == books.published,
+            "(README.md, docs/RELIABILITY.md): applied + rejected = published (recorded by "
+            "the units, or acked to a unit killed before its record) > 0",
+            f"{books.applied} + {books.rejected} of {books.published} + {books.unrecorded}",
+            books.published > 0
+            and books.applied + books.rejected == books.published + books.unrecorded,
         )
     )
     evaluation = summary.outer.evaluation if summary.outer is not None else None
@@ -346,7 +348,9 @@ def section(results: ChaosResults, checked: list[Claim], path: Path) -> str:
         f"{_counts(summary.restarts)} |",
         f"| run ended | {summary.reason} (`diloco up` exit status {results.returncode}) |",
         f"| ledger | **{'balanced' if books.balanced else 'NOT balanced'}** |",
-        f"| rounds published (JetStream accepted) | {books.published} |",
+        f"| rounds published (JetStream accepted), recorded by their units | {books.published} |",
+        "| rounds published, acked to a unit killed before it recorded the ack "
+        f"| {books.unrecorded} |",
         f"| applied exactly once | {books.applied} |",
         f"| rejected with a reason | {books.rejected} ({ledger.rejected}) |",
         f"| redelivered chunks deduplicated | {ledger.deduplicated} |",

@@ -119,6 +119,13 @@ def test_a_good_run_meets_every_claim_and_renders_from_the_stored_json(chaos, tm
             ],
         ),
         ({"applied": (), "published": ()}, ["every round JetStream accepted"]),
+        (
+            {"applied": ((0, 10),)},  # round 10: the unit never handed it out (next round 10)
+            [
+                "the books balance",
+                "every round JetStream accepted was applied exactly once or rejected with a reason",
+            ],
+        ),
     ],
 )
 def test_a_run_that_misses_a_claim_fails_it_but_not_a_quick_run(chaos, kw, fails):
@@ -126,6 +133,17 @@ def test_a_run_that_misses_a_claim_fails_it_but_not_a_quick_run(chaos, kw, fails
     assert [name for name in failing(claims) if not any(name.startswith(f) for f in fails)] == []
     assert all(any(name.startswith(f) for name in failing(claims)) for f in fails)
     assert failures(claims, quick=True) == []
+
+
+def test_a_round_acked_to_a_unit_killed_before_its_record_is_accounted_for(chaos, tmp_path):
+    # Round 9 was applied; the unit, killed after the broker's ack, never recorded it.
+    run = results(chaos, published=((0, 8),))
+    claims = chaos.claims(run)
+    assert all(claim.holds for claim in claims), claims
+    exactly_once = next(c for c in claims if c.text.startswith("every round JetStream"))
+    assert exactly_once.measured == "10 + 0 of 9 + 1"
+    text = chaos.section(run, claims, tmp_path / "chaos.json")
+    assert "| rounds published, acked to a unit killed before it recorded the ack | 1 |" in text
 
 
 def test_a_service_killed_more_often_than_restarted_fails(chaos):
