@@ -52,7 +52,14 @@ def outer_record(**overrides) -> OuterStatus:
         payload_bytes=123456,
         units={
             0: UnitLedger(applied=6, last_round=5, last_staleness=1, tokens=24576),
-            1: UnitLedger(applied=4, last_round=3, last_staleness=0, tokens=16384),
+            1: UnitLedger(
+                applied=4,
+                last_round=3,
+                last_staleness=0,
+                tokens=16384,
+                rejected={"too_stale": 2},
+                clipped=1,
+            ),
         },
         evaluation=EvaluationRecord(
             init=EvalRecord(version=0, tokens=0, nats_per_byte=5.5, bits_per_byte=7.9),
@@ -157,6 +164,7 @@ def test_the_unit_view_carries_the_heartbeat_stamp_ledger_and_counters():
     assert view.last_heartbeat == SERVER_TIME - 0.25 and view.heartbeat_age_s == 0.25
     assert (view.step, view.round, view.tokens, view.unsent) == (101, 20, 8192, 1)
     assert (view.applied, view.last_staleness, view.version_lag) == (4, 0, 2)
+    assert (view.rejected, view.clipped) == ({"too_stale": 2}, 1)
     assert (view.published, view.bytes_sent, view.payload_bytes_encoded) == (7, 9000, 8000)
     assert view.fp32_bytes_encoded == 0 and view.last_error == "boom"
     assert view.counters["published"] == 7 and view.lifetime == {"published": 9}
@@ -276,6 +284,11 @@ def test_prometheus_collector_reports_every_job_and_unit():
     assert samples[("diloco_outer_rejected_total", (("job", "j"), ("reason", "too_stale")))] == 2
     assert samples[("diloco_outer_eval_nats_per_byte", job)] == 3.25
     assert samples[("diloco_outer_unit_applied_total", (("job", "j"), ("unit", "0")))] == 6
+    # Which unit the outer refused or clipped uploads of, and why.
+    stale = (("job", "j"), ("reason", "too_stale"), ("unit", "1"))
+    assert samples[("diloco_outer_unit_rejected_total", stale)] == 2
+    assert samples[("diloco_outer_unit_clipped_total", (("job", "j"), ("unit", "1")))] == 1
+    assert samples[("diloco_outer_unit_clipped_total", (("job", "j"), ("unit", "0")))] == 0
     # The staleness histogram is cumulative over the exact staleness values.
     assert samples[("diloco_outer_staleness_bucket", (("job", "j"), ("le", "1.0")))] == 9
     assert samples[("diloco_outer_staleness_bucket", (("job", "j"), ("le", "+Inf")))] == 10

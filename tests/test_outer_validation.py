@@ -283,6 +283,14 @@ def test_every_intake_rejection_is_counted_and_dead_lettered(core: OuterCore) ->
     assert intake.ledger.to_record().rejected_rounds == {
         unit: [(round_, round_)] for unit, round_ in ((0, 1), (1, 2), (2, 3), (3, 4), (4, 5))
     }
+    # ... and under each unit, so that an operator sees which unit misbehaves.
+    assert {u: stats.rejected for u, stats in intake.ledger.units.items()} == {
+        0: {"bad_chunk": 1},
+        1: {"incomplete_upload": 1},
+        2: {"incomplete_upload": 1},
+        3: {"wrong_model": 1},
+        4: {"future_base_version": 1},
+    }
     assert intake.buffered == set() and intake.ledger.codecs == {}
     queued = [m for messages, _ in intake.dead_letters.waiting for m in messages]
     assert len(queued) == 1 + 1 + 1 + 1 + len(wrong_model) + len(future)

@@ -154,6 +154,16 @@ class StatusCollector(Collector):
             "uploads of a unit applied by the outer",
             labels=["job", "unit"],
         )
+        unit_rejected = CounterMetricFamily(
+            "diloco_outer_unit_rejected",
+            "uploads of a unit rejected by the outer, by reason",
+            labels=["job", "unit", "reason"],
+        )
+        unit_clipped = CounterMetricFamily(
+            "diloco_outer_unit_clipped",
+            "applied uploads of a unit the norm guard scaled down",
+            labels=["job", "unit"],
+        )
         for job, status in sorted(self.snapshot.items()):
             if status.outer is None:
                 continue
@@ -177,10 +187,13 @@ class StatusCollector(Collector):
             staleness.add_metric([job], buckets, float(sum(k * v for k, v in counts)))
             for unit, ledger in sorted(outer.units.items()):
                 unit_applied.add_metric([job, str(unit)], float(ledger.applied))
+                unit_clipped.add_metric([job, str(unit)], float(ledger.clipped))
+                for reason, count in sorted(ledger.rejected.items()):
+                    unit_rejected.add_metric([job, str(unit), reason], float(count))
         yield from (up, age)
         for _, family in values:
             yield family
-        yield from (rejected, eval_loss, staleness, unit_applied)
+        yield from (rejected, eval_loss, staleness, unit_applied, unit_rejected, unit_clipped)
 
     def _unit_families(self) -> Iterator[Metric]:
         labels = ["job", "unit"]

@@ -162,6 +162,10 @@ class UnitView(BaseModel):
     )
     applied: int = Field(0, description="uploads of this unit the outer has applied")
     last_staleness: int | None = Field(None, description="staleness of its last applied upload")
+    rejected: dict[str, int] = Field(
+        {}, description="uploads of this unit the outer rejected, by reason"
+    )
+    clipped: int = Field(0, description="applied uploads of this unit the norm guard scaled down")
     published: int = Field(0, description="uploads published by the unit's process")
     bytes_sent: int = Field(0, description="bytes published to NATS (all chunks)")
     payload_bytes_encoded: int = Field(0, description="encoded pseudo-gradient bytes")
@@ -215,6 +219,8 @@ class UnitView(BaseModel):
                     "version_lag": 2,
                     "applied": 23,
                     "last_staleness": 1,
+                    "rejected": {"too_stale": 1},
+                    "clipped": 0,
                     "published": 24,
                     "bytes_sent": 300000,
                     "payload_bytes_encoded": 290000,
@@ -270,6 +276,8 @@ def unit_view(
         "outer_version": outer.version if outer is not None else None,
         "applied": ledger.applied if ledger is not None else 0,
         "last_staleness": ledger.last_staleness if ledger is not None else None,
+        "rejected": dict(ledger.rejected) if ledger is not None else {},
+        "clipped": ledger.clipped if ledger is not None else 0,
     }
     if entry is None:
         if link is not None:

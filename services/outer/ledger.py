@@ -19,6 +19,7 @@ from typing import Literal
 from services.outer.errors import RejectionReason
 from services.outer.policy import Arrival
 from shared.ledger import RoundSet
+from shared.records import MAX_OUTER_UNITS
 from shared.records.outer import LedgerRecord, UnitLedger
 
 Done = Literal["applied", "rejected"]
@@ -126,17 +127,22 @@ class OuterLedger:
             self.staleness[stale] += 1
             stats = self.units.setdefault(arrival.unit, UnitLedger())
             stats.applied += 1
+            stats.clipped += arrival.clipped
             stats.last_round = max(stats.last_round, arrival.round)
             stats.last_staleness = stale
             stats.tokens += tokens
             stats.last_train_loss = finite_or_none(arrival.train_loss)
 
     def reject(self, reason: RejectionReason, unit_round: tuple[int, int] | None) -> None:
-        """Count a rejection by reason; ``unit_round`` names the upload when it is known."""
+        """Count a rejection by reason, and under its unit when ``unit_round`` names the upload
+        (units no job can have, ``MAX_OUTER_UNITS`` or more, only by reason: junk ids must not
+        grow the books)."""
         self.rejected[reason] += 1
-        if unit_round is not None:
+        if unit_round is not None and 0 <= unit_round[0] < MAX_OUTER_UNITS:
             unit, round_ = unit_round
             self.rejected_rounds.setdefault(unit, RoundSet()).add(round_)
+            stats = self.units.setdefault(unit, UnitLedger())
+            stats.rejected[reason] = stats.rejected.get(reason, 0) + 1
 
 
 def finite_or_none(value: float | None) -> float | None:

@@ -35,9 +35,11 @@ OuterState = Literal["starting", "standby", "restoring", "running", "stopped", "
 
 
 class UnitLedger(Record):
-    """What the outer has applied from one unit."""
+    """What the outer has applied from one unit, and what it refused or clipped of it."""
 
     applied: Count = 0
+    rejected: dict[str, Count] = Field({}, description="uploads of this unit rejected, by reason")
+    clipped: Count = Field(0, description="applied uploads of this unit the norm guard scaled down")
     last_round: int = Field(-1, ge=-1)
     last_staleness: Count = 0
     tokens: Count = 0

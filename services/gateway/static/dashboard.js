@@ -61,7 +61,7 @@ async function setDesired(unit, action) {
 
 const COLUMNS = ["state", "desired", "step", "tokens-per-s", "train-loss", "version-lag",
   "heartbeat", "bytes-sent", "link", "link-bytes", "bytes-per-token", "latency",
-  "network-wait", "goodput"];
+  "network-wait", "goodput", "guard"];
 
 function unitRow(unit) {
   let row = $(`#units tbody tr[data-unit="${unit}"]`);
@@ -118,6 +118,14 @@ function renderUnits(units) {
       `${p50(u.upload_latency)} / ${p50(u.sync_latency)} / ${p50(u.params_latency)}`;
     $(".network-wait", row).textContent = fmt(u.network_wait_s, 3);
     $(".goodput", row).textContent = fmt(u.goodput, 2);
+    // What the outer refused of this unit (by reason) and how many applied uploads it clipped:
+    // the column that shows which unit misbehaves.
+    const reasons = Object.entries(u.rejected || {});
+    const refused = reasons.reduce((sum, [, n]) => sum + n, 0);
+    const guard = $(".guard", row);
+    guard.textContent = `${refused} / ${u.clipped ?? 0}`;
+    guard.title = reasons.map(([reason, n]) => `${reason}: ${n}`).join(", ") || "none rejected";
+    guard.classList.toggle("bad", refused + (u.clipped ?? 0) > 0);
     $("button.pause", row).disabled = u.desired === "paused";
     $("button.resume", row).disabled = u.desired === "running";
   }
