@@ -326,3 +326,40 @@ def test_dead_letters_are_copied_with_the_reason_before_they_are_terminated() ->
     assert [(s, d) for s, d, _ in js.published] == [(dead, b"a"), (dead, b"b")]
     assert js.published[0][2][HEADER_REASON] == "bad_envelope: junk"
     assert js.published[0][2]["Nats-Msg-Id"] == "dead:m0"
+
+
+def test_an_old_round_or_a_copied_payload_is_a_replay_and_skipped_rounds_are_counted(
+    core: OuterCore,
+) -> None:
+    intake = make_intake(core)
+    version = core.version(0)
+    first = chunks(envelope(unit=0, round=3, base_version=version, tensors=tensors(0.01)))
+    assert take(intake, first) == 0 and intake.ledger.codecs == {"int8": 1}
+    # Rounds 4-6 skipped (dropped from a full queue, say): counted, not rejected.
+    later = chunks(envelope(unit=0, round=7, base_version=version, tensors=tensors(0.02)))
+    assert take(intake, later) == 0
+    assert intake.ledger.units[0].skipped_rounds == 3
+    # An old round of the same unit under a new message id: a replay, whatever its payload.
+    old = chunks(envelope(unit=0, round=5, base_version=version, tensors=tensors(0.03)))
+    # The payload of round 7 again, as unit 0's round 8 or as unit 1's round 0.
+    copied = chunks(envelope(unit=0, round=8, base_version=version, tensors=tensors(0.02)))
+    stolen = chunks(envelope(unit=1, round=0, base_version=version, tensors=tensors(0.02)))
+    assert take(intake, [*old, *copied, *stolen]) == 3
+    assert dict(intake.ledger.rejected) == {"round_replayed": 1, "payload_replayed": 2}
+    assert intake.ledger.units[0].rejected == {"round_replayed": 1, "payload_replayed": 1}
+    assert intake.ledger.units[1].rejected == {"payload_replayed": 1}
+    # Round 8 was rejected: the unit's next upload must come after it.
+    assert intake.order.newest(0) == 8
+    fresh = chunks(envelope(unit=0, round=9, base_version=version, tensors=tensors(0.04)))
+    assert take(intake, fresh) == 0 and intake.ledger.codecs == {"int8": 3}
+    assert intake.ledger.units[0].skipped_rounds == 3
+
+
+def test_after_a_restart_the_books_give_each_units_newest_round(core: OuterCore) -> None:
+    core.import_state(*core.export_state())  # empty buffers, same versions
+    ledger = OuterLedger()
+    ledger.reject("too_stale", (0, 12))  # as restored from a checkpoint
+    intake = Intake(RULES, core, ledger, DeadLetters(JOB), max_pending_uploads=4)
+    assert intake.order.newest(0) == 12 and intake.order.newest(1) == -1
+    replay = chunks(envelope(unit=0, round=11, base_version=core.version(0)))
+    assert take(intake, replay) == 1 and ledger.rejected["round_replayed"] == 1

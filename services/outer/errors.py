@@ -28,6 +28,9 @@ RejectionReason = Literal[
     "implausible_work",
     "bad_payload",
     "shape_mismatch",
+    # A valid upload sent again (services/outer/order.py).
+    "round_replayed",  # a round below one of the same unit the outer already took
+    "payload_replayed",  # the same payload as an upload accepted recently
     # A valid upload the core does not merge (services/outer/core.py, norm_guard.py).
     "future_base_version",
     "too_stale",

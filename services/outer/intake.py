@@ -9,8 +9,9 @@ For each chunk message, in order:
    waits for that upload's merge;
 3. the chunk joins its upload (``bad_chunk`` if it does not fit; an upload evicted before it
    was complete is ``incomplete_upload``);
-4. a complete upload is validated (``validation.py``) and offered to the core (which may
-   still reject it as too stale or from the future).
+4. a complete upload is validated (``validation.py``), checked against the unit's order of
+   rounds and recent payloads (``order.py``: ``round_replayed``, ``payload_replayed``) and
+   offered to the core (which may still reject it as too stale or from the future).
 
 A rejected upload is counted in the books at once; its messages are dead-lettered and
 terminated only after the rejection is committed (``publishing.DeadLetters``).
@@ -30,6 +31,7 @@ import nats.errors
 from services.outer.core import OuterCore
 from services.outer.errors import Rejected
 from services.outer.ledger import OuterLedger
+from services.outer.order import UploadOrder
 from services.outer.policy import Arrival
 from services.outer.publishing import DeadLetters
 from services.outer.validation import UploadRules, validate
@@ -60,6 +62,7 @@ class Intake:
         self.reassembler = Reassembler(
             max_upload_bytes=rules.max_upload_bytes, max_pending_uploads=max_pending_uploads
         )
+        self.order = UploadOrder(ledger)
         self.buffered: set[str] = set()
         self._rejected_uploads: set[str] = set()
         self._chunks: dict[str, list[Any]] = collections.defaultdict(list)
@@ -132,10 +135,13 @@ class Intake:
             valid = validate(
                 upload, subject, blob, self.rules, arrived_at=time.monotonic(), messages=messages
             )
-            self.core.offer(valid.fragment, valid.arrival)
+            arrival = valid.arrival
+            self.order.check(arrival.unit, arrival.round, valid.fingerprint)
+            self.core.offer(valid.fragment, arrival)
         except Rejected as rejected:
             self._reject(messages, rejected, upload)
             return
+        self.order.accepted(arrival.unit, arrival.round, valid.fingerprint)
         self.ledger.accept(valid.codec, valid.payload_bytes)
         self.buffered.add(upload)
 

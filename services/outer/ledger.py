@@ -133,6 +133,12 @@ class OuterLedger:
             stats.tokens += tokens
             stats.last_train_loss = finite_or_none(arrival.train_loss)
 
+    def skipped(self, unit: int, rounds: int) -> None:
+        """Count ``rounds`` round numbers a unit skipped before an upload the outer accepted
+        (``order.py``)."""
+        stats = self.units.setdefault(unit, UnitLedger())
+        stats.skipped_rounds += rounds
+
     def reject(self, reason: RejectionReason, unit_round: tuple[int, int] | None) -> None:
         """Count a rejection by reason, and under its unit when ``unit_round`` names the upload
         (units no job can have, ``MAX_OUTER_UNITS`` or more, only by reason: junk ids must not

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.outer.errors import Rejected
+from services.outer.order import fingerprint
 from services.outer.policy import Arrival
 from shared import subjects
 from shared.codec import api as codec
@@ -77,12 +78,14 @@ class Validated:
         arrival: What the core buffers and merges.
         codec: The codec its payload was encoded with.
         payload_bytes: Its compressed size.
+        fingerprint: The XXH3-64 of its payload (``order.py``).
     """
 
     fragment: int
     arrival: Arrival
     codec: str
     payload_bytes: int
+    fingerprint: int
 
 
 def validate(
@@ -166,4 +169,10 @@ def validate(
         train_loss=float(envelope.train_loss),
         messages=messages,
     )
-    return Validated(envelope.fragment, arrival, envelope.codec.codec, len(envelope.payload))
+    return Validated(
+        envelope.fragment,
+        arrival,
+        envelope.codec.codec,
+        len(envelope.payload),
+        fingerprint(envelope.payload),
+    )

@@ -40,6 +40,11 @@ class UnitLedger(Record):
     applied: Count = 0
     rejected: dict[str, Count] = Field({}, description="uploads of this unit rejected, by reason")
     clipped: Count = Field(0, description="applied uploads of this unit the norm guard scaled down")
+    skipped_rounds: Count = Field(
+        0,
+        description="rounds the unit skipped between uploads the outer accepted (dropped, "
+        "lost in a killed unit's memory, or skipped on restart)",
+    )
     last_round: int = Field(-1, ge=-1)
     last_staleness: Count = 0
     tokens: Count = 0

@@ -1,0 +1,96 @@
+"""Upload order: a unit's rounds arrive in the order it numbered them, and no payload is
+accepted twice.
+
+A learner numbers its uploads 0, 1, 2, ... and publishes them first in, first out
+(``services/learner/sender.py``); JetStream keeps that order on the unit's subject, and after a
+crash the outer is redelivered its uploads in the same order. So an upload whose round is below
+one of the same unit the outer has already accepted, applied or rejected is not the unit's
+training going on: it is an old round sent again under a new message id (a replay), and it is
+rejected as ``round_replayed``. (A redelivery of the same upload is recognised earlier, by its
+round in the books, and deduplicated.)
+
+Rounds may skip ahead: a unit drops rounds from a full queue, loses the ones in memory when it
+is killed, and skips to the outer's record of it when it restarts. The rounds skipped are
+counted per unit (``UnitLedger.skipped_rounds``), not rejected.
+
+A payload byte for byte equal to one accepted recently (of any unit, under any round) is no new
+work either: copying an honest upload and sending it again under the next round number is the
+other way to replay. The XXH3-64 fingerprints of the last ``WINDOW`` accepted payloads are kept
+and such an upload is rejected as ``payload_replayed``. Two honest pseudo-gradients are never
+equal: each is a difference of parameters after different data. The fingerprints are kept in
+memory only: an outer that restarts remembers the rounds (they are in its books) but not the
+payloads accepted before.
+
+Pure: the caller passes the books (for the rounds applied and rejected before a restart) and
+the fingerprint; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import xxhash
+
+from services.outer.errors import Rejected
+from services.outer.ledger import OuterLedger
+
+WINDOW = 4096  # accepted payloads whose fingerprints are remembered
+
+
+def fingerprint(payload: bytes | memoryview) -> int:
+    """The XXH3-64 of an upload's encoded payload."""
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+class UploadOrder:
+    """Per unit, the newest round accepted; and the fingerprints of recently accepted payloads.
+
+    The newest round of a unit is also read from the books (``ledger``): after a restart the
+    outer knows the rounds it applied and rejected, and the redelivered uploads it had only
+    buffered come again in order.
+    """
+
+    def __init__(self, ledger: OuterLedger, window: int = WINDOW) -> None:
+        self.ledger = ledger
+        self._newest: dict[int, int] = {}
+        self._recent: collections.deque[int] = collections.deque(maxlen=window)
+        self._seen: collections.Counter[int] = collections.Counter()
+
+    def newest(self, unit: int) -> int:
+        """The unit's highest round accepted, applied or rejected so far (-1: none)."""
+        return max(
+            self._newest.get(unit, -1),
+            self.ledger.applied_rounds[unit].max() if unit in self.ledger.applied_rounds else -1,
+            self.ledger.rejected_rounds[unit].max() if unit in self.ledger.rejected_rounds else -1,
+        )
+
+    def check(self, unit: int, round_: int, payload_fingerprint: int) -> None:
+        """Judge an upload before it is offered to the core.
+
+        Raises:
+            Rejected: ``round_replayed`` (its round is below the unit's newest) or
+                ``payload_replayed`` (its payload equals one accepted recently).
+        """
+        newest = self.newest(unit)
+        if round_ < newest:
+            raise Rejected("round_replayed", f"unit {unit} round {round_} after its round {newest}")
+        if self._seen[payload_fingerprint]:
+            raise Rejected(
+                "payload_replayed",
+                f"unit {unit} round {round_}: its payload equals one accepted before",
+            )
+
+    def accepted(self, unit: int, round_: int, payload_fingerprint: int) -> None:
+        """Record an upload the core took: its round is the unit's newest, the rounds it
+        skipped are counted in the books, its fingerprint is remembered."""
+        newest = self.newest(unit)
+        if newest >= 0 and round_ > newest + 1:
+            self.ledger.skipped(unit, round_ - newest - 1)
+        self._newest[unit] = round_
+        if len(self._recent) == self._recent.maxlen:
+            old = self._recent[0]
+            self._seen[old] -= 1
+            if not self._seen[old]:
+                del self._seen[old]
+        self._recent.append(payload_fingerprint)
+        self._seen[payload_fingerprint] += 1
