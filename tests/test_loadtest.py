@@ -132,3 +132,27 @@ def test_loadtest_runs_a_stage_against_the_real_outer_and_the_books_balance(tmp_
         assert s.published_per_s > 0 and s.ingest_uploads_per_s > 0 and s.uploads_per_merge >= 1
         assert s.params_mb_per_s > 0  # the units fetched the params they would adopt
         assert s.dropped_unsent == 0 and s.heads_rejected == 0
+
+
+def test_every_synthetic_payload_differs_and_decodes(monkeypatch):
+    """The outer refuses a payload it accepted before (services/outer/order.py), so the load
+    generator's uploads must all differ: frames mixed from the pool, then fresh encodes."""
+    from services.loadtest.payloads import PayloadPool
+    from shared.codec import api as codec
+    from shared.codec import segments
+    from shared.codec.config import CodecConfig
+    from shared.model_config import get_config
+
+    segments.segment_plan.cache_clear()
+    monkeypatch.setattr(segments, "SEGMENT_ELEMENTS", 1 << 14)  # tiny in several frames
+    try:
+        pool = PayloadPool(get_config("tiny"), CodecConfig("int8"), count=2, seed=0)
+        frames = len(pool.payload(0)[1].frames)
+        assert frames >= 2
+        taken = [pool.take() for _ in range(2**frames + 2)]  # mixed, then freshly encoded
+        assert len({payload for payload, _ in taken}) == len(taken)
+        for payload, description in (taken[1], taken[2**frames - 2], taken[-1]):
+            decoded = codec.decode_tensors(payload, description)
+            assert set(decoded) == set(get_config("tiny").param_shapes())
+    finally:
+        segments.segment_plan.cache_clear()

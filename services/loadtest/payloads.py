@@ -8,17 +8,24 @@ heavier-tailed than a Gaussian (3), close to a Laplace distribution (6). Its int
 So a synthetic pseudo-gradient is Laplace noise of RMS ``RMS`` on every tensor of the model
 (``ModelConfig.param_shapes``), and its payload is what the learner's codec makes of it.
 A few different ones are encoded up front, so that sending costs the load generator no
-encoding.
+encoding. The outer refuses a payload equal to one it accepted recently (a replay,
+``services/outer/order.py``), so every upload must differ: upload k is put together frame by
+frame (each zstd frame of a payload is independent), frame j taken from pool member number
+digit j of k in base ``count``. That gives ``count`` ** frames different payloads (4 ** 11 for
+``medium``) for the price of a copy; a model with fewer frames than uploads needs (``tiny``,
+``small``: one frame) gets a freshly encoded one past that, cheap at those sizes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from shared.codec import api as codec
 from shared.codec.config import CodecConfig
+from shared.codec.description import Description
 from shared.model_config import ModelConfig
 
 RMS = 7e-3  # measured, see the module docstring
@@ -34,25 +41,57 @@ class PayloadPool:
         count: how many different ones.
         seed: seed of the noise.
         """
-        rng = np.random.default_rng(seed)
-        scale = RMS / math.sqrt(2)  # a Laplace distribution of scale b has RMS b·√2
-        self._payloads: list[tuple[bytes, dict]] = []
-        shapes = model.param_shapes()
-        for _ in range(count):
-            tensors = {
-                name: rng.laplace(0.0, scale, shape).astype(np.float32)
-                for name, shape in shapes.items()
-            }
-            payload, description, _ = codec.encode(tensors, config, codec.CodecState())
-            self._payloads.append((bytes(payload), description))
+        self._rng = np.random.default_rng(seed)
+        self._shapes = model.param_shapes()
+        self._config = config
+        self._payloads = [self._encode() for _ in range(count)]
+        self._frames = [
+            split_frames(payload, description) for payload, description in self._payloads
+        ]
+        self._taken = 0
         self.fp32_bytes = 4 * model.param_count
         self.seq_len = model.seq_len
 
-    def payload(self, index: int) -> tuple[bytes, dict]:
-        """The ``index``-th payload (modulo the pool) and its codec description."""
-        return self._payloads[index % len(self._payloads)]
+    def _encode(self) -> tuple[bytes, Description]:
+        scale = RMS / math.sqrt(2)  # a Laplace distribution of scale b has RMS b·√2
+        tensors = {
+            name: self._rng.laplace(0.0, scale, shape).astype(np.float32)
+            for name, shape in self._shapes.items()
+        }
+        payload, description, _ = codec.encode(tensors, self._config, codec.CodecState())
+        return bytes(payload), description
+
+    def payload(self, index: int) -> tuple[bytes, Description]:
+        """The ``index``-th payload and its codec description: different for every index (see
+        the module docstring)."""
+        count, frames = len(self._payloads), len(self._frames[0])
+        if index >= count**frames:
+            return self._encode()
+        chosen = [(index // count**j) % count for j in range(frames)]
+        parts = [self._frames[member][j] for j, member in enumerate(chosen)]
+        first = self._payloads[0][1]
+        description = dataclasses.replace(
+            first,
+            frames=tuple(len(part) for part in parts),
+            checksums=tuple(self._payloads[m][1].checksums[j] for j, m in enumerate(chosen)),
+        )
+        return b"".join(parts), description
+
+    def take(self) -> tuple[bytes, Description]:
+        """The next payload, never one taken before from this pool."""
+        self._taken += 1
+        return self.payload(self._taken - 1)
 
     @property
     def payload_bytes(self) -> int:
         """Bytes of the first payload."""
         return len(self._payloads[0][0])
+
+
+def split_frames(payload: bytes, description: Description) -> list[bytes]:
+    """A payload's zstd frames, in order."""
+    frames, end = [], 0
+    for size in description.frames:
+        frames.append(payload[end : end + size])
+        end += size
+    return frames

@@ -174,7 +174,7 @@ class SyntheticUnit:
             self.tally.published.add(round_)
 
     def _envelope(self, round_: int) -> bytes:
-        payload, description = self.pool.payload(self.plan.unit + round_)
+        payload, description = self.pool.take()
         envelope = PseudoGradEnvelope(
             job=self.plan.job,
             unit=self.plan.unit,
