@@ -23,8 +23,9 @@ RESULTS = REPO / "bench" / "results"
 
 
 def provenances(path: Path) -> list[Provenance]:
-    """The provenance(s) a results file holds, or one per run of a file that records each run's
-    own (none: a file of another shape)."""
+    """The provenance(s) a results file holds (its own, or one per part of a file of several
+    sections), or one per run of a file that records each run's own (none: a file of another
+    shape)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -33,6 +34,13 @@ def provenances(path: Path) -> list[Provenance]:
         return []
     found = data.get("provenance")
     items = found if isinstance(found, list) else [found] if found else []
+    if not items:
+        # bench/throughput.py keeps one set of results, with its provenance, per section.
+        items = [
+            part["provenance"]
+            for part in data.values()
+            if isinstance(part, dict) and isinstance(part.get("provenance"), dict)
+        ]
     if not items and isinstance(data.get("runs"), dict):
         # bench/links.py keeps each run's commit, command and time instead of one provenance.
         return [

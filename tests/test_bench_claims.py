@@ -6,6 +6,7 @@ by hand: no benchmark runs here."""
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from types import ModuleType
 
@@ -251,3 +252,24 @@ def test_summary_claims_every_section_names_its_raw_results(bench):
     assert list(found) == ["## A", "## B"]
     assert list(verdicts(summary.claims(found)).values()) == [False]
     assert list(verdicts(summary.claims({"## A": found["## A"]})).values()) == [True]
+
+
+def test_summary_reads_one_provenance_or_one_per_section_or_per_run(bench, tmp_path):
+    summary = bench("summary")
+    one = {"commit": "a", "command": "x", "machine": "m", "started": "s", "seconds": 60.0}
+    files = {
+        "plain.json": {"provenance": one},
+        "sections.json": {"cluster": {"provenance": one}, "loop": {"provenance": one}},
+        "runs.json": {"runs": {"r": {"commit": "b", "command": ["y"], "elapsed_s": 30.0}}},
+        "other.json": {"rows": []},
+    }
+    counts = {}
+    for name, data in files.items():
+        (tmp_path / name).write_text(json.dumps(data))
+        counts[name] = [p.seconds for p in summary.provenances(tmp_path / name)]
+    assert counts == {
+        "plain.json": [60.0],
+        "sections.json": [60.0, 60.0],
+        "runs.json": [30.0],
+        "other.json": [],
+    }
