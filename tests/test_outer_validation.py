@@ -101,6 +101,37 @@ def test_the_most_work_a_job_allows_is_accepted() -> None:
     assert (most.arrival.unit, most.arrival.tokens) == (MAX_OUTER_UNITS - 1, 3 * MOST_PER_STEP)
 
 
+def test_a_job_with_its_own_h_and_batch_refuses_more_work_than_one_period_holds() -> None:
+    """With the job's H (30) and batch size (16), one upload stands for at most 30 steps of 16
+    sequences: a unit cannot claim the weight of 256 times its batch, or of a longer period."""
+    rules = dataclasses.replace(RULES, max_steps=30, batch_size=16)
+
+    def judged(**fields: int) -> str | None:
+        blob = pack_envelope(envelope(**fields))
+        try:
+            validate(upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0), blob, rules,
+                     arrived_at=0.0)  # fmt: skip
+        except Rejected as err:
+            return str(err)
+        return None
+
+    assert judged(inner_steps=30, tokens=30 * 16 * SEQ_LEN) is None
+    assert judged(inner_steps=31, tokens=640) == "implausible_work: 31 inner steps; 1..30"
+    too_many = judged(inner_steps=30, tokens=30 * 16 * SEQ_LEN + 1)
+    assert too_many is not None and too_many.startswith("implausible_work: 3841 tokens")
+
+
+def test_diloco_up_passes_the_jobs_h_and_batch_to_the_outer() -> None:
+    from services.orchestration.commands import OUTER_OWN
+    from services.outer.settings import OuterSettings
+    from shared.records.jobs import JobSpec
+    from shared.settings.cli import flags_for
+
+    flags = flags_for(JobSpec(job="j", h_steps=12, batch_size=8), OuterSettings, OUTER_OWN)
+    assert flags[flags.index("--h-steps") + 1] == "12"
+    assert flags[flags.index("--batch-size") + 1] == "8"
+
+
 def _corrupt_payload() -> PseudoGradEnvelope:
     env = envelope()
     payload = bytearray(env.payload)

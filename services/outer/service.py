@@ -118,6 +118,8 @@ class OuterService:
             max_tensor_bytes=self.max_params_bytes,
             seq_len=cfg.seq_len,
             decode_threads=s.decode_threads,
+            max_steps=s.h_steps,
+            batch_size=s.batch_size,
         )
         self.intake = Intake(
             rules, self.core, self.ledger, self.dead_letters, s.max_pending_uploads

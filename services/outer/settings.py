@@ -6,11 +6,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.settings.algorithm import OuterAlgorithmSettings, SyncSettings
+from shared.records import MAX_BATCH_SIZE, MAX_STEPS_PER_UPLOAD
+from shared.settings.algorithm import InnerAlgorithmSettings, OuterAlgorithmSettings, SyncSettings
 from shared.settings.codec import ParamsCodecSettings
 from shared.settings.nats import ServiceSettings
 from shared.settings.resources import OuterResources
-from shared.settings.workload import DataSettings, UnitsSettings
+from shared.settings.workload import DataSettings, UnitsSettings, WorkloadSettings
 
 if TYPE_CHECKING:
     from services.outer.core import OuterAlgorithm
@@ -33,6 +34,26 @@ class EvaluationSettings(BaseModel):
     eval_batch_size: int = Field(16, ge=1, le=4096, description="sequences per eval batch")
 
 
+class WorkBoundsSettings(BaseModel):
+    """The job's own bounds on the work one upload can stand for: its H and batch size, with
+    the learners' defaults (``diloco up`` and the REST orchestrator pass the job's values; an
+    outer started by hand must be given the learners' ``--h-steps`` and ``--batch-size``)."""
+
+    h_steps: int = Field(
+        InnerAlgorithmSettings.model_fields["h_steps"].default,
+        ge=1,
+        le=MAX_STEPS_PER_UPLOAD,
+        description="the job's H: an upload of more inner steps is implausible_work",
+    )
+    batch_size: int = Field(
+        WorkloadSettings.model_fields["batch_size"].default,
+        ge=1,
+        le=MAX_BATCH_SIZE,
+        description="the job's sequences per inner step: an upload claiming more tokens than "
+        "its steps x this x the context length is implausible_work",
+    )
+
+
 class OuterSettings(
     ServiceSettings,
     DataSettings,
@@ -42,6 +63,7 @@ class OuterSettings(
     ParamsCodecSettings,
     OuterResources,
     EvaluationSettings,
+    WorkBoundsSettings,
 ):
     """The outer optimizer of one job: how it merges pseudo-gradients and reports progress."""
 

@@ -12,9 +12,11 @@ counted under (``OuterLedger.rejected``) and copied to the dead-letter subject w
 * ``wrong_fragment``: a fragment this job does not have;
 * ``unknown_unit``: a unit number no job has (``MAX_OUTER_UNITS`` or more), so that junk ids
   cannot grow the books without bound;
-* ``implausible_work``: inner steps outside 1..``MAX_STEPS_PER_UPLOAD``, or tokens outside 1..
-  steps × the most tokens a step can have (the largest batch × the model's context length); an
-  upload's tokens are its own merge weight and add up in the books;
+* ``implausible_work``: inner steps outside 1..the job's H (the outer's ``--h-steps``), or
+  tokens outside 1..steps × the most tokens a step can have (the job's ``--batch-size`` × the
+  model's context length): a unit cannot claim more work than one sync period of the job
+  holds. An upload's tokens are its own
+  merge weight and add up in the books;
 * ``bad_payload``: tensors the codec cannot decode within the size limits (the codec also
   refuses NaN and Inf, see ``shared.codec.api.decode_tensors``);
 * ``shape_mismatch``: other pieces or shapes than the fragment's.
@@ -54,6 +56,10 @@ class UploadRules:
         max_tensor_bytes: Largest decoded (float32) or uncompressed payload accepted.
         seq_len: The model's context length (tokens per sequence).
         decode_threads: Threads decoding a large payload (``shared.codec.api.decode_tensors``).
+        max_steps: Most inner steps one upload can stand for: the job's H, or what any job
+            allows.
+        batch_size: Most sequences per inner step: the job's batch size, or what any job
+            allows.
     """
 
     job: str
@@ -63,10 +69,12 @@ class UploadRules:
     max_tensor_bytes: int
     seq_len: int
     decode_threads: int = 0
+    max_steps: int = MAX_STEPS_PER_UPLOAD
+    batch_size: int = MAX_BATCH_SIZE
 
     @property
     def max_tokens_per_step(self) -> int:
-        return MAX_BATCH_SIZE * self.seq_len
+        return self.batch_size * self.seq_len
 
 
 @dataclass(frozen=True)
@@ -132,8 +140,8 @@ def validate(
     if envelope.unit >= MAX_OUTER_UNITS:
         raise Rejected("unknown_unit", f"unit {envelope.unit}; units are 0..{MAX_OUTER_UNITS - 1}")
     steps, tokens = envelope.inner_steps, envelope.tokens
-    if not 1 <= steps <= MAX_STEPS_PER_UPLOAD:
-        raise Rejected("implausible_work", f"{steps} inner steps; 1..{MAX_STEPS_PER_UPLOAD}")
+    if not 1 <= steps <= rules.max_steps:
+        raise Rejected("implausible_work", f"{steps} inner steps; 1..{rules.max_steps}")
     if not 1 <= tokens <= steps * rules.max_tokens_per_step:
         raise Rejected(
             "implausible_work",
