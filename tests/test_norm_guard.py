@@ -156,3 +156,76 @@ def test_clip_applies_an_outlier_at_the_bound_and_the_books_count_it():
     ledger = OuterLedger()
     ledger.merged(result.arrivals, result.staleness)
     assert ledger.to_record().clipped == 1
+
+
+def test_adam_never_moves_a_coordinate_further_than_the_step_bound():
+    """``adam_step_bound`` bounds AdamW's step per coordinate over adversarial gradients:
+    constant, alternating, a spike after silence, growing and random ones."""
+    import optax
+
+    from services.outer.norm_guard import ADAM_STEP, adam_step_bound
+    from shared.settings.algorithm import INNER_B1, INNER_B2
+
+    assert pytest.approx(1.165, abs=1e-3) == ADAM_STEP
+    # No momentum: a gradient after a long silence, |g| / √((1 − β2) g²) = √2 for β2 = 0.5.
+    assert adam_step_bound(0.0, 0.5) == pytest.approx(np.sqrt(2))
+    rng = np.random.default_rng(0)
+    steps = 400
+    spike = np.zeros(steps)
+    spike[200] = 1.0
+    sequences = {
+        "constant": np.ones(steps),
+        "alternating": np.where(np.arange(steps) % 2, 1.0, -1.0),
+        "spike after silence": spike + 1e-12,
+        "growing": 1.05 ** np.arange(steps),
+        "decaying then flipped": np.concatenate([-(0.9 ** np.arange(50)), np.ones(steps - 50)]),
+        "random": rng.standard_normal(steps),
+        "heavy-tailed": rng.standard_cauchy(steps),
+    }
+    optimizer = optax.adamw(1.0, b1=INNER_B1, b2=INNER_B2, eps=0.0, weight_decay=0.0)
+    for name, grads in sequences.items():
+        params = np.zeros(1, np.float32)
+        state = optimizer.init(params)
+        largest = 0.0
+        for g in grads:
+            update, state = optimizer.update(np.array([g], np.float32), state, params)
+            largest = max(largest, float(np.abs(update).max()))
+        assert largest <= ADAM_STEP * (1 + 1e-5), (name, largest)
+
+
+def test_the_prior_bound_judges_from_the_first_merge_and_holds_real_training():
+    """With the learners' inner optimizer known, the guard has a bound before any history: what
+    H AdamW steps can do. Real uploads of a tiny model trained for H steps are far inside it;
+    one 1000x their size is rejected at the very first merge."""
+    import jax
+
+    from services.learner.core import LearnerCore
+    from services.learner.trainer import InnerTrainer
+    from shared import data, model, pytree
+    from shared.settings.algorithm import InnerAlgorithmSettings
+
+    inner = InnerAlgorithmSettings(h_steps=10, warmup_steps=0)
+    cfg = model.get_config("tiny")
+    corpus = data.split_corpus(data.load_corpus(None), 0.02)
+    sampler = data.BatchSampler(corpus.train, cfg.seq_len, 8, 0, 0)
+    params = model.init_params(cfg, jax.random.PRNGKey(0))
+    trainer = InnerTrainer(cfg, inner.optimizer(100))
+    learner = LearnerCore(trainer, params, inner.sync_schedule(1), 0)
+    uploads = []
+    for step in range(20):
+        learner.train_step(sampler.batch(step))
+        uploads += learner.due_uploads()
+    assert len(uploads) == 2
+    named = {k: np.asarray(v) for k, v in pytree.flatten_named(params).items()}
+    core = OuterCore(named, outer_algorithm(inner_lr=inner.inner_lr, h_steps=10))
+    bound = core.guard.bound(0, 10, core.params_norm(0))
+    assert bound is not None and core.guard.median_bound(0) is None
+    for upload in uploads:
+        norm = update_norm(upload.tensors)
+        assert norm < bound / 2, (norm, bound)  # within the bound before its slack
+    honest = {k: np.asarray(v) for k, v in uploads[0].tensors.items()}
+    huge = {k: v * 1000 for k, v in honest.items()}
+    with pytest.raises(Rejected, match="norm_outlier: .* the most 10 inner steps"):
+        core.offer(0, Arrival(1, 0, 0, 10, 1000, huge, 0.0, "u1r0"))
+    core.offer(0, Arrival(0, 0, 0, 10, 1000, honest, 0.0, "u0r0"))
+    assert core.merge(0).version == 1

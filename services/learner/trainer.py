@@ -13,6 +13,7 @@ import jax
 import optax
 
 from shared.model import ModelConfig, loss_fn
+from shared.settings.algorithm import INNER_B1, INNER_B2
 
 
 class InnerState(NamedTuple):
@@ -36,7 +37,7 @@ def inner_optimizer(
     )
     return optax.chain(
         optax.clip_by_global_norm(1.0),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=weight_decay),
+        optax.adamw(schedule, b1=INNER_B1, b2=INNER_B2, weight_decay=weight_decay),
     )
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from services.outer import merge
 from services.outer.errors import Rejected
-from services.outer.norm_guard import NormGuard, update_norm
+from services.outer.norm_guard import InnerBound, NormGuard, update_norm
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival, MergePolicy
 from services.outer.staleness import StalenessRule
@@ -57,6 +57,7 @@ class OuterAlgorithm:
     norm_guard: str  # reject, clip or off (norm_guard.py)
     norm_guard_factor: float
     momentum_max_age: float  # momentum periods after which an arrival brings no momentum
+    inner: InnerBound | None = None  # the learners' inner optimizer: the norm guard's prior bound
 
     def __post_init__(self) -> None:
         # Fail at start-up, not at the first merge: build everything once to validate.
@@ -122,7 +123,14 @@ class OuterCore:
             algorithm.optimizer, algorithm.lr, algorithm.momentum, algorithm.dn_period
         )
         self._step = make_outer_step(self.optimizer)
-        self.guard = NormGuard(self.plan.count, algorithm.norm_guard, algorithm.norm_guard_factor)
+        self.guard = NormGuard(
+            self.plan.count,
+            algorithm.norm_guard,
+            algorithm.norm_guard_factor,
+            inner=algorithm.inner,
+            sizes=self.plan.sizes(),
+        )
+        self._params_norms: dict[int, tuple[int, float]] = {}  # fragment: (version, norm)
         init_opt_state = jax.jit(self.optimizer.init)  # one program, not one per leaf and op
         sizes = self.plan.sizes()
         self._shares = [size / sum(sizes) for size in sizes]
@@ -181,6 +189,7 @@ class OuterCore:
         if sorted(pieces) != expected:
             raise ValueError(f"fragment {fragment} pieces differ from the plan")
         params = {k: jnp.asarray(pieces[k]) for k in expected}
+        self._params_norms.pop(fragment, None)
         self.fragments[fragment] = _Fragment(
             params, self.optimizer.init(params), version, self._new_policy()
         )
@@ -235,6 +244,7 @@ class OuterCore:
             opt_state = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in leaves])
             fragments.append(_Fragment(pieces, opt_state, int(versions[index]), self._new_policy()))
         self.fragments = fragments
+        self._params_norms.clear()
 
     # ---- arrivals and merges -----------------------------------------------------------------
 
@@ -267,7 +277,9 @@ class OuterCore:
                 "too_stale", f"staleness {staleness} > max {self.algorithm.staleness.max_staleness}"
             )
         norm = update_norm(arrival.pseudo_grad)
-        scale = self.guard.judge(fragment, norm)
+        scale = self.guard.judge(
+            fragment, norm, max(1, arrival.inner_steps), self.params_norm(fragment)
+        )
         if scale < 1.0:
             clipped = {
                 k: np.asarray(v, np.float32) * np.float32(scale)
@@ -279,6 +291,15 @@ class OuterCore:
         else:
             arrival = dataclasses.replace(arrival, norm=norm)
         state.policy.add(arrival, fresh=staleness == 0)
+
+    def params_norm(self, fragment: int) -> float:
+        """The L2 norm of the fragment's global params (computed once per version)."""
+        version = self.fragments[fragment].version
+        cached = self._params_norms.get(fragment)
+        if cached is None or cached[0] != version:
+            cached = (version, update_norm(self.fragment_params(fragment)))
+            self._params_norms[fragment] = cached
+        return cached[1]
 
     def due(self, now: float) -> list[int]:
         """Fragments whose buffers should be merged now."""

@@ -11,11 +11,23 @@ times their median is
   ``clipped``);
 * or let through (``off``).
 
-The guard judges only once a fragment has merged ``MIN_HISTORY`` uploads (before that there is
-no "usual"), and only uploads it let through unclipped or clipped to the bound enter the
-history, so that a burst of outliers cannot raise the bar for the next ones; a unit sending a
-minority of the uploads cannot move the median. The history is part of the outer's checkpoint,
-so a restarted outer judges as the one before it.
+The median is there only once a fragment has merged ``MIN_HISTORY`` uploads, and only uploads
+the guard let through unclipped or clipped to the bound enter the history, so that a burst of
+outliers cannot raise the bar for the next ones; a unit sending a minority of the uploads cannot
+move the median. The history is part of the outer's checkpoint, so a restarted outer judges as
+the one before it.
+
+From the first merge on, and below the median's bound whenever that is looser, an upload is
+also held to a bound that needs no history (:func:`prior_bound`): what ``steps`` AdamW steps
+can move a fragment at most. Adam moves each coordinate by at most ``ADAM_STEP`` × the
+learning rate a step, whatever the gradients (:func:`adam_step_bound`), plus the weight decay's
+``lr × λ × |θ|``; over ``steps`` steps at the peak learning rate that is at most
+``steps × lr × (ADAM_STEP × √d + λ × (‖θ‖ + steps × lr × ADAM_STEP × √d))`` in L2 for a fragment
+of ``d`` values and norm ``‖θ‖``, times ``PRIOR_SLACK`` for the codec's error, its error feedback
+and the params having moved since the unit's base. An honest upload cannot exceed it. It is
+loose: on the ``small`` model's real pseudo-gradients (H = 30, the shipped learning rate) it is
+19–30× their norm (10–15× before the slack), so it stops the grossly oversized upload from the
+first merge, not one of honest size in a hostile direction.
 
 Pure: no I/O, no JAX.
 """
@@ -25,14 +37,55 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from services.outer.errors import Rejected
 from shared.outer_choices import NORM_GUARDS
+from shared.settings.algorithm import INNER_B1, INNER_B2
 
 WINDOW = 64  # merged uploads per fragment whose norms make the reference
-MIN_HISTORY = 8  # merged uploads before the guard judges
+MIN_HISTORY = 8  # merged uploads before the median bound applies
+PRIOR_SLACK = 2.0  # the prior bound's margin over what AdamW can do (see the module docstring)
+
+
+def adam_step_bound(b1: float, b2: float, horizon: int = 100_000) -> float:
+    """The largest ``|m̂_t / √v̂_t|`` Adam (bias-corrected, ε = 0) can reach on one coordinate,
+    over every gradient sequence and step ``t``.
+
+    By Cauchy–Schwarz, ``|m_t| ≤ (1−β1) √(Σ_k ρ^k) √(v_t / (1−β2))`` with ``ρ = β1²/β2 < 1``
+    and the sums over the ``t`` past steps, so the ratio is at most
+    ``(1−β1)/(1−β1^t) · √((1−β2^t)(1−ρ^t) / ((1−β2)(1−ρ)))``: 1 at ``t = 1``, rising to its
+    limit ``(1−β1)/√((1−β2)(1−ρ))`` (1.165 for 0.9 and 0.95). The maximum over ``t`` up to
+    ``horizon``, where the terms have converged.
+    """
+    rho = b1 * b1 / b2
+    if not (0 <= b1 < 1 and 0 < b2 < 1 and rho < 1):
+        raise ValueError(f"need 0 <= b1 < 1, 0 < b2 < 1 and b1^2 < b2, got {b1}, {b2}")
+    t = np.arange(1, horizon + 1, dtype=np.float64)
+    ratio = (1 - b1) / (1 - b1**t) * np.sqrt((1 - b2**t) * (1 - rho**t) / ((1 - b2) * (1 - rho)))
+    return float(ratio.max())
+
+
+ADAM_STEP = adam_step_bound(INNER_B1, INNER_B2)
+
+
+def prior_bound(steps: int, lr: float, weight_decay: float, size: int, params_norm: float) -> float:
+    """The largest norm ``steps`` AdamW steps at peak learning rate ``lr`` can give the
+    pseudo-gradient of a fragment of ``size`` values and norm ``params_norm``, with
+    ``PRIOR_SLACK`` (see the module docstring)."""
+    walk = steps * lr * ADAM_STEP * math.sqrt(size)
+    return PRIOR_SLACK * (walk + steps * lr * weight_decay * (params_norm + walk))
+
+
+@dataclass(frozen=True)
+class InnerBound:
+    """What the outer knows of the learners' inner optimizer: the peak learning rate and the
+    weight decay (the job's ``--inner-lr`` and ``--weight-decay``)."""
+
+    lr: float
+    weight_decay: float
 
 
 def update_norm(pseudo_grad: Mapping[str, np.ndarray]) -> float:
@@ -55,7 +108,19 @@ class NormGuard:
         factor: float = 10.0,
         window: int = WINDOW,
         min_history: int = MIN_HISTORY,
+        inner: InnerBound | None = None,
+        sizes: Sequence[int] = (),
     ) -> None:
+        """Args:
+        fragments: The job's fragments.
+        mode: ``reject``, ``clip`` or ``off``.
+        factor: The median bound, × the median norm.
+        window, min_history: Norms kept per fragment; how many before the median bound.
+        inner: The learners' inner optimizer, for the prior bound (None: no prior bound).
+        sizes: Values per fragment (needed with ``inner``).
+        """
+        if inner is not None and len(sizes) != fragments:
+            raise ValueError(f"need {fragments} fragment sizes for the prior bound")
         if mode not in NORM_GUARDS:
             raise ValueError(f"norm guard must be one of {NORM_GUARDS}, got {mode!r}")
         if not factor > 1.0:
@@ -66,31 +131,59 @@ class NormGuard:
         self.factor = factor
         self.window = window
         self.min_history = min_history
+        self.inner = inner
+        self.sizes = list(sizes)
         self._norms = [collections.deque[float](maxlen=window) for _ in range(fragments)]
 
-    def bound(self, fragment: int) -> float | None:
-        """The largest norm accepted unclipped for ``fragment`` now (None: no bound yet)."""
+    def median_bound(self, fragment: int) -> float | None:
+        """``factor`` × the median of the fragment's merged norms (None: too few yet)."""
         norms = self._norms[fragment]
         if self.mode == "off" or len(norms) < self.min_history:
             return None
         return self.factor * float(np.median(norms))
 
-    def judge(self, fragment: int, norm: float) -> float:
-        """The factor to scale an upload of ``norm`` by before it is merged: 1.0 when it is
-        within the bound, less when clipped.
+    def prior_bound(self, fragment: int, steps: int, params_norm: float) -> float | None:
+        """What ``steps`` inner steps can do to the fragment at most (None: no prior bound)."""
+        if self.mode == "off" or self.inner is None:
+            return None
+        inner = self.inner
+        return prior_bound(steps, inner.lr, inner.weight_decay, self.sizes[fragment], params_norm)
+
+    def bound(
+        self, fragment: int, steps: int | None = None, params_norm: float = 0.0
+    ) -> float | None:
+        """The largest norm accepted unclipped for ``fragment`` now, for an upload of ``steps``
+        inner steps (None: no bound)."""
+        bounds = [self.median_bound(fragment)]
+        if steps is not None:
+            bounds.append(self.prior_bound(fragment, steps, params_norm))
+        found = [b for b in bounds if b is not None]
+        return min(found) if found else None
+
+    def judge(
+        self, fragment: int, norm: float, steps: int | None = None, params_norm: float = 0.0
+    ) -> float:
+        """The factor to scale an upload of ``norm`` (``steps`` inner steps, on a fragment of
+        norm ``params_norm``) by before it is merged: 1.0 when it is within the bound, less
+        when clipped.
 
         Raises:
             Rejected: ``norm_outlier`` (mode ``reject``), with the norm and the bound.
         """
-        bound = self.bound(fragment)
+        median = self.median_bound(fragment)
+        prior = self.prior_bound(fragment, steps, params_norm) if steps is not None else None
+        bound = self.bound(fragment, steps, params_norm)
         if bound is None or norm <= bound:
             return 1.0
         if self.mode == "reject":
-            raise Rejected(
-                "norm_outlier",
-                f"update norm {norm:.4g} > {self.factor:g} x the median {bound / self.factor:.4g} "
-                f"of the last {len(self._norms[fragment])} merged",
-            )
+            if median is not None and median <= bound:
+                why = (
+                    f"{self.factor:g} x the median {median / self.factor:.4g} of the last "
+                    f"{len(self._norms[fragment])} merged"
+                )
+            else:
+                why = f"{prior:.4g}, the most {steps} inner steps can move the fragment"
+            raise Rejected("norm_outlier", f"update norm {norm:.4g} > {why}")
         return bound / norm
 
     def merged(self, fragment: int, norms: Sequence[float]) -> None:

@@ -45,6 +45,18 @@ class WorkBoundsSettings(BaseModel):
         le=MAX_STEPS_PER_UPLOAD,
         description="the job's H: an upload of more inner steps is implausible_work",
     )
+    inner_lr: float = Field(
+        InnerAlgorithmSettings.model_fields["inner_lr"].default,
+        gt=0,
+        le=1.0,
+        description="the learners' peak AdamW learning rate: the norm guard's prior bound",
+    )
+    weight_decay: float = Field(
+        InnerAlgorithmSettings.model_fields["weight_decay"].default,
+        ge=0,
+        le=1.0,
+        description="the learners' AdamW weight decay: the norm guard's prior bound",
+    )
     batch_size: int = Field(
         WorkloadSettings.model_fields["batch_size"].default,
         ge=1,
@@ -84,7 +96,7 @@ class OuterSettings(
 
     def outer_algorithm(self) -> OuterAlgorithm:
         """The algorithm the outer core runs for this job (its mode and units included)."""
-        return self.algorithm(self.num_units, self)
+        return self.algorithm(self.num_units, self, (self.inner_lr, self.weight_decay))
 
     @model_validator(mode="after")
     def _check_quorum(self) -> OuterSettings:

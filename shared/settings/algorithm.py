@@ -35,6 +35,9 @@ ParamsFetchName = Literal["newest", "after_upload"]
 #: When a unit spreads its fragments' uploads over the period (``learner/stagger_rule.py``).
 StaggerName = Literal["auto", "always", "never"]
 MAX_FRAGMENTS = 64
+# AdamW's moment decay rates in the inner optimizer (services/learner/trainer.py); the outer's
+# norm guard derives its bound from them (services/outer/norm_guard.py).
+INNER_B1, INNER_B2 = 0.9, 0.95
 MAX_DN_PERIOD = 1024
 
 
@@ -196,9 +199,12 @@ class OuterAlgorithmSettings(BaseModel):
             raise ValueError(f"grace-min-s {self.grace_min_s} > grace-max-s {self.grace_max_s}")
         return self
 
-    def algorithm(self, num_units: int, sync: SyncSettings) -> OuterAlgorithm:
+    def algorithm(
+        self, num_units: int, sync: SyncSettings, inner: tuple[float, float] | None = None
+    ) -> OuterAlgorithm:
         """The algorithm the outer core runs for a job of ``num_units`` units (imports the
-        outer's JAX code).
+        outer's JAX code). ``inner``: the learners' peak learning rate and weight decay, which
+        give the norm guard its bound from the first merge on (None: no such bound).
 
         With ``--mode sync`` a round is merged once every active unit is in (every unit of the
         job in the first round), or ``--sync-timeout-s`` after its first upload without the
@@ -206,6 +212,7 @@ class OuterAlgorithmSettings(BaseModel):
         current version.
         """
         from services.outer.core import OuterAlgorithm
+        from services.outer.norm_guard import InnerBound
         from services.outer.staleness import StalenessRule
 
         algorithm = OuterAlgorithm(
@@ -230,6 +237,7 @@ class OuterAlgorithmSettings(BaseModel):
             norm_guard=self.norm_guard,
             norm_guard_factor=self.norm_guard_factor,
             momentum_max_age=self.momentum_max_age,
+            inner=InnerBound(*inner) if inner is not None else None,
         )
         if sync.mode != "sync":
             return algorithm
@@ -267,4 +275,4 @@ class AlgorithmSettings(SyncSettings, InnerAlgorithmSettings, OuterAlgorithmSett
 
     def outer_algorithm(self, num_units: int) -> OuterAlgorithm:
         """The outer core's algorithm for a job of ``num_units`` units."""
-        return self.algorithm(num_units, self)
+        return self.algorithm(num_units, self, (self.inner_lr, self.weight_decay))
