@@ -60,9 +60,12 @@ def test_spec_becomes_learner_and_outer_flags():
     assert learner.checkpoint_dir == CKPT
     outer_argv = reconcile.outer_args(job)
     assert outer_argv[0] == "outer"
-    assert "--h-steps" not in outer_argv and "--max-staleness" not in outer_argv  # None: left out
+    assert "--max-staleness" not in outer_argv  # None: left out
     outer = service_settings(OuterSettings, outer_argv)
     assert (outer.outer_lr, outer.num_units) == (0.5, 3)
+    # The bounds on one upload's work: the job's H, batch, learning rate and weight decay.
+    assert (outer.h_steps, outer.batch_size) == (7, job.spec.batch_size)
+    assert (outer.inner_lr, outer.weight_decay) == (job.spec.inner_lr, job.spec.weight_decay)
 
 
 def test_token_budget_is_shared_by_the_units_as_max_steps():
