@@ -41,13 +41,12 @@ from evidence import (
     Provenance,
     at_least,
     at_most,
-    exit_on,
+    publish,
     render_claims,
     results_path,
     save,
 )
 from pydantic import BaseModel
-from report import write_section
 
 from shared.codec import api as codec
 from shared.codec.config import CODECS, CodecConfig
@@ -557,11 +556,7 @@ def main() -> None:
 def report(results: CodecResults, args: argparse.Namespace, path: Path) -> None:
     """Render the stored results, write the section when asked, exit on the claims."""
     checked = claims(results)
-    table = render(results, checked, path)
-    print(table)
-    if args.write and not args.quick:
-        write_section(SECTION, table)
-    exit_on(checked, args.quick)
+    publish(SECTION, render(results, checked, path), checked, args.write, args.quick)
 
 
 if __name__ == "__main__":

@@ -66,14 +66,13 @@ from evidence import (
     Provenance,
     at_least,
     at_most,
-    exit_on,
     note,
+    publish,
     render_claims,
     results_path,
     save,
 )
 from pydantic import BaseModel
-from report import write_section
 
 from shared.codec import api as codec
 from shared.codec import quantize, zstd
@@ -386,11 +385,7 @@ def render(results: CodecPartsResults, checked: list[Claim], path: Path) -> str:
 def report(results: CodecPartsResults, args: argparse.Namespace, path: Path) -> None:
     """Render the stored results, write the section when asked, exit on the claims."""
     checked = claims(results)
-    table = render(results, checked, path)
-    print(table)
-    if args.write and not args.quick:
-        write_section(SECTION, table)
-    exit_on(checked, args.quick)
+    publish(SECTION, render(results, checked, path), checked, args.write, args.quick)
 
 
 # --------------------------------------------------------------------------- main

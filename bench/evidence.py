@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, Field
-from report import REPO, commit, shown_command
+from report import REPO, commit, shown_command, write_section
 
 RESULTS_DIR = REPO / "bench" / "results"
 
@@ -148,6 +148,15 @@ def exit_on(claims: list[Claim], quick: bool = False) -> None:
         names = "; ".join(c.text for c in failed)
         kind = "are not measured" if quick else "fail or are not measured"
         raise SystemExit(f"{len(failed)} of {len(claims)} claims {kind}: {names}")
+
+
+def publish(section: str, text: str, claims: list[Claim], write: bool, quick: bool) -> None:
+    """Print a rendered section, write it into BENCHMARKS.md when asked (never from a quick
+    run), and exit on its claims (:func:`exit_on`)."""
+    print(text)
+    if write and not quick:
+        write_section(section, text)
+    exit_on(claims, quick)
 
 
 def quick_dir() -> Path:

@@ -37,15 +37,14 @@ from typing import Literal
 from evidence import (
     Claim,
     Provenance,
-    exit_on,
     note,
+    publish,
     ratio_at_least,
     render_claims,
     results_path,
     save,
 )
 from pydantic import BaseModel
-from report import write_section  # bench/ is on sys.path when run as a script
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -560,10 +559,7 @@ def main() -> None:
         results = measure(args, path)
     checked = claims(results)
     text = render(results, checked, path)
-    print(text)
-    if args.write and not args.quick:
-        write_section(SECTION, text)
-    exit_on(checked, args.quick)
+    publish(SECTION, text, checked, args.write, args.quick)
 
 
 if __name__ == "__main__":

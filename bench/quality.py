@@ -43,8 +43,8 @@ from evidence import (
     Claim,
     Provenance,
     at_least,
-    exit_on,
     note,
+    publish,
     ratio_at_most,
     render_claims,
     results_path,
@@ -412,10 +412,7 @@ def real_main(args: argparse.Namespace) -> None:
                 save(path, results)
     checked = real_claims(real, results.twins)
     text = render_real(real, results, checked, path)
-    print(text)
-    if args.write and not args.quick:
-        write_section(SECTION, text)
-    exit_on(checked, args.quick)
+    publish(SECTION, text, checked, args.write, args.quick)
 
 
 def main() -> None:
