@@ -394,3 +394,39 @@ def test_after_a_restart_the_books_give_each_units_newest_round(core: OuterCore)
     assert intake.order.newest(0) == 12 and intake.order.newest(1) == -1
     replay = chunks(envelope(unit=0, round=11, base_version=core.version(0)))
     assert take(intake, replay) == 1 and ledger.rejected["round_replayed"] == 1
+
+
+def test_the_fingerprints_of_merged_uploads_survive_a_restart_and_buffered_ones_do_not(
+    core: OuterCore,
+) -> None:
+    """A restarted outer remembers the payloads it merged (its checkpoint holds their
+    fingerprints), so a copy is still a replay; an upload it had only buffered is delivered
+    again after the restart and is taken, not mistaken for its own replay."""
+    from services.outer import checkpoint
+
+    intake = make_intake(core)
+    version = core.version(0)
+    merged = chunks(envelope(unit=0, round=0, base_version=version, tensors=tensors(0.01)))
+    buffered = chunks(envelope(unit=1, round=0, base_version=version, tensors=tensors(0.02)))
+    assert take(intake, [*merged, *buffered]) == 0
+    first = next(a for a in core.fragments[0].policy.take() if a.unit == 0)
+    intake.merged([first])
+    snapshot = checkpoint.loads(
+        checkpoint.dumps(
+            checkpoint.OuterSnapshot(
+                "j", "tiny", *core.export_state(), fingerprints=intake.order.history()
+            )
+        )
+    )
+    assert len(snapshot.fingerprints) == 1
+    # The restarted outer: its books say unit 0's round 0 was applied.
+    ledger = OuterLedger()
+    ledger.merged([first], [0])
+    restarted = Intake(RULES, core, ledger, DeadLetters(JOB), max_pending_uploads=4)
+    restarted.order.restore(snapshot.fingerprints)
+    core.import_state(*core.export_state())  # empty buffers
+    again = chunks(envelope(unit=1, round=0, base_version=version, tensors=tensors(0.02)))
+    copy = chunks(envelope(unit=2, round=0, base_version=version, tensors=tensors(0.01)))
+    assert take(restarted, [*again, *copy]) == 1
+    assert dict(ledger.rejected) == {"payload_replayed": 1}
+    assert ledger.units[2].rejected == {"payload_replayed": 1}

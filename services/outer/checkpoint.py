@@ -3,8 +3,9 @@
 **What is saved** (:class:`OuterSnapshot`): per fragment the global params, the outer
 optimizer's state (every leaf of its pytree: momentum, Delayed Nesterov's accumulator and
 counter) and the version; the ledger (counters, per-unit applied and rejected rounds, which is
-also the deduplication set); the evaluation record; and the norms the norm guard judges by
-(``norm_guard.py``). Uploads waiting in a merge buffer are
+also the deduplication set); the evaluation record; the norms the norm guard judges by
+(``norm_guard.py``); and the payload fingerprints of recently merged uploads (``order.py``).
+Uploads waiting in a merge buffer are
 *not* copied: their chunk messages stay unacknowledged in the work-queue stream until the merge
 that uses them is checkpointed, so JetStream holds them, and a restarted outer gets them again.
 
@@ -60,6 +61,7 @@ class OuterSnapshot:
         ledger: The outer's books (``services/outer/ledger.py``).
         evaluation: Its held-out evaluations.
         norms: Per fragment, the norms of the merged uploads the norm guard judges by.
+        fingerprints: The payload fingerprints of recently merged uploads (``order.py``).
     """
 
     job: str
@@ -70,6 +72,7 @@ class OuterSnapshot:
     ledger: LedgerRecord = field(default_factory=LedgerRecord)
     evaluation: EvaluationRecord = field(default_factory=EvaluationRecord)
     norms: list[list[float]] = field(default_factory=list)
+    fingerprints: list[int] = field(default_factory=list)
 
 
 def _pack_array(array: Any) -> dict[str, Any]:
@@ -99,6 +102,7 @@ def dumps(snapshot: OuterSnapshot) -> bytes:
         "ledger": snapshot.ledger.model_dump(mode="json"),
         "evaluation": snapshot.evaluation.model_dump(mode="json"),
         "norms": [[float(n) for n in norms] for norms in snapshot.norms],
+        "fingerprints": _pack_array(np.asarray(snapshot.fingerprints, np.uint64)),
     }
     return msgpack.packb(body, use_bin_type=True)
 
@@ -127,6 +131,7 @@ def loads(blob: bytes) -> OuterSnapshot:
             ledger=ledger,
             evaluation=evaluation,
             norms=[[float(n) for n in norms] for norms in body["norms"]],
+            fingerprints=[int(v) for v in _unpack_array(body["fingerprints"]).reshape(-1)],
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"checkpoint is missing or has a malformed field: {exc}") from exc

@@ -113,8 +113,10 @@ class Intake:
 
     def merged(self, arrivals: Iterable[Arrival]) -> None:
         """Forget the uploads a merge used (their messages are acknowledged after the commit)."""
+        arrivals = list(arrivals)
         for arrival in arrivals:
             self.buffered.discard(arrival.upload)
+        self.order.merged(arrival.upload for arrival in arrivals)
 
     def _reject(self, messages: list[Any], rejected: Rejected, upload: str | None) -> None:
         """Count a bad upload (or chunk) by reason and queue its messages for dead-lettering."""
@@ -141,7 +143,7 @@ class Intake:
         except Rejected as rejected:
             self._reject(messages, rejected, upload)
             return
-        self.order.accepted(arrival.unit, arrival.round, valid.fingerprint)
+        self.order.accepted(arrival.unit, arrival.round, valid.fingerprint, upload)
         self.ledger.accept(valid.codec, valid.payload_bytes)
         self.buffered.add(upload)
 

@@ -17,9 +17,10 @@ A payload byte for byte equal to one accepted recently (of any unit, under any r
 work either: copying an honest upload and sending it again under the next round number is the
 other way to replay. The XXH3-64 fingerprints of the last ``WINDOW`` accepted payloads are kept
 and such an upload is rejected as ``payload_replayed``. Two honest pseudo-gradients are never
-equal: each is a difference of parameters after different data. The fingerprints are kept in
-memory only: an outer that restarts remembers the rounds (they are in its books) but not the
-payloads accepted before.
+equal: each is a difference of parameters after different data. The fingerprints of the
+uploads merged go into the outer's checkpoint (:meth:`UploadOrder.history`), so that a
+restarted outer remembers them; those only buffered are left out, since their uploads are
+delivered again after a restart and must not be taken for their own replays.
 
 Pure: the caller passes the books (for the rounds applied and rejected before a restart) and
 the fingerprint; nothing here does I/O.
@@ -28,6 +29,7 @@ the fingerprint; nothing here does I/O.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 
 import xxhash
 
@@ -55,6 +57,7 @@ class UploadOrder:
         self._newest: dict[int, int] = {}
         self._recent: collections.deque[int] = collections.deque(maxlen=window)
         self._seen: collections.Counter[int] = collections.Counter()
+        self._buffered: dict[str, int] = {}  # upload id: fingerprint, accepted and not merged
 
     def newest(self, unit: int) -> int:
         """The unit's highest round accepted, applied or rejected so far (-1: none)."""
@@ -80,17 +83,46 @@ class UploadOrder:
                 f"unit {unit} round {round_}: its payload equals one accepted before",
             )
 
-    def accepted(self, unit: int, round_: int, payload_fingerprint: int) -> None:
-        """Record an upload the core took: its round is the unit's newest, the rounds it
-        skipped are counted in the books, its fingerprint is remembered."""
+    def accepted(self, unit: int, round_: int, payload_fingerprint: int, upload: str = "") -> None:
+        """Record an upload the core took (``upload``: its id): its round is the unit's newest,
+        the rounds it skipped are counted in the books, its fingerprint is remembered."""
         newest = self.newest(unit)
         if newest >= 0 and round_ > newest + 1:
             self.ledger.skipped(unit, round_ - newest - 1)
         self._newest[unit] = round_
+        self._remember(payload_fingerprint)
+        self._buffered[upload] = payload_fingerprint
+
+    def _remember(self, value: int) -> None:
+        """Add a fingerprint to the window, forgetting the oldest when it is full."""
         if len(self._recent) == self._recent.maxlen:
             old = self._recent[0]
             self._seen[old] -= 1
             if not self._seen[old]:
                 del self._seen[old]
-        self._recent.append(payload_fingerprint)
-        self._seen[payload_fingerprint] += 1
+        self._recent.append(value)
+        self._seen[value] += 1
+
+    def merged(self, uploads: Iterable[str]) -> None:
+        """Forget that these uploads were only buffered: a merge applied them."""
+        for upload in uploads:
+            self._buffered.pop(upload, None)
+
+    def history(self) -> list[int]:
+        """The fingerprints of the merged uploads remembered, oldest first (for a checkpoint)."""
+        buffered = collections.Counter(self._buffered.values())
+        out = []
+        for value in self._recent:
+            if buffered[value]:
+                buffered[value] -= 1
+            else:
+                out.append(value)
+        return out
+
+    def restore(self, fingerprints: Iterable[int]) -> None:
+        """Continue from :meth:`history` output (a restored checkpoint's)."""
+        self._recent.clear()
+        self._seen.clear()
+        self._buffered.clear()
+        for value in fingerprints:
+            self._remember(int(value))

@@ -147,6 +147,7 @@ class OuterService:
             restore.from_checkpoint(
                 snapshot, pointer, s.job, s.model, self.core, self.ledger, self.progress
             )
+            self.intake.order.restore(snapshot.fingerprints)
             return
         await restore.from_published_params(
             js, s.job, s.model, self.max_params_bytes, self.core, self.ledger, self.progress
@@ -404,6 +405,7 @@ class OuterService:
             ledger=self.ledger.to_record(),
             evaluation=self.progress.evaluation,
             norms=self.core.guard.history(),
+            fingerprints=self.intake.order.history(),
         )
 
     async def _commit(self, store: checkpoint.CheckpointStore) -> bool:
