@@ -256,14 +256,14 @@ def test_dashboard_pauses_a_unit_in_headless_chromium(nats_server, services, tmp
 
         wait_for(latencies_shown, 30, "the dashboard to show unit 1's upload and sync latency")
         assert float(driver.find_element(By.CSS_SELECTOR, f"{row} .network-wait").text) >= 0
-        wait_for(
-            lambda: (
-                driver.find_element(By.CSS_SELECTOR, f"{row} .goodput").text != "–"
-                and driver.find_element(By.ID, "goodput").text != "–"
-            ),
-            30,
-            "the dashboard to show unit 1's and the job's goodput",
-        )
+
+        def goodput_shown() -> bool:
+            # Shown as 0.00 until the outer has applied an upload of the unit: wait for that.
+            unit_goodput = driver.find_element(By.CSS_SELECTOR, f"{row} .goodput").text
+            job_goodput = driver.find_element(By.ID, "goodput").text
+            return unit_goodput != "–" and float(unit_goodput) > 0 and job_goodput != "–"
+
+        wait_for(goodput_shown, 30, "the dashboard to show unit 1's and the job's goodput")
         assert 0 < float(driver.find_element(By.CSS_SELECTOR, f"{row} .goodput").text) <= 1.2
 
         driver.find_element(By.ID, "token").send_keys(GATEWAY_TOKEN)
