@@ -430,3 +430,16 @@ def test_the_fingerprints_of_merged_uploads_survive_a_restart_and_buffered_ones_
     assert take(restarted, [*again, *copy]) == 1
     assert dict(ledger.rejected) == {"payload_replayed": 1}
     assert ledger.units[2].rejected == {"payload_replayed": 1}
+
+
+def test_zero_updates_of_several_units_are_not_taken_for_replays(core: OuterCore) -> None:
+    """An inner step at learning rate 0 (the first of a warm-up; a whole period with
+    ``--h-steps 1``) moves nothing: every unit sends the same zero update, and each is taken."""
+    intake = make_intake(core)
+    version = core.version(0)
+    zeros = [
+        chunks(envelope(unit=unit, round=0, base_version=version, tensors=tensors(0.0)))
+        for unit in range(3)
+    ]
+    assert take(intake, [m for messages in zeros for m in messages]) == 0
+    assert intake.ledger.codecs == {"int8": 3} and not intake.ledger.rejected

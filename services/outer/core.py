@@ -276,7 +276,7 @@ class OuterCore:
             raise Rejected(
                 "too_stale", f"staleness {staleness} > max {self.algorithm.staleness.max_staleness}"
             )
-        norm = update_norm(arrival.pseudo_grad)
+        norm = arrival.norm if arrival.norm is not None else update_norm(arrival.pseudo_grad)
         scale = self.guard.judge(
             fragment, norm, max(1, arrival.inner_steps), self.params_norm(fragment)
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
@@ -31,6 +32,7 @@ import nats.errors
 from services.outer.core import OuterCore
 from services.outer.errors import Rejected
 from services.outer.ledger import OuterLedger
+from services.outer.norm_guard import update_norm
 from services.outer.order import UploadOrder
 from services.outer.policy import Arrival
 from services.outer.publishing import DeadLetters
@@ -137,13 +139,18 @@ class Intake:
             valid = validate(
                 upload, subject, blob, self.rules, arrived_at=time.monotonic(), messages=messages
             )
-            arrival = valid.arrival
-            self.order.check(arrival.unit, arrival.round, valid.fingerprint)
+            # The norm once, here: a zero update is no work to replay (``order.py``), and the
+            # core's norm guard reads it from the arrival.
+            arrival = dataclasses.replace(
+                valid.arrival, norm=update_norm(valid.arrival.pseudo_grad)
+            )
+            fingerprint = valid.fingerprint if arrival.norm else None
+            self.order.check(arrival.unit, arrival.round, fingerprint)
             self.core.offer(valid.fragment, arrival)
         except Rejected as rejected:
             self._reject(messages, rejected, upload)
             return
-        self.order.accepted(arrival.unit, arrival.round, valid.fingerprint, upload)
+        self.order.accepted(arrival.unit, arrival.round, fingerprint, upload)
         self.ledger.accept(valid.codec, valid.payload_bytes)
         self.buffered.add(upload)
 

@@ -17,7 +17,10 @@ A payload byte for byte equal to one accepted recently (of any unit, under any r
 work either: copying an honest upload and sending it again under the next round number is the
 other way to replay. The XXH3-64 fingerprints of the last ``WINDOW`` accepted payloads are kept
 and such an upload is rejected as ``payload_replayed``. Two honest pseudo-gradients are never
-equal: each is a difference of parameters after different data. The fingerprints of the
+equal (each is a difference of parameters after different data) unless both are zero: an inner
+step at learning rate 0 (the first of a warm-up, a whole period with ``--h-steps 1``) moves
+nothing, so units send zero updates alike. A zero update is not judged by its payload: no
+replay of it can change the model. The fingerprints of the
 uploads merged go into the outer's checkpoint (:meth:`UploadOrder.history`), so that a
 restarted outer remembers them; those only buffered are left out, since their uploads are
 delivered again after a restart and must not be taken for their own replays.
@@ -67,8 +70,10 @@ class UploadOrder:
             self.ledger.rejected_rounds[unit].max() if unit in self.ledger.rejected_rounds else -1,
         )
 
-    def check(self, unit: int, round_: int, payload_fingerprint: int) -> None:
-        """Judge an upload before it is offered to the core.
+    def check(self, unit: int, round_: int, payload_fingerprint: int | None) -> None:
+        """Judge an upload before it is offered to the core (``payload_fingerprint``: None for
+        an update of norm 0, which no replay can make worse, and which units do send alike:
+        an inner step at learning rate 0, the first of a warm-up, moves nothing).
 
         Raises:
             Rejected: ``round_replayed`` (its round is below the unit's newest) or
@@ -77,21 +82,24 @@ class UploadOrder:
         newest = self.newest(unit)
         if round_ < newest:
             raise Rejected("round_replayed", f"unit {unit} round {round_} after its round {newest}")
-        if self._seen[payload_fingerprint]:
+        if payload_fingerprint is not None and self._seen[payload_fingerprint]:
             raise Rejected(
                 "payload_replayed",
                 f"unit {unit} round {round_}: its payload equals one accepted before",
             )
 
-    def accepted(self, unit: int, round_: int, payload_fingerprint: int, upload: str = "") -> None:
+    def accepted(
+        self, unit: int, round_: int, payload_fingerprint: int | None, upload: str = ""
+    ) -> None:
         """Record an upload the core took (``upload``: its id): its round is the unit's newest,
         the rounds it skipped are counted in the books, its fingerprint is remembered."""
         newest = self.newest(unit)
         if newest >= 0 and round_ > newest + 1:
             self.ledger.skipped(unit, round_ - newest - 1)
         self._newest[unit] = round_
-        self._remember(payload_fingerprint)
-        self._buffered[upload] = payload_fingerprint
+        if payload_fingerprint is not None:
+            self._remember(payload_fingerprint)
+            self._buffered[upload] = payload_fingerprint
 
     def _remember(self, value: int) -> None:
         """Add a fingerprint to the window, forgetting the oldest when it is full."""
