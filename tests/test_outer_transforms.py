@@ -571,7 +571,7 @@ def test_valid_edge_hyperparameters_build():
 
 
 @pytest.mark.parametrize("name", ["sgd", "nesterov", "delayed_nesterov"])
-def test_outer_step_reports_the_size_of_its_change_and_of_the_momentum(name):
+def test_outer_step_reports_the_size_of_its_change_of_the_momentum_and_of_the_params(name):
     opt = make_outer_optimizer(name, 0.7, 0.9, 2)
     step = make_outer_step(opt)
     rng = np.random.default_rng(70)
@@ -579,9 +579,11 @@ def test_outer_step_reports_the_size_of_its_change_and_of_the_momentum(name):
     state = opt.init(params)
     for _ in range(3):
         before = to_np(params)
-        params, state, update_norm, momentum_norm = step(params, state, rand_tree(rng))
+        params, state, update_norm, momentum_norm, params_norm = step(params, state, rand_tree(rng))
         change = np.sqrt(sum(np.sum((to_np(params)[k] - before[k]) ** 2) for k in SHAPES))
         np.testing.assert_allclose(float(update_norm), change, rtol=1e-4)
+        size = np.sqrt(sum(np.sum(to_np(params)[k] ** 2) for k in SHAPES))
+        np.testing.assert_allclose(float(params_norm), size, rtol=1e-5)
         momentum = momentum_of(state)
         if name == "sgd":
             assert momentum is None and float(momentum_norm) == 0.0

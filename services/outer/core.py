@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from services.outer import merge
 from services.outer.errors import Rejected
@@ -108,6 +109,12 @@ class _Fragment:
     opt_state: Any
     version: int
     policy: MergePolicy
+    params_norm: float  # the norm guard's prior bound reads it (set by each outer step)
+
+    @classmethod
+    def of(cls, params: dict[str, jax.Array], opt_state: Any, version: int, policy: MergePolicy):
+        """A fragment continuing from ``params`` (their norm computed once here)."""
+        return cls(params, opt_state, version, policy, float(optax.tree.norm(params)))
 
 
 class OuterCore:
@@ -130,14 +137,15 @@ class OuterCore:
             inner=algorithm.inner,
             sizes=self.plan.sizes(),
         )
-        self._params_norms: dict[int, tuple[int, float]] = {}  # fragment: (version, norm)
         init_opt_state = jax.jit(self.optimizer.init)  # one program, not one per leaf and op
         sizes = self.plan.sizes()
         self._shares = [size / sum(sizes) for size in sizes]
         self.fragments: list[_Fragment] = []
         for index in range(self.plan.count):
             pieces = {k: jnp.asarray(v) for k, v in self.plan.extract(named_params, index).items()}
-            self.fragments.append(_Fragment(pieces, init_opt_state(pieces), 0, self._new_policy()))
+            self.fragments.append(
+                _Fragment.of(pieces, init_opt_state(pieces), 0, self._new_policy())
+            )
 
     def warm_up(self) -> None:
         """Compile the outer step of every fragment now (state unchanged), so that the first
@@ -189,8 +197,7 @@ class OuterCore:
         if sorted(pieces) != expected:
             raise ValueError(f"fragment {fragment} pieces differ from the plan")
         params = {k: jnp.asarray(pieces[k]) for k in expected}
-        self._params_norms.pop(fragment, None)
-        self.fragments[fragment] = _Fragment(
+        self.fragments[fragment] = _Fragment.of(
             params, self.optimizer.init(params), version, self._new_policy()
         )
 
@@ -242,9 +249,10 @@ class OuterCore:
             ):
                 raise ValueError(f"fragment {index}: outer optimizer state does not fit")
             opt_state = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in leaves])
-            fragments.append(_Fragment(pieces, opt_state, int(versions[index]), self._new_policy()))
+            fragments.append(
+                _Fragment.of(pieces, opt_state, int(versions[index]), self._new_policy())
+            )
         self.fragments = fragments
-        self._params_norms.clear()
 
     # ---- arrivals and merges -----------------------------------------------------------------
 
@@ -277,9 +285,7 @@ class OuterCore:
                 "too_stale", f"staleness {staleness} > max {self.algorithm.staleness.max_staleness}"
             )
         norm = arrival.norm if arrival.norm is not None else update_norm(arrival.pseudo_grad)
-        scale = self.guard.judge(
-            fragment, norm, max(1, arrival.inner_steps), self.params_norm(fragment)
-        )
+        scale = self.guard.judge(fragment, norm, max(1, arrival.inner_steps), state.params_norm)
         if scale < 1.0:
             clipped = {
                 k: np.asarray(v, np.float32) * np.float32(scale)
@@ -293,13 +299,8 @@ class OuterCore:
         state.policy.add(arrival, fresh=staleness == 0)
 
     def params_norm(self, fragment: int) -> float:
-        """The L2 norm of the fragment's global params (computed once per version)."""
-        version = self.fragments[fragment].version
-        cached = self._params_norms.get(fragment)
-        if cached is None or cached[0] != version:
-            cached = (version, update_norm(self.fragment_params(fragment)))
-            self._params_norms[fragment] = cached
-        return cached[1]
+        """The L2 norm of the fragment's global params."""
+        return self.fragments[fragment].params_norm
 
     def due(self, now: float) -> list[int]:
         """Fragments whose buffers should be merged now."""
@@ -349,6 +350,7 @@ class OuterCore:
             state.params, state.opt_state, merged, self._freshness(staleness), len(per_unit)
         )
         state.params, state.opt_state = step.params, step.opt_state
+        state.params_norm = float(step.params_norm)
         state.version += 1
         self.guard.merged(fragment, [arr.norm for arr in arrivals if arr.norm is not None])
         return MergeResult(

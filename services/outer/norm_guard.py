@@ -154,11 +154,16 @@ class NormGuard:
     ) -> float | None:
         """The largest norm accepted unclipped for ``fragment`` now, for an upload of ``steps``
         inner steps (None: no bound)."""
-        bounds = [self.median_bound(fragment)]
-        if steps is not None:
-            bounds.append(self.prior_bound(fragment, steps, params_norm))
-        found = [b for b in bounds if b is not None]
-        return min(found) if found else None
+        return self._bounds(fragment, steps, params_norm)[0]
+
+    def _bounds(
+        self, fragment: int, steps: int | None, params_norm: float
+    ) -> tuple[float | None, float | None, float | None]:
+        """The bound in force, the median's and the prior one (each None when absent)."""
+        median = self.median_bound(fragment)
+        prior = self.prior_bound(fragment, steps, params_norm) if steps is not None else None
+        found = [b for b in (median, prior) if b is not None]
+        return (min(found) if found else None), median, prior
 
     def judge(
         self, fragment: int, norm: float, steps: int | None = None, params_norm: float = 0.0
@@ -170,9 +175,7 @@ class NormGuard:
         Raises:
             Rejected: ``norm_outlier`` (mode ``reject``), with the norm and the bound.
         """
-        median = self.median_bound(fragment)
-        prior = self.prior_bound(fragment, steps, params_norm) if steps is not None else None
-        bound = self.bound(fragment, steps, params_norm)
+        bound, median, prior = self._bounds(fragment, steps, params_norm)
         if bound is None or norm <= bound:
             return 1.0
         if self.mode == "reject":

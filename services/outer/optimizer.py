@@ -135,12 +135,13 @@ def momentum_of(opt_state: Any) -> Any:
 
 class OuterStep(NamedTuple):
     """What one outer step did: the new params and state, the size of the change it made to
-    the params and of the momentum it leaves (0 without momentum)."""
+    the params and of the momentum it leaves (0 without momentum), and the new params' norm."""
 
     params: Any
     opt_state: Any
     update_norm: jax.Array
     momentum_norm: jax.Array
+    params_norm: jax.Array
 
 
 def make_outer_step(optimizer: optax.GradientTransformationExtraArgs):
@@ -157,11 +158,13 @@ def make_outer_step(optimizer: optax.GradientTransformationExtraArgs):
         )
         momentum = momentum_of(opt_state)
         momentum_norm = jnp.zeros([]) if momentum is None else optax.tree.norm(momentum)
+        new_params = optax.apply_updates(params, updates)
         return OuterStep(
-            optax.apply_updates(params, updates),
+            new_params,
             opt_state,
             optax.tree.norm(updates),
             momentum_norm,
+            optax.tree.norm(new_params),
         )
 
     return step
