@@ -25,9 +25,9 @@ learning rate a step, whatever the gradients (:func:`adam_step_bound`), plus the
 ``steps × lr × (ADAM_STEP × √d + λ × (‖θ‖ + steps × lr × ADAM_STEP × √d))`` in L2 for a fragment
 of ``d`` values and norm ``‖θ‖``, times ``PRIOR_SLACK`` for the codec's error, its error feedback
 and the params having moved since the unit's base. An honest upload cannot exceed it. It is
-loose: on the ``small`` model's real pseudo-gradients (H = 30, the shipped learning rate) it is
-19–30× their norm (10–15× before the slack), so it stops the grossly oversized upload from the
-first merge, not one of honest size in a hostile direction.
+loose (every coordinate at its largest step, every step at the peak learning rate), so it stops
+the grossly oversized upload from the first merge, not one of honest size in a hostile
+direction.
 
 Pure: no I/O, no JAX.
 """
