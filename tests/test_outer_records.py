@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 import nats.js.errors
@@ -117,6 +118,30 @@ def test_a_standby_waits_while_the_leader_renews() -> None:
         assert await asyncio.wait_for(waiter, timeout=5) is False
 
     virtual_clock.run(scenario())
+
+
+def test_the_keep_alive_ends_when_cancelled_though_the_renewal_under_way_swallows_it() -> None:
+    # A lease write whose reply lands as the cancel comes completes instead of raising
+    # (asyncio.wait_for's race in Python 3.11, python/cpython#86296): the loop must still end,
+    # or the outer's shutdown waits on it forever.
+    async def scenario() -> None:
+        lease = Lease(MemoryKv(), "job", "a", lease_s=0.04)
+        assert await lease.acquire(lambda: False, lambda holder: None)
+        renewing = asyncio.Event()
+
+        async def renewal_that_swallows_its_cancel() -> None:
+            renewing.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+
+        lease.renew = renewal_that_swallows_its_cancel
+        keeping = asyncio.create_task(lease.keep_alive(lambda lost: None))
+        await renewing.wait()
+        keeping.cancel()
+        done, _ = await asyncio.wait({keeping}, timeout=10)
+        assert done == {keeping} and keeping.cancelled()
+
+    asyncio.run(scenario())
 
 
 @pytest.mark.timeout(300)

@@ -42,6 +42,7 @@ from services.learner.settings import LearnerSettings
 from services.learner.unit_control import UnitControl
 from services.learner.unit_state import UnitState
 from shared import subjects
+from shared.cancel import raise_if_cancelling
 from shared.latency import TimeSpent
 from shared.records.jobs import DesiredState
 from shared.retry import NATS_ERRORS, retry
@@ -279,6 +280,7 @@ class LearnerLink:
         """
         assert self._reconnected is not None
         while True:
+            raise_if_cancelling()
             await self._reconnected.wait()
             self._reconnected.clear()
             await self._retry(lambda: prepare_streams(js, self.settings), "re-create streams")

@@ -15,6 +15,7 @@ from typing import Any
 from services.link.proxy import LinkCounters, LinkProxy
 from services.link.settings import LinkSettings
 from shared import kv, subjects
+from shared.cancel import raise_if_cancelling
 from shared.records.link import LinkStatus
 from shared.retry import NATS_ERRORS, retry
 from shared.transport.connection import connect_with_retry
@@ -83,6 +84,7 @@ async def _report(settings: LinkSettings, proxy: LinkProxy, stop: asyncio.Event)
         await retry(lambda: prepare_streams(js, settings), "create streams")
         bucket = await retry(lambda: js.key_value(subjects.STATUS_BUCKET), "open status bucket")
         while True:
+            raise_if_cancelling()
             try:
                 await kv.put(bucket, key, link_status(settings, proxy.counters()))
             except NATS_ERRORS as err:

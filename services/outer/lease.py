@@ -41,6 +41,7 @@ import nats.errors
 import nats.js.errors
 
 from shared import records
+from shared.cancel import raise_if_cancelling
 from shared.kv import get_with_revision
 from shared.records.outer import CheckpointPointer, LeaseRecord
 from shared.retry import QUICK, retry
@@ -232,6 +233,7 @@ class Lease:
     async def keep_alive(self, on_lost: Callable[[LeaseLost], None]) -> None:
         """Renew forever (a task); calls ``on_lost`` and returns when the lease is lost."""
         while True:
+            raise_if_cancelling()
             await asyncio.sleep(self.lease_s / 4)
             try:
                 await self.renew()

@@ -44,6 +44,7 @@ from services.outer.settings import OuterSettings
 from services.outer.status import Progress, leader_status, standby_status, status_key
 from services.outer.validation import UploadRules
 from shared import data, evaluation, kv, liveness, model, pytree, subjects
+from shared.cancel import raise_if_cancelling
 from shared.codec import api as codec
 from shared.records.outer import (
     CheckpointInfo,
@@ -500,6 +501,7 @@ class OuterService:
 
     async def _heartbeat(self, status_kv: Any) -> None:
         while True:
+            raise_if_cancelling()
             try:
                 await kv.put(status_kv, self._status_key(), self.status_record())
             except NATS_ERRORS as err:
