@@ -32,6 +32,7 @@ from services.learner.fetch_rule import FetchRule
 from services.learner.stagger_rule import stagger_if_slow
 from services.learner.trainer import InnerTrainer
 from services.outer.core import OuterCore
+from services.outer.errors import Rejected
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
 from services.outer.policy import Arrival
 from shared import data, model, pytree
@@ -115,6 +116,7 @@ class SimResult:
     bytes_up: int = 0
     bytes_down: int = 0
     staggered: list[bool] = field(default_factory=list)  # per unit, at the end
+    rejected: dict[str, int] = field(default_factory=dict)  # uploads the outer refused, by reason
 
 
 @dataclass(frozen=True)
@@ -375,6 +377,8 @@ def async_run(
     keyframes: list[Held | None] = [None] * fragments
 
     def publish(now: float) -> None:
+        for _, why in outer.settle(now):
+            rejected[why.reason] = rejected.get(why.reason, 0) + 1
         for fragment in outer.due(now):
             result = outer.merge(fragment)
             for staleness in result.staleness:
@@ -441,6 +445,7 @@ def async_run(
             upload_s[unit] = held_s
 
     stats: dict[int, int] = {}
+    rejected: dict[str, int] = {}
     merged_sizes: list[int] = []
     traces: list[MergeTrace] = []
     for unit in range(s.num_units):
@@ -457,7 +462,10 @@ def async_run(
             fragment, arrival = payload
             # JetStream has it: with after_upload the unit wants the first version after now.
             fetch[arrival.unit].uploaded(fragment, outer.version(fragment))
-            outer.offer(fragment, arrival)
+            try:
+                outer.offer(fragment, arrival)
+            except Rejected as why:
+                rejected[why.reason] = rejected.get(why.reason, 0) + 1
             if not same_instant:
                 publish(now)
         elif kind == "wake" and not same_instant:
@@ -507,4 +515,5 @@ def async_run(
         sum(line.bytes["up"] for line in lines),
         sum(line.bytes["down"] for line in lines),
         [core.staggered for core in cores],
+        dict(sorted(rejected.items())),
     )

@@ -304,10 +304,18 @@ def answers_http(url: str) -> bool:
 
 
 def upload_blob(
-    job: str, unit: int, round_: int, base: int, seed: int, scale: float = 1e-3
+    job: str,
+    unit: int,
+    round_: int,
+    base: int,
+    seed: int,
+    scale: float = 1e-3,
+    shared: float = 0.0,
 ) -> bytes:
     """A wire envelope of a tiny-model pseudo-gradient: Gaussian noise of standard deviation
-    ``scale`` (seeded), int8-encoded, as unit ``unit``'s round ``round_`` on ``base``."""
+    ``scale`` (seeded), int8-encoded, as unit ``unit``'s round ``round_`` on ``base``. With
+    ``shared`` non-zero, ``shared`` × a direction every such upload has in common is added (the
+    agreement of honest units' uploads; a negative ``shared`` goes against them)."""
     import jax
     import numpy as np
 
@@ -316,8 +324,13 @@ def upload_blob(
     from shared.wire.envelope import PseudoGradEnvelope, pack_envelope
 
     named = pytree.flatten_named(model.init_params(model.get_config("tiny"), jax.random.PRNGKey(1)))
-    rng = np.random.default_rng(seed)
-    delta = {k: (rng.standard_normal(v.shape) * scale).astype(np.float32) for k, v in named.items()}
+    rng, common = np.random.default_rng(seed), np.random.default_rng(1 << 20)
+    delta = {
+        k: (
+            (rng.standard_normal(v.shape) + shared * common.standard_normal(v.shape)) * scale
+        ).astype(np.float32)
+        for k, v in named.items()
+    }
     payload, description = codec.encode_tensors(delta, "int8")
     envelope = PseudoGradEnvelope(
         job=job,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from typing import Any
 
 import numpy as np
@@ -443,3 +444,30 @@ def test_zero_updates_of_several_units_are_not_taken_for_replays(core: OuterCore
     ]
     assert take(intake, [m for messages in zeros for m in messages]) == 0
     assert intake.ledger.codecs == {"int8": 3} and not intake.ledger.rejected
+
+
+def test_an_upload_held_for_peers_and_then_rejected_is_counted_and_dead_lettered() -> None:
+    named = {name: np.zeros(shape, np.float32) for name, shape in SHAPES.items()}
+    reviewing = OuterCore(named, outer_algorithm(4, peer_review=True))
+    intake = Intake(RULES, reviewing, OuterLedger(), DeadLetters(JOB), 4)
+
+    def agreeing(own: float) -> dict[str, np.ndarray]:
+        return {
+            "a": np.array([1e-3, 2e-3, own], np.float32),
+            "b": np.full((2, 2), 1e-3, np.float32),
+        }
+
+    against = {name: -value for name, value in agreeing(1e-3).items()}
+    hostile = chunks(envelope(unit=0, round=0, tensors=against))
+    assert take(intake, hostile) == 0  # no peers yet: held, unjudged
+    assert take(intake, chunks(envelope(unit=1, round=0, tensors=agreeing(1e-3)))) == 0
+    assert take(intake, chunks(envelope(unit=2, round=0, tensors=agreeing(2e-3)))) == 0
+    assert len(intake.buffered) == 3 and reviewing.held() == 2  # the third had peers
+    for arrival, rejected in reviewing.settle(time.monotonic()):
+        intake.reject_held(arrival, rejected)
+    assert dict(intake.ledger.rejected) == {"direction_outlier": 1}
+    assert intake.ledger.units[0].rejected == {"direction_outlier": 1}
+    assert intake.ledger.is_done(0, 0) == "rejected"
+    assert upload_id(JOB, 0, 0, 0) not in intake.buffered and len(intake.buffered) == 2
+    assert [messages for messages, _ in intake.dead_letters.waiting] == [hostile]
+    assert reviewing.held() == 0 and reviewing.due(time.monotonic()) == [0]

@@ -9,7 +9,9 @@ s = v_p − b. At merge time each buffered arrival gets a staleness weight s(·)
 weight w (``merge.token_weight``); they are combined (weighted or radial-directional average),
 optionally scaled by the share of units that took part, and applied with the outer optimizer:
 v_p += 1. Before an arrival is buffered, the norm guard (``norm_guard.py``) rejects or clips one
-whose norm is far above what the fragment's merges have seen.
+whose norm is far above what the fragment's merges have seen, and peer review (``peers.py``)
+judges its pace, direction and size against the other units' latest uploads; one without
+enough peers yet is held (not merged) until :meth:`OuterCore.settle` can judge it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from services.outer import merge
 from services.outer.errors import Rejected
 from services.outer.norm_guard import InnerBound, NormGuard, update_norm
 from services.outer.optimizer import make_outer_optimizer, make_outer_step
+from services.outer.peers import MIN_PEERS, PeerReview
 from services.outer.policy import Arrival, MergePolicy
 from services.outer.staleness import StalenessRule
 from shared.fragments import FragmentPlan, plan_fragments
@@ -59,6 +62,8 @@ class OuterAlgorithm:
     norm_guard_factor: float
     momentum_max_age: float  # momentum periods after which an arrival brings no momentum
     inner: InnerBound | None = None  # the learners' inner optimizer: the norm guard's prior bound
+    peer_review: bool = False  # judge each upload by the other units' latest (peers.py)
+    peer_hold_s: float = 30.0  # most seconds an upload waits for peers before it is merged
 
     def __post_init__(self) -> None:
         # Fail at start-up, not at the first merge: build everything once to validate.
@@ -139,6 +144,12 @@ class OuterCore:
         )
         init_opt_state = jax.jit(self.optimizer.init)  # one program, not one per leaf and op
         sizes = self.plan.sizes()
+        # A job of fewer than MIN_PEERS + 1 units has no majority to judge an upload by.
+        reviewed = algorithm.peer_review and algorithm.num_units > MIN_PEERS
+        self.peers = PeerReview(sizes, algorithm.num_units) if reviewed else None
+        # Per fragment, arrivals waiting for peers: (arrival, its sketch, when it is merged
+        # unjudged).
+        self._held: list[list[tuple[Arrival, np.ndarray, float]]] = [[] for _ in sizes]
         self._shares = [size / sum(sizes) for size in sizes]
         self.fragments: list[_Fragment] = []
         for index in range(self.plan.count):
@@ -265,11 +276,11 @@ class OuterCore:
         return float(np.mean([min(1.0, max(0.0, limit - s / period)) for s in staleness]))
 
     def offer(self, fragment: int, arrival: Arrival) -> None:
-        """Buffer a validated arrival for ``fragment``.
+        """Buffer a validated arrival for ``fragment``, or hold it until it has peers.
 
         Raises:
-            Rejected: ``future_base_version``, ``too_stale``, ``norm_outlier`` (the norm guard)
-                or ``wrong_fragment``.
+            Rejected: ``future_base_version``, ``too_stale``, ``norm_outlier`` (the norm guard),
+                ``too_frequent`` or ``direction_outlier`` (peer review) or ``wrong_fragment``.
         """
         if not 0 <= fragment < self.plan.count:
             raise Rejected("wrong_fragment", f"fragment {fragment} of {self.plan.count}")
@@ -285,18 +296,53 @@ class OuterCore:
                 "too_stale", f"staleness {staleness} > max {self.algorithm.staleness.max_staleness}"
             )
         norm = arrival.norm if arrival.norm is not None else update_norm(arrival.pseudo_grad)
-        scale = self.guard.judge(fragment, norm, max(1, arrival.inner_steps), state.params_norm)
-        if scale < 1.0:
-            clipped = {
-                k: np.asarray(v, np.float32) * np.float32(scale)
-                for k, v in arrival.pseudo_grad.items()
-            }
-            arrival = dataclasses.replace(
-                arrival, pseudo_grad=clipped, norm=norm * scale, clipped=True
-            )
-        else:
-            arrival = dataclasses.replace(arrival, norm=norm)
+        steps = max(1, arrival.inner_steps)
+        arrival = _scaled(
+            dataclasses.replace(arrival, norm=norm),
+            self.guard.judge(fragment, norm, steps, state.params_norm),
+        )
+        peers = self.peers
+        if peers is not None:
+            now = arrival.arrived_at
+            peers.check_pace(fragment, arrival.unit, state.version, now)
+            sketch = peers.sketch(fragment, arrival.pseudo_grad)
+            peers.record(fragment, arrival.unit, sketch, arrival.norm, steps, state.version, now)
+            review = peers.judge(fragment, arrival.unit, sketch, arrival.norm, steps, state.version)
+            if review.held:
+                deadline = now + self.algorithm.peer_hold_s
+                self._held[fragment].append((arrival, sketch, deadline))
+                return
+            arrival = _scaled(arrival, review.scale)
         state.policy.add(arrival, fresh=staleness == 0)
+
+    def settle(self, now: float) -> list[tuple[Arrival, Rejected]]:
+        """Judge the held arrivals that have peers now, and merge unjudged those that waited
+        ``peer_hold_s``; returns those rejected (with why), which the caller dead-letters."""
+        rejected: list[tuple[Arrival, Rejected]] = []
+        peers = self.peers
+        for fragment, held in enumerate(self._held):
+            state, waiting = self.fragments[fragment], []
+            for arrival, sketch, deadline in held:
+                assert peers is not None and arrival.norm is not None
+                steps = max(1, arrival.inner_steps)
+                try:
+                    review = peers.judge(
+                        fragment, arrival.unit, sketch, arrival.norm, steps, state.version
+                    )
+                except Rejected as why:
+                    rejected.append((arrival, why))
+                    continue
+                if review.held and now < deadline:
+                    waiting.append((arrival, sketch, deadline))
+                    continue
+                fresh = arrival.base_version == state.version
+                state.policy.add(_scaled(arrival, review.scale), fresh=fresh)
+            self._held[fragment] = waiting
+        return rejected
+
+    def held(self) -> int:
+        """Arrivals waiting for peers."""
+        return sum(len(held) for held in self._held)
 
     def params_norm(self, fragment: int) -> float:
         """The L2 norm of the fragment's global params."""
@@ -309,6 +355,7 @@ class OuterCore:
     def next_deadline(self) -> float | None:
         """The earliest time a buffered fragment must be merged (None: nothing pending)."""
         deadlines = [f.policy.deadline() for f in self.fragments]
+        deadlines += [deadline for held in self._held for _, _, deadline in held]
         pending = [d for d in deadlines if d is not None]
         return min(pending) if pending else None
 
@@ -362,3 +409,16 @@ class OuterCore:
             float(step.momentum_norm),
             self._shares[fragment],
         )
+
+
+def _scaled(arrival: Arrival, scale: float) -> Arrival:
+    """``arrival`` with its pseudo-gradient and norm scaled by ``scale`` (< 1: clipped)."""
+    if scale >= 1.0:
+        return arrival
+    assert arrival.norm is not None
+    pseudo_grad = {
+        k: np.asarray(v, np.float32) * np.float32(scale) for k, v in arrival.pseudo_grad.items()
+    }
+    return dataclasses.replace(
+        arrival, pseudo_grad=pseudo_grad, norm=arrival.norm * scale, clipped=True
+    )

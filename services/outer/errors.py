@@ -35,6 +35,9 @@ RejectionReason = Literal[
     "future_base_version",
     "too_stale",
     "norm_outlier",
+    # A valid upload its peers' latest uploads do not vouch for (services/outer/peers.py).
+    "too_frequent",  # more often than PACE_FACTOR x the median peer's pace
+    "direction_outlier",  # its median cosine with the peers' uploads below DIRECTION_FLOOR
 ]
 #: Every rejection reason.
 REJECTION_REASONS: tuple[RejectionReason, ...] = get_args(RejectionReason)

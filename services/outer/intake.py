@@ -120,6 +120,12 @@ class Intake:
             self.buffered.discard(arrival.upload)
         self.order.merged(arrival.upload for arrival in arrivals)
 
+    def reject_held(self, arrival: Arrival, rejected: Rejected) -> None:
+        """Reject an upload the core held for peers and judged later (``OuterCore.settle``);
+        its messages are dead-lettered after the next commit."""
+        self.buffered.discard(arrival.upload)
+        self._reject(list(arrival.messages), rejected, arrival.upload)
+
     def _reject(self, messages: list[Any], rejected: Rejected, upload: str | None) -> None:
         """Count a bad upload (or chunk) by reason and queue its messages for dead-lettering."""
         log.warning("rejected upload: %s", rejected)

@@ -329,6 +329,9 @@ class OuterService:
             return None
         if await self.intake.take(msgs):
             self._dirty = True  # rejections are committed before they are dead-lettered
+        for arrival, rejected in self.core.settle(time.monotonic()):
+            self.intake.reject_held(arrival, rejected)
+            self._dirty = True
         results = await self.merge_due(time.monotonic())
         if self._dirty and not await self._commit(store):
             return None  # stopping: nothing acknowledged, JetStream redelivers

@@ -192,6 +192,19 @@ class OuterAlgorithmSettings(BaseModel):
     norm_guard_factor: float = Field(
         10.0, gt=1, le=1e6, description="the norm guard's bound, times the median norm"
     )
+    peer_review: bool = Field(
+        False,
+        description="judge each upload against the other units' latest uploads of its fragment "
+        "(jobs of 3 units or more): its pace (too_frequent), its direction (direction_outlier) "
+        "and its size (clipped); off until its cost on honest runs is measured (docs/SECURITY.md)",
+    )
+    peer_hold_s: float = Field(
+        30.0,
+        ge=0,
+        le=3600,
+        description="most seconds an upload with fewer than 2 recent peers waits for them before "
+        "it is merged on the norm guard's word alone",
+    )
 
     @model_validator(mode="after")
     def _check_grace(self) -> OuterAlgorithmSettings:
@@ -238,6 +251,8 @@ class OuterAlgorithmSettings(BaseModel):
             norm_guard_factor=self.norm_guard_factor,
             momentum_max_age=self.momentum_max_age,
             inner=InnerBound(*inner) if inner is not None else None,
+            peer_review=self.peer_review,
+            peer_hold_s=self.peer_hold_s,
         )
         if sync.mode != "sync":
             return algorithm

@@ -1,0 +1,189 @@
+"""Peer review: an upload is judged against the other units' latest uploads of its fragment.
+
+The norm guard (``norm_guard.py``) bounds an upload's size; it cannot see its direction, and
+one unit with valid credentials could send pseudo-gradients of honest size that undo the
+job's progress. Honest units descend the same loss: their pseudo-gradients point the same way
+(a positive cosine between one unit's upload and another's latest). So for
+each fragment the outer keeps, per unit, a sketch of its latest upload (``SKETCH_SIZE``
+coordinates at fixed random positions: the cosine of two sketches estimates theirs), its norm,
+the fragment's version then, and when the unit's uploads came. A new upload of unit u is
+reviewed against its **peers**, the other units whose latest upload is at most ``MAX_AGE``
+rounds of the job's merges old:
+
+* **pace**: unit u's uploads of the fragment may come at most ``PACE_FACTOR`` × as often as
+  the median peer's (over their last ``PACE_WINDOW`` uploads; DyLU, on by default, gives units
+  of any speed the same pace), else ``too_frequent``: a unit cannot outrun its work;
+* **direction**: the (upper) median of its cosines with the peers' sketches must be at least
+  ``DIRECTION_FLOOR``: at least half of its peers agree with it, else ``direction_outlier``
+  (a sign flip reads as negative as honest uploads read positive, a random direction about 0);
+* **size**: its norm is clipped to ``NORM_CLIP`` × the median of the peers' norms (counted as
+  clipped), so one upload weighs at most that many honest ones. Norms are compared per √ of
+  the inner steps behind them (noise adds up as √k, drift as k: within the factor for units
+  whose H differ up to 4×, as DyLU's do), and the steps an upload may claim are bounded by the
+  job's H (``validation.py``).
+
+Medians over peers are what one unit, or any minority of the units, cannot move. Against f
+hostile units of K with f ≤ (K − 1)/2, an honest unit has at least half of its K − 1 peers
+honest, so its direction passes whatever the hostile ones send; a hostile upload passes only
+if it agrees with at least half of its peers, so with honest ones: it must look like the
+honest units' uploads, and it weighs at most ``NORM_CLIP`` of theirs. Until an upload has
+``MIN_PEERS`` peers it is **held**, unjudged and not merged; the core reviews it again as
+peers arrive (the first uploads of a job come at about the same time), or merges it on the
+norm guard's word alone once it has waited ``peer_hold_s`` (a job down to fewer live units
+than that has no majority to judge by). A job of fewer than ``MIN_PEERS`` + 1 units is not
+reviewed at all.
+
+A hostile unit's uploads are refused, so its work is lost to the job: an attacked job trains
+like one of its honest units alone, which is the reference its final eval is held to.
+
+The peers' sketches are not checkpointed: a restarted outer holds its first uploads until
+their peers have sent again. Pure: no I/O, no JAX.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.outer.errors import Rejected
+
+SKETCH_SIZE = 1 << 15  # coordinates of a fragment whose cosine stands for the whole upload's
+MIN_PEERS = 2  # peers an upload needs before it is judged (else held)
+DIRECTION_FLOOR = 0.05  # least median cosine with the peers' latest uploads
+NORM_CLIP = 2.0  # an upload's norm is clipped to this × the median of its peers' norms
+PACE_FACTOR = 3.0  # most uploads per second of a fragment, × the median peer's
+PACE_WINDOW = 4  # a unit's last uploads of a fragment whose times give its pace
+MAX_AGE = 4  # a peer's latest upload counts while at most this many rounds of merges old
+
+
+@dataclass
+class _Latest:
+    """What the outer keeps of one unit's uploads of one fragment."""
+
+    sketch: np.ndarray  # unit vector of SKETCH_SIZE (or fewer) coordinates
+    norm_per_step: float  # its norm over √(inner steps)
+    version: int  # the fragment's version when it came
+    times: collections.deque[float] = field(
+        default_factory=lambda: collections.deque(maxlen=PACE_WINDOW)
+    )
+
+    def pace(self) -> float | None:
+        """Uploads per second over the kept times (None: fewer than two)."""
+        if len(self.times) < 2 or self.times[-1] <= self.times[0]:
+            return None
+        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
+
+
+@dataclass(frozen=True)
+class Review:
+    """The verdict on an upload that passed: ``scale`` (1.0, or < 1 when clipped), or held."""
+
+    scale: float = 1.0
+    held: bool = False
+
+
+class PeerReview:
+    """Per fragment and unit, the latest upload's sketch, norm and pace; reviews a new one."""
+
+    def __init__(self, sizes: Sequence[int], num_units: int, seed: int = 0) -> None:
+        """Args:
+        sizes: Values per fragment.
+        num_units: Units of the job (a round of merges is that many versions).
+        seed: Fixes the sampled coordinates.
+        """
+        self.num_units = num_units
+        rng = np.random.default_rng(seed)
+        self._positions = [
+            np.sort(rng.choice(size, SKETCH_SIZE, replace=False)) if size > SKETCH_SIZE else None
+            for size in sizes
+        ]
+        self._latest: list[dict[int, _Latest]] = [{} for _ in sizes]
+
+    def sketch(self, fragment: int, pseudo_grad: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The unit-norm sketch of an upload (its pieces in name order, at the sampled
+        positions; a zero vector for a zero upload)."""
+        flat = np.concatenate(
+            [np.asarray(pseudo_grad[name], np.float32).ravel() for name in sorted(pseudo_grad)]
+        )
+        positions = self._positions[fragment]
+        sampled = flat if positions is None else flat[positions]
+        norm = float(np.linalg.norm(sampled))
+        return sampled / norm if norm > 0 else sampled
+
+    def peers(self, fragment: int, unit: int, version: int) -> list[_Latest]:
+        """The other units whose latest upload of ``fragment`` is recent enough to judge by."""
+        oldest = version - MAX_AGE * self.num_units
+        return [
+            latest
+            for other, latest in self._latest[fragment].items()
+            if other != unit and latest.version >= oldest
+        ]
+
+    def record(
+        self,
+        fragment: int,
+        unit: int,
+        sketch: np.ndarray,
+        norm: float,
+        steps: int,
+        version: int,
+        now: float,
+    ) -> None:
+        """Keep ``unit``'s newest upload of ``fragment`` (one that kept to its pace): its
+        sketch, its ``norm`` over ``steps`` inner steps, the fragment's version and the time."""
+        latest = self._latest[fragment].get(unit)
+        if latest is None:
+            latest = self._latest[fragment][unit] = _Latest(sketch, 0.0, version)
+        latest.sketch, latest.version = sketch, version
+        latest.norm_per_step = norm / math.sqrt(max(1, steps))
+        latest.times.append(now)
+
+    def check_pace(self, fragment: int, unit: int, version: int, now: float) -> None:
+        """Raises ``Rejected("too_frequent")`` if an upload of ``unit`` now would make its pace
+        more than ``PACE_FACTOR`` × the median peer's."""
+        latest = self._latest[fragment].get(unit)
+        if latest is None or not latest.times:
+            return
+        paces = [p for p in (peer.pace() for peer in self.peers(fragment, unit, version)) if p]
+        if len(paces) < MIN_PEERS:
+            return
+        times = [*latest.times, now][-PACE_WINDOW:]
+        span = times[-1] - times[0]
+        limit = PACE_FACTOR * float(np.median(paces))
+        if span <= 0 or (len(times) - 1) / span > limit:
+            pace = math.inf if span <= 0 else (len(times) - 1) / span
+            raise Rejected(
+                "too_frequent",
+                f"{pace:.3g} uploads/s of fragment {fragment} > {PACE_FACTOR:g} x the median "
+                f"peer's {limit / PACE_FACTOR:.3g}",
+            )
+
+    def judge(
+        self, fragment: int, unit: int, sketch: np.ndarray, norm: float, steps: int, version: int
+    ) -> Review:
+        """The verdict on an upload of ``unit`` (its ``sketch``, and its ``norm`` over
+        ``steps`` inner steps) by its peers now: held while it has fewer than ``MIN_PEERS``.
+
+        Raises:
+            Rejected: ``direction_outlier``, with the median cosine.
+        """
+        peers = self.peers(fragment, unit, version)
+        if len(peers) < MIN_PEERS:
+            return Review(held=True)
+        if norm > 0:
+            # The upper median: the upload passes when at least half of its peers agree.
+            cosines = sorted(float(np.dot(sketch, peer.sketch)) for peer in peers)
+            cosine = cosines[len(cosines) // 2]
+            if cosine < DIRECTION_FLOOR:
+                raise Rejected(
+                    "direction_outlier",
+                    f"median cosine {cosine:.3f} with the latest uploads of {len(peers)} other "
+                    f"units < {DIRECTION_FLOOR:g}",
+                )
+        per_step = float(np.median([peer.norm_per_step for peer in peers]))
+        bound = NORM_CLIP * per_step * math.sqrt(max(1, steps))
+        return Review(scale=bound / norm if norm > bound > 0 else 1.0)

@@ -1,0 +1,228 @@
+"""Peer review (services/outer/peers.py): an upload's pace, direction and size judged against
+the other units' latest uploads, and the core holding an upload until it has peers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.outer import peers as peer_rules
+from services.outer.core import OuterCore
+from services.outer.errors import Rejected
+from services.outer.peers import PeerReview
+from services.outer.service import OuterService
+from services.outer.settings import OuterSettings
+from shared import subjects
+from shared.settings.nats import NatsSettings
+from shared.transport.blobs import chunk_size_for, publish_blob
+from shared.transport.connection import connect
+from shared.transport.streams import ensure_streams
+from shared.wire.chunks import upload_id
+from tests.helpers import outer_algorithm, upload_blob, wait_for_async
+from tests.test_outer_core import arrival, tiny_named
+
+JOB = "peers"
+SIZE = 50_000  # above SKETCH_SIZE: the cosine is read on sampled coordinates
+RNG = np.random.default_rng(0)
+DESCENT = RNG.standard_normal(SIZE).astype(np.float32)
+
+
+def honest(seed: int, scale: float = 1.0) -> dict[str, np.ndarray]:
+    """An honest-looking upload: the shared descent direction plus its own noise (cosine
+    about 0.5 with another one)."""
+    noise = np.random.default_rng(seed).standard_normal(SIZE).astype(np.float32)
+    return {"w": scale * (DESCENT + noise)}
+
+
+def norm(update: dict[str, np.ndarray]) -> float:
+    return float(np.linalg.norm(update["w"]))
+
+
+def reviewed(units: int = 4) -> PeerReview:
+    """A review in which units 1 to ``units - 1`` have sent one honest upload each."""
+    review = PeerReview([SIZE], units)
+    for unit in range(1, units):
+        update = honest(unit)
+        review.record(0, unit, review.sketch(0, update), norm(update), 10, 0, 0.0)
+    return review
+
+
+def judge(review: PeerReview, update: dict[str, np.ndarray], steps: int = 10):
+    return review.judge(0, 0, review.sketch(0, update), norm(update), steps, 0)
+
+
+def test_an_honest_upload_passes_whole() -> None:
+    assert judge(reviewed(), honest(10)) == peer_rules.Review(scale=1.0)
+
+
+@pytest.mark.parametrize(
+    "attack",
+    [
+        lambda: {"w": -honest(10)["w"]},  # sign flip
+        lambda: {"w": 3 * RNG.standard_normal(SIZE).astype(np.float32)},  # a random direction
+        lambda: {"w": 0.1 * honest(10)["w"] - 2 * DESCENT},  # mostly reversing progress
+    ],
+    ids=["sign_flip", "random_direction", "reversal"],
+)
+def test_an_upload_against_its_peers_direction_is_rejected(attack) -> None:
+    with pytest.raises(Rejected) as rejected:
+        judge(reviewed(), attack())
+    assert rejected.value.reason == "direction_outlier"
+    assert "median cosine" in rejected.value.detail
+
+
+def test_an_honest_direction_scaled_up_is_clipped_to_its_peers_size() -> None:
+    update = honest(10, scale=9.0)
+    verdict = judge(reviewed(), update)
+    peer_norm = float(np.median([norm(honest(unit)) for unit in (1, 2, 3)]))
+    assert verdict.scale * norm(update) == pytest.approx(peer_rules.NORM_CLIP * peer_norm, 1e-3)
+    # Claiming fewer steps lowers the size allowed, by their square root.
+    fewer = judge(reviewed(), update, steps=1)
+    assert fewer.scale == pytest.approx(verdict.scale / np.sqrt(10), 1e-3)
+
+
+def test_a_minority_of_hostile_peers_does_not_move_an_honest_units_verdict() -> None:
+    review = reviewed()
+    flipped = {"w": -honest(3)["w"]}
+    review.record(0, 3, review.sketch(0, flipped), norm(flipped), 10, 0, 0.0)  # unit 3 turned
+    assert judge(review, honest(10)).scale == 1.0
+
+
+def test_an_upload_without_enough_peers_is_held() -> None:
+    review = PeerReview([SIZE], 4)
+    update = honest(1)
+    review.record(0, 1, review.sketch(0, update), norm(update), 10, 0, 0.0)
+    assert judge(review, honest(10)).held  # one peer of the two needed
+
+
+def test_peers_too_old_do_not_count() -> None:
+    review = reviewed()
+    too_new = peer_rules.MAX_AGE * 4 + 1  # versions since the peers' uploads
+    assert review.judge(0, 0, review.sketch(0, honest(10)), 1.0, 10, too_new).held
+
+
+def test_a_unit_uploading_far_more_often_than_its_peers_is_too_frequent() -> None:
+    review = PeerReview([SIZE], 4)
+    for unit in (1, 2, 3):  # one upload every 10 s
+        for t in range(0, 40, 10):
+            update = honest(unit + t)
+            review.record(0, unit, review.sketch(0, update), norm(update), 10, 0, float(t))
+    for t in (0.0, 10.0, 20.0):
+        review.check_pace(0, 0, 0, t)  # the same pace passes
+        review.record(0, 0, review.sketch(0, honest(9)), 1.0, 10, 0, t)
+    review.check_pace(0, 0, 0, 21.0)  # over its window: 3 uploads in 21 s, within 3x
+    for t in np.arange(21.0, 22.0, 0.25):
+        review.record(0, 0, review.sketch(0, honest(9)), 1.0, 10, 0, float(t))
+    with pytest.raises(Rejected) as rejected:
+        review.check_pace(0, 0, 0, 22.0)
+    assert rejected.value.reason == "too_frequent"
+
+
+# ---- the core holds, judges later, or merges after peer_hold_s --------------------------------
+
+
+def core(units: int = 4) -> OuterCore:
+    return OuterCore(tiny_named(), outer_algorithm(units, peer_review=True, peer_hold_s=30.0))
+
+
+def correlated(named, seed: int, sign: float = 1.0) -> dict[str, np.ndarray]:
+    """Uploads of the tiny model that agree (a shared direction plus their own noise)."""
+    shared, own = np.random.default_rng(99), np.random.default_rng(seed)
+    return {
+        k: (sign * 1e-4 * (shared.standard_normal(v.shape) + own.standard_normal(v.shape))).astype(
+            np.float32
+        )
+        for k, v in named.items()
+    }
+
+
+def test_the_first_uploads_wait_for_peers_then_a_hostile_one_is_rejected() -> None:
+    outer, named = core(), tiny_named()
+    outer.offer(0, arrival(0, correlated(named, 0, sign=-1.0), at=0.0))  # hostile, first in
+    outer.offer(0, arrival(1, correlated(named, 1), at=1.0))
+    assert outer.held() == 2 and outer.due(1.0) == [] and outer.settle(1.0) == []
+    assert outer.next_deadline() == 30.0
+    outer.offer(0, arrival(2, correlated(named, 2), at=2.0))
+    rejected = outer.settle(2.0)
+    assert [(a.unit, why.reason) for a, why in rejected] == [(0, "direction_outlier")]
+    assert outer.held() == 0 and outer.due(2.0) == [0]
+    merged = []
+    while outer.due(2.0):
+        merged += [a.unit for a in outer.merge(0).arrivals]
+    assert sorted(merged) == [1, 2]
+    # Unit 3's first upload has peers already: judged at once.
+    with pytest.raises(Rejected, match="median cosine"):
+        outer.offer(0, arrival(3, correlated(named, 3, sign=-1.0), base_version=2, at=3.0))
+
+
+def test_an_upload_that_finds_no_peers_is_merged_after_peer_hold_s() -> None:
+    outer, named = core(), tiny_named()
+    outer.offer(0, arrival(0, correlated(named, 0), at=0.0))
+    assert outer.settle(29.9) == [] and outer.due(29.9) == []
+    assert outer.settle(30.0) == [] and outer.due(30.0) == [0]
+
+
+def test_a_job_of_two_units_is_not_reviewed() -> None:
+    outer, named = core(units=2), tiny_named()
+    assert outer.peers is None
+    outer.offer(0, arrival(0, correlated(named, 0), at=0.0))
+    assert outer.held() == 0 and outer.due(0.0) == [0]
+
+
+@pytest.mark.timeout(300)
+def test_the_outer_service_holds_first_uploads_for_peers_and_refuses_a_hostile_unit(
+    memory_nats, tmp_path: Path
+) -> None:
+    """Through NATS: a 4-unit job's first uploads wait for peers; the unit going against the
+    others is dead-lettered as ``direction_outlier`` and counted under its unit, and the rest
+    are applied."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 40)
+    settings = OuterSettings(
+        nats_url=memory_nats.url,
+        job=JOB,
+        model="tiny",
+        corpus=str(corpus),
+        num_units=4,
+        fragments=1,  # the uploads carry the whole model
+        peer_review=True,
+        eval_every_s=3600,
+    )
+
+    async def scenario() -> OuterService:
+        nc = await connect(NatsSettings(nats_url=memory_nats.url), "test")
+        js = nc.jetstream()
+        await ensure_streams(js)
+        chunk_size = chunk_size_for(nc)
+        service = OuterService(settings, asyncio.Event())
+        running = asyncio.create_task(service.run())
+
+        async def upload(unit: int, round_: int, shared: float) -> None:
+            blob = upload_blob(JOB, unit, round_, 0, seed=10 * unit + round_, shared=shared)
+            subject = subjects.grads_subject(JOB, unit)
+            await publish_blob(js, subject, blob, upload_id(JOB, unit, round_, 0), chunk_size)
+
+        try:
+            await wait_for_async(lambda: service.state == "running", 240, "the outer to run")
+            await upload(0, 0, shared=-2.0)  # against the others, first in
+            await upload(1, 0, shared=2.0)
+            await wait_for_async(lambda: service.core.held() == 2, 60, "two held uploads")
+            assert service.core.version(0) == 0
+            await upload(2, 0, shared=2.0)
+            await upload(3, 0, shared=2.0)
+            await wait_for_async(lambda: service.core.version(0) == 3, 60, "three merges")
+            await wait_for_async(
+                lambda: service.ledger.rejected.get("direction_outlier") == 1, 30, "the rejection"
+            )
+        finally:
+            service.stop.set()
+            await asyncio.wait_for(running, 60)
+            await nc.close()
+        return service
+
+    service = asyncio.run(scenario())
+    assert service.ledger.units[0].rejected == {"direction_outlier": 1}
+    assert service.ledger.applied == 3 and service.ledger.is_done(0, 0) == "rejected"
