@@ -106,19 +106,35 @@ def test_peers_too_old_do_not_count() -> None:
 
 def test_a_unit_uploading_far_more_often_than_its_peers_is_too_frequent() -> None:
     review = PeerReview([SIZE], 4)
-    for unit in (1, 2, 3):  # one upload every 10 s
+    for unit in (1, 2, 3):  # one upload every 10 s: 0.1 uploads/s
         for t in range(0, 40, 10):
             update = honest(unit + t)
             review.record(0, unit, review.sketch(0, update), norm(update), 10, 0, float(t))
-    for t in (0.0, 10.0, 20.0):
-        review.check_pace(0, 0, 0, t)  # the same pace passes
+
+    def send(t: float) -> None:
+        review.check_pace(0, 0, 0, t)
         review.record(0, 0, review.sketch(0, honest(9)), 1.0, 10, 0, t)
-    review.check_pace(0, 0, 0, 21.0)  # over its window: 3 uploads in 21 s, within 3x
-    for t in np.arange(21.0, 22.0, 0.25):
-        review.record(0, 0, review.sketch(0, honest(9)), 1.0, 10, 0, float(t))
+
+    # A burst of PACE_BURST uploads passes (a unit flushing what NATS could not take) ...
+    times = [30.0 + 0.1 * i for i in range(int(peer_rules.PACE_BURST))]
+    for t in times:
+        send(t)
+    # ... then its credit grows at PACE_FACTOR x the peers' pace: one upload per 5 s.
     with pytest.raises(Rejected) as rejected:
-        review.check_pace(0, 0, 0, 22.0)
+        send(times[-1] + 1.0)
     assert rejected.value.reason == "too_frequent"
+    send(times[-1] + 1.0 / (peer_rules.PACE_FACTOR * 0.1) + 0.01)
+    with pytest.raises(Rejected):
+        send(times[-1] + 6.0)
+
+
+def test_a_unit_at_its_peers_pace_is_never_too_frequent() -> None:
+    review = PeerReview([SIZE], 4)
+    for t in np.arange(0.0, 600.0, 10.0):
+        for unit in (0, 1, 2, 3):  # every unit 10 s apart, a little jitter
+            at = float(t) + 3.0 * np.sin(unit + t)
+            review.check_pace(0, unit, 0, at)
+            review.record(0, unit, review.sketch(0, honest(unit)), 1.0, 10, 0, at)
 
 
 # ---- the core holds, judges later, or merges after peer_hold_s --------------------------------

@@ -11,8 +11,10 @@ reviewed against its **peers**, the other units whose latest upload is at most `
 rounds of the job's merges old:
 
 * **pace**: unit u's uploads of the fragment may come at most ``PACE_FACTOR`` × as often as
-  the median peer's (over their last ``PACE_WINDOW`` uploads; DyLU, on by default, gives units
-  of any speed the same pace), else ``too_frequent``: a unit cannot outrun its work;
+  the median peer's (uploads per second since each was first seen, once it has sent
+  ``PACE_MIN_UPLOADS``; DyLU, on by default, gives units of any speed the same pace), with a
+  burst of up to ``PACE_BURST`` (a unit flushing what it kept while NATS was unreachable),
+  else ``too_frequent``: a unit cannot outrun its work;
 * **direction**: the (upper) median of its cosines with the peers' sketches must be at least
   ``DIRECTION_FLOOR``: at least half of its peers agree with it, else ``direction_outlier``
   (a sign flip reads as negative as honest uploads read positive, a random direction about 0);
@@ -42,10 +44,9 @@ their peers have sent again. Pure: no I/O, no JAX.
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,8 +56,9 @@ SKETCH_SIZE = 1 << 15  # coordinates of a fragment whose cosine stands for the w
 MIN_PEERS = 2  # peers an upload needs before it is judged (else held)
 DIRECTION_FLOOR = 0.05  # least median cosine with the peers' latest uploads
 NORM_CLIP = 2.0  # an upload's norm is clipped to this × the median of its peers' norms
-PACE_FACTOR = 3.0  # most uploads per second of a fragment, × the median peer's
-PACE_WINDOW = 4  # a unit's last uploads of a fragment whose times give its pace
+PACE_FACTOR = 2.0  # most uploads per second of a fragment, × the median peer's
+PACE_BURST = 8.0  # uploads a unit may send at once (the learner keeps up to 8 unsent)
+PACE_MIN_UPLOADS = 4  # uploads a peer has sent before its pace counts
 MAX_AGE = 4  # a peer's latest upload counts while at most this many rounds of merges old
 
 
@@ -67,15 +69,17 @@ class _Latest:
     sketch: np.ndarray  # unit vector of SKETCH_SIZE (or fewer) coordinates
     norm_per_step: float  # its norm over √(inner steps)
     version: int  # the fragment's version when it came
-    times: collections.deque[float] = field(
-        default_factory=lambda: collections.deque(maxlen=PACE_WINDOW)
-    )
+    first: float  # when its first upload came
+    last: float = 0.0  # when its newest came
+    count: int = 0  # uploads kept to its pace
+    credit: float = PACE_BURST  # uploads it may send now (a token bucket)
+    refilled: float = 0.0  # when the credit was last brought up to date
 
     def pace(self) -> float | None:
-        """Uploads per second over the kept times (None: fewer than two)."""
-        if len(self.times) < 2 or self.times[-1] <= self.times[0]:
+        """Uploads per second since the first (None: fewer than ``PACE_MIN_UPLOADS``)."""
+        if self.count < PACE_MIN_UPLOADS or self.last <= self.first:
             return None
-        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
+        return (self.count - 1) / (self.last - self.first)
 
 
 @dataclass(frozen=True)
@@ -137,30 +141,37 @@ class PeerReview:
         sketch, its ``norm`` over ``steps`` inner steps, the fragment's version and the time."""
         latest = self._latest[fragment].get(unit)
         if latest is None:
-            latest = self._latest[fragment][unit] = _Latest(sketch, 0.0, version)
+            # Its first upload takes one of its credit.
+            latest = _Latest(sketch, 0.0, version, first=now, credit=PACE_BURST - 1, refilled=now)
+            self._latest[fragment][unit] = latest
         latest.sketch, latest.version = sketch, version
         latest.norm_per_step = norm / math.sqrt(max(1, steps))
-        latest.times.append(now)
+        latest.last, latest.count = now, latest.count + 1
 
     def check_pace(self, fragment: int, unit: int, version: int, now: float) -> None:
-        """Raises ``Rejected("too_frequent")`` if an upload of ``unit`` now would make its pace
-        more than ``PACE_FACTOR`` × the median peer's."""
+        """Take one upload from ``unit``'s credit, which grows at ``PACE_FACTOR`` × the
+        median peer's pace up to ``PACE_BURST``.
+
+        Raises:
+            Rejected: ``too_frequent``, no credit left (nothing taken).
+        """
         latest = self._latest[fragment].get(unit)
-        if latest is None or not latest.times:
+        if latest is None:
             return
         paces = [p for p in (peer.pace() for peer in self.peers(fragment, unit, version)) if p]
         if len(paces) < MIN_PEERS:
             return
-        times = [*latest.times, now][-PACE_WINDOW:]
-        span = times[-1] - times[0]
-        limit = PACE_FACTOR * float(np.median(paces))
-        if span <= 0 or (len(times) - 1) / span > limit:
-            pace = math.inf if span <= 0 else (len(times) - 1) / span
+        rate = PACE_FACTOR * float(np.median(paces))
+        elapsed = max(0.0, now - latest.refilled)
+        latest.credit = min(PACE_BURST, latest.credit + rate * elapsed)
+        latest.refilled = now
+        if latest.credit < 1.0:
             raise Rejected(
                 "too_frequent",
-                f"{pace:.3g} uploads/s of fragment {fragment} > {PACE_FACTOR:g} x the median "
-                f"peer's {limit / PACE_FACTOR:.3g}",
+                f"unit {unit} sends fragment {fragment} faster than {PACE_FACTOR:g} x its peers' "
+                f"median pace of {rate / PACE_FACTOR:.3g} uploads/s",
             )
+        latest.credit -= 1.0
 
     def judge(
         self, fragment: int, unit: int, sketch: np.ndarray, norm: float, steps: int, version: int
