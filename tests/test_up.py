@@ -66,7 +66,7 @@ def test_up_trains_to_the_end_through_restarts_of_gateway_and_nats_server(tmp_pa
     assert "nats-server 1," in restarts and "gateway 1," in restarts, restarts
     line = next(x for x in output.splitlines() if x.startswith("held-out eval loss"))
     init_loss, final_loss = (float(x) for x in line.split()[3:6:2])
-    assert final_loss < init_loss - 1.0, line
+    assert final_loss < init_loss - 1.0, output
     assert "all services stopped" in output
     assert live_pids(data_dir) == {}
     assert cluster_processes(data_dir, out_path) == []

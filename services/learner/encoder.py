@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from services.learner.adversary import Adversary
 from services.learner.core import Upload
 from services.learner.counters import Counters
 from services.learner.settings import LearnerSettings
@@ -52,6 +53,7 @@ class UploadEncoder:
         self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="encode")
         self._ready: concurrent.futures.Future[None] | None = None
         self._encodings: dict[UploadKey, asyncio.Future[bytes]] = {}
+        self._adversary = Adversary(settings.adversary, settings.unit, settings.h_steps)
 
     def start(self) -> None:
         """Start compiling the codec's kernels on the worker thread; returns at once."""
@@ -111,6 +113,7 @@ class UploadEncoder:
         self._worker.shutdown(wait=False, cancel_futures=True)
 
     def _encode(self, upload: Upload) -> bytes:
+        upload = self._adversary.upload(upload)
         # A fragment's residuals start at zero the first time it is sent.
         shapes = {name: np.shape(t) for name, t in upload.tensors.items()}
         state = codec.extend_state(self._codec, self._state, shapes)
@@ -133,6 +136,7 @@ class UploadEncoder:
             "fp32_bytes_encoded", 4 * sum(np.size(t) for t in upload.tensors.values())
         )
         self._counters.add("payload_bytes_encoded", len(payload))
+        payload, description = self._adversary.payload(upload.fragment, payload, description)
         envelope = PseudoGradEnvelope(
             job=self.settings.job,
             unit=self.settings.unit,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import jax
 
+from services.learner import adversary
 from services.learner.accounting import TrainingAccount
 from services.learner.checkpoint import CHECKPOINT_FILE, CheckpointWriter, Restored, load_checkpoint
 from services.learner.core import LearnerCore, Upload, dynamic_h
@@ -65,7 +66,9 @@ def build_core(settings: LearnerSettings) -> tuple[LearnerCore, data.BatchSample
     # start training before it has heard from the outer (no start-up barrier either).
     params = model.init_params(cfg, jax.random.PRNGKey(settings.seed))
     trainer = InnerTrainer(cfg, settings.optimizer(settings.max_steps))
-    schedule = settings.sync_schedule(settings.fragments)
+    schedule = settings.sync_schedule(
+        settings.fragments, adversary.own_h(settings.adversary, settings.h_steps)
+    )
     core = LearnerCore(trainer, params, schedule, settings.tokens_per_step())
     return core, sampler, 4 * model.param_count(params)
 
@@ -231,6 +234,7 @@ def due_uploads(unit: Unit, account: TrainingAccount) -> list[Upload]:
     next_h = settings.h_steps
     if settings.dynamic_h:
         next_h = dynamic_h(settings.h_steps, account.tokens_per_s(), link.unit_rates)
+    next_h = adversary.own_h(settings.adversary, next_h)
     if link.outer_next_round > core.round:
         # The outer's record arrived after the start-up wait (NATS was slow): skip ahead.
         log.warning("skipping to round %d (outer's record)", link.outer_next_round)

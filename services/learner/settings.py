@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.settings.algorithm import InnerAlgorithmSettings, SyncSettings, check_sync_overlap
@@ -9,6 +11,10 @@ from shared.settings.codec import DownlinkSettings, UploadCodecSettings
 from shared.settings.nats import ServiceSettings
 from shared.settings.resources import LearnerResources
 from shared.settings.workload import UnitsSettings, WorkloadSettings
+
+#: The attacks a unit can be made to send (``services/learner/adversary.py``).
+AdversaryName = Literal["none", "sign_flip", "random", "scaled", "alie", "replay", "too_frequent"]
+ADVERSARIES: tuple[str, ...] = get_args(AdversaryName)
 
 
 class CheckpointSettings(BaseModel):
@@ -44,6 +50,12 @@ class LearnerSettings(
         le=100.0,
         description="run this many times slower than the hardware allows (emulates older "
         "hardware; the math is unchanged)",
+    )
+    adversary: AdversaryName = Field(
+        "none",
+        description="fault injection: send this attack instead of honest uploads, with the "
+        "unit's own credentials (sign_flip, random, scaled, alie, replay, too_frequent; "
+        "services/learner/adversary.py), to test the outer's defences",
     )
     initial_state: str = Field(
         "running",

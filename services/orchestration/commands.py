@@ -17,7 +17,9 @@ from shared.link_spec import LinkSpec
 from shared.settings.cli import flags_for
 
 #: Options a launcher sets per process instead of passing them on as they are.
-LEARNER_OWN = frozenset({"unit", "num_units", "max_steps", "slowdown", "checkpoint_dir"})
+LEARNER_OWN = frozenset(
+    {"unit", "num_units", "max_steps", "slowdown", "checkpoint_dir", "adversary"}
+)
 OUTER_OWN = frozenset({"num_units"})
 
 JAX_CACHE_DIR = "jax-cache"
@@ -120,4 +122,5 @@ def learner_args(settings: UpSettings, nats_url: str, unit: int) -> list[str]:
         str(settings.unit_steps()[unit]),
         "--checkpoint-dir",
         str(checkpoint_dir(settings)),
+        *(("--adversary", settings.adversary) if unit < settings.adversaries else ()),
     ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.learner.settings import CheckpointSettings
+from services.learner.settings import AdversaryName, CheckpointSettings
 from services.orchestration.local.chaos import SERVICE_TARGETS, plan_chaos
 from services.orchestration.local.records import CHAOS_KINDS, ChaosEvent, ChaosKind
 from services.orchestration.supervisor import DEFAULT_MAX_RESTARTS
@@ -121,6 +121,18 @@ class UpSettings(
         "", description="services killed by the chaos too, comma-separated: outer, nats-server"
     )
     chaos_seed: int | None = Field(None, ge=0, description="seed of the failures (default: --seed)")
+    adversaries: int = Field(
+        0,
+        ge=0,
+        le=MAX_UNITS,
+        description="fault injection: units 0..N-1 send --adversary's attack instead of honest "
+        "uploads, with their own credentials (docs/SECURITY.md)",
+    )
+    adversary: AdversaryName = Field(
+        "none",
+        description="the attack of the --adversaries units: sign_flip, random, scaled, alie, "
+        "replay or too_frequent (services/learner/adversary.py)",
+    )
 
     def chaos_schedule(self) -> list[ChaosEvent]:
         """The failures to inject (none without --chaos-mtbf-s)."""
@@ -176,6 +188,14 @@ class UpSettings(
         if not self.slowdowns.strip():
             return [1.0] * self.learners
         return [float(x) for x in self.slowdowns.split(",")]
+
+    @model_validator(mode="after")
+    def _check_adversaries(self) -> UpSettings:
+        if self.adversaries > self.learners:
+            raise ValueError(f"adversaries {self.adversaries} > learners {self.learners}")
+        if (self.adversaries > 0) != (self.adversary != "none"):
+            raise ValueError("--adversaries N and --adversary KIND go together")
+        return self
 
     @model_validator(mode="after")
     def _check_up(self) -> UpSettings:
