@@ -463,11 +463,14 @@ def test_an_upload_held_for_peers_and_then_rejected_is_counted_and_dead_lettered
     assert take(intake, chunks(envelope(unit=1, round=0, tensors=agreeing(1e-3)))) == 0
     assert take(intake, chunks(envelope(unit=2, round=0, tensors=agreeing(2e-3)))) == 0
     assert len(intake.buffered) == 3 and reviewing.held() == 2  # the third had peers
+    assert reviewing.settle(time.monotonic()) == []  # unit 0 disagrees: a second opinion
+    assert take(intake, chunks(envelope(unit=1, round=1, tensors=agreeing(3e-3)))) == 0
+    assert take(intake, chunks(envelope(unit=2, round=1, tensors=agreeing(4e-3)))) == 0
     for arrival, rejected in reviewing.settle(time.monotonic()):
         intake.reject_held(arrival, rejected)
     assert dict(intake.ledger.rejected) == {"direction_outlier": 1}
     assert intake.ledger.units[0].rejected == {"direction_outlier": 1}
     assert intake.ledger.is_done(0, 0) == "rejected"
-    assert upload_id(JOB, 0, 0, 0) not in intake.buffered and len(intake.buffered) == 2
+    assert upload_id(JOB, 0, 0, 0) not in intake.buffered and len(intake.buffered) == 4
     assert [messages for messages, _ in intake.dead_letters.waiting] == [hostile]
     assert reviewing.held() == 0 and reviewing.due(time.monotonic()) == [0]

@@ -155,6 +155,13 @@ def correlated(named, seed: int, sign: float = 1.0) -> dict[str, np.ndarray]:
     }
 
 
+def merged_units(outer: OuterCore, now: float) -> list[int]:
+    units = []
+    while outer.due(now):
+        units += [a.unit for a in outer.merge(0).arrivals]
+    return sorted(units)
+
+
 def test_the_first_uploads_wait_for_peers_then_a_hostile_one_is_rejected() -> None:
     outer, named = core(), tiny_named()
     outer.offer(0, arrival(0, correlated(named, 0, sign=-1.0), at=0.0))  # hostile, first in
@@ -162,16 +169,41 @@ def test_the_first_uploads_wait_for_peers_then_a_hostile_one_is_rejected() -> No
     assert outer.held() == 2 and outer.due(1.0) == [] and outer.settle(1.0) == []
     assert outer.next_deadline() == 30.0
     outer.offer(0, arrival(2, correlated(named, 2), at=2.0))
-    rejected = outer.settle(2.0)
+    assert outer.settle(2.0) == []  # unit 0 disagrees: it waits for its peers' next uploads
+    assert outer.held() == 1 and merged_units(outer, 2.0) == [1, 2]
+    outer.offer(0, arrival(1, correlated(named, 11), base_version=2, at=3.0, round_=1))
+    assert outer.settle(3.0) == []  # one newer peer of the two it needs
+    outer.offer(0, arrival(2, correlated(named, 12), base_version=2, at=4.0, round_=1))
+    rejected = outer.settle(4.0)
     assert [(a.unit, why.reason) for a, why in rejected] == [(0, "direction_outlier")]
-    assert outer.held() == 0 and outer.due(2.0) == [0]
-    merged = []
-    while outer.due(2.0):
-        merged += [a.unit for a in outer.merge(0).arrivals]
-    assert sorted(merged) == [1, 2]
-    # Unit 3's first upload has peers already: judged at once.
+    assert outer.held() == 0 and merged_units(outer, 4.0) == [1, 2]
+
+
+def test_a_doubted_units_next_disagreeing_upload_is_rejected_at_once() -> None:
+    outer, named = core(), tiny_named()
+    for unit in (1, 2):
+        outer.offer(0, arrival(unit, correlated(named, unit), at=0.0))
+    hostile = correlated(named, 3, sign=-1.0)
+    outer.offer(0, arrival(3, hostile, at=1.0))  # doubted
     with pytest.raises(Rejected, match="median cosine"):
-        outer.offer(0, arrival(3, correlated(named, 3, sign=-1.0), base_version=2, at=3.0))
+        outer.offer(0, arrival(3, correlated(named, 4, sign=-1.0), at=2.0, round_=1))
+    rejected = outer.settle(31.0)  # no newer peer within peer_hold_s
+    assert [(a.unit, why.reason) for a, why in rejected] == [(3, "direction_outlier")]
+
+
+def test_an_honest_upload_against_older_peers_passes_when_their_next_ones_agree() -> None:
+    # Where the params moved past a minimum, a fresh update reverses the older ones.
+    outer, named = core(), tiny_named()
+    for unit in (1, 2, 3):
+        outer.offer(0, arrival(unit, correlated(named, unit), at=0.0))
+    assert outer.settle(0.0) == [] and merged_units(outer, 0.0) == [1, 2, 3]
+    outer.offer(0, arrival(0, correlated(named, 0, sign=-1.0), base_version=3, at=1.0))
+    assert outer.held() == 1
+    for unit in (1, 2, 3):  # unit 1, first to turn, is doubted too until 2 and 3 follow
+        update = correlated(named, 10 + unit, sign=-1.0)
+        outer.offer(0, arrival(unit, update, base_version=3, at=2.0, round_=1))
+    assert outer.settle(2.0) == [] and outer.held() == 0
+    assert merged_units(outer, 2.0) == [0, 1, 2, 3]
 
 
 def test_an_upload_that_finds_no_peers_is_merged_after_peer_hold_s() -> None:

@@ -109,6 +109,19 @@ class _UnitSum:
 
 
 @dataclass
+class _Held:
+    """An arrival peer review has not decided on: waiting for peers (``doubt`` None), or
+    doubted (``doubt``: its direction disagreed with its peers') until those in ``seen``
+    (unit: uploads counted then) send newer ones; either until ``deadline``."""
+
+    arrival: Arrival
+    sketch: np.ndarray
+    deadline: float
+    doubt: Rejected | None = None
+    seen: dict[int, int] | None = None
+
+
+@dataclass
 class _Fragment:
     params: dict[str, jax.Array]
     opt_state: Any
@@ -149,7 +162,7 @@ class OuterCore:
         self.peers = PeerReview(sizes, algorithm.num_units) if reviewed else None
         # Per fragment, arrivals waiting for peers: (arrival, its sketch, when it is merged
         # unjudged).
-        self._held: list[list[tuple[Arrival, np.ndarray, float]]] = [[] for _ in sizes]
+        self._held: list[list[_Held]] = [[] for _ in sizes]
         self._shares = [size / sum(sizes) for size in sizes]
         self.fragments: list[_Fragment] = []
         for index in range(self.plan.count):
@@ -307,38 +320,75 @@ class OuterCore:
             peers.check_pace(fragment, arrival.unit, state.version, now)
             sketch = peers.sketch(fragment, arrival.pseudo_grad)
             peers.record(fragment, arrival.unit, sketch, arrival.norm, steps, state.version, now)
-            review = peers.judge(fragment, arrival.unit, sketch, arrival.norm, steps, state.version)
+            deadline = now + self.algorithm.peer_hold_s
+            try:
+                review = peers.judge(
+                    fragment, arrival.unit, sketch, arrival.norm, steps, state.version
+                )
+            except Rejected as why:
+                if why.reason != "direction_outlier" or self._doubted(fragment, arrival.unit):
+                    raise
+                # A second opinion from the peers' next uploads (one doubted upload per unit).
+                doubted = _Held(arrival, sketch, deadline, why, peers.counts(fragment))
+                self._held[fragment].append(doubted)
+                return
             if review.held:
-                deadline = now + self.algorithm.peer_hold_s
-                self._held[fragment].append((arrival, sketch, deadline))
+                self._held[fragment].append(_Held(arrival, sketch, deadline))
                 return
             arrival = _scaled(arrival, review.scale)
         state.policy.add(arrival, fresh=staleness == 0)
 
     def settle(self, now: float) -> list[tuple[Arrival, Rejected]]:
-        """Judge the held arrivals that have peers now, and merge unjudged those that waited
-        ``peer_hold_s``; returns those rejected (with why), which the caller dead-letters."""
+        """Judge the held arrivals that have (newer) peers now; returns those rejected (with
+        why), which the caller dead-letters.
+
+        An arrival held for want of peers is merged unjudged once it has waited
+        ``peer_hold_s``. One whose direction disagreed with its peers' is doubted: it is judged
+        again against the uploads its peers send next (an honest unit's update can reverse
+        its peers' older ones where the params moved past a minimum; a hostile one keeps
+        disagreeing), and rejected if they still disagree, or if none come within
+        ``peer_hold_s``.
+        """
         rejected: list[tuple[Arrival, Rejected]] = []
         peers = self.peers
         for fragment, held in enumerate(self._held):
             state, waiting = self.fragments[fragment], []
-            for arrival, sketch, deadline in held:
+            for entry in held:
+                arrival = entry.arrival
                 assert peers is not None and arrival.norm is not None
                 steps = max(1, arrival.inner_steps)
                 try:
                     review = peers.judge(
-                        fragment, arrival.unit, sketch, arrival.norm, steps, state.version
+                        fragment,
+                        arrival.unit,
+                        entry.sketch,
+                        arrival.norm,
+                        steps,
+                        state.version,
+                        newer_than=entry.seen,
                     )
                 except Rejected as why:
-                    rejected.append((arrival, why))
+                    if entry.doubt is None and why.reason == "direction_outlier":
+                        deadline = now + self.algorithm.peer_hold_s
+                        counts = peers.counts(fragment)
+                        waiting.append(_Held(arrival, entry.sketch, deadline, why, counts))
+                    else:
+                        rejected.append((arrival, why))
                     continue
-                if review.held and now < deadline:
-                    waiting.append((arrival, sketch, deadline))
+                if review.held and now < entry.deadline:
+                    waiting.append(entry)
+                    continue
+                if review.held and entry.doubt is not None:
+                    rejected.append((arrival, entry.doubt))
                     continue
                 fresh = arrival.base_version == state.version
                 state.policy.add(_scaled(arrival, review.scale), fresh=fresh)
             self._held[fragment] = waiting
         return rejected
+
+    def _doubted(self, fragment: int, unit: int) -> bool:
+        """Whether an upload of ``unit`` waits for a second opinion on ``fragment``."""
+        return any(h.doubt is not None and h.arrival.unit == unit for h in self._held[fragment])
 
     def held(self) -> int:
         """Arrivals waiting for peers."""
@@ -355,7 +405,7 @@ class OuterCore:
     def next_deadline(self) -> float | None:
         """The earliest time a buffered fragment must be merged (None: nothing pending)."""
         deadlines = [f.policy.deadline() for f in self.fragments]
-        deadlines += [deadline for held in self._held for _, _, deadline in held]
+        deadlines += [entry.deadline for held in self._held for entry in held]
         pending = [d for d in deadlines if d is not None]
         return min(pending) if pending else None
 

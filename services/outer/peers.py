@@ -16,8 +16,13 @@ rounds of the job's merges old:
   burst of up to ``PACE_BURST`` (a unit flushing what it kept while NATS was unreachable),
   else ``too_frequent``: a unit cannot outrun its work;
 * **direction**: the (upper) median of its cosines with the peers' sketches must be at least
-  ``DIRECTION_FLOOR``: at least half of its peers agree with it, else ``direction_outlier``
-  (a sign flip reads as negative as honest uploads read positive, a random direction about 0);
+  ``DIRECTION_FLOOR``: at least half of its peers agree with it (a sign flip reads as negative
+  as honest uploads read positive, a random direction about 0). One that disagrees gets a
+  second opinion (``OuterCore.settle``): it waits, unmerged, for its peers' next uploads, as
+  an honest update can reverse older ones where the params moved past a minimum, and is
+  rejected as ``direction_outlier`` if those disagree too (or none come within
+  ``peer_hold_s``); a unit has one upload waiting so at a time, its next disagreeing one is
+  rejected at once;
 * **size**: its norm is clipped to ``NORM_CLIP`` × the median of the peers' norms (counted as
   clipped), so one upload weighs at most that many honest ones. Norms are compared per √ of
   the inner steps behind them (noise adds up as √k, drift as k: within the factor for units
@@ -118,14 +123,23 @@ class PeerReview:
         norm = float(np.linalg.norm(sampled))
         return sampled / norm if norm > 0 else sampled
 
-    def peers(self, fragment: int, unit: int, version: int) -> list[_Latest]:
-        """The other units whose latest upload of ``fragment`` is recent enough to judge by."""
+    def peers(
+        self, fragment: int, unit: int, version: int, newer_than: Mapping[int, int] | None = None
+    ) -> list[_Latest]:
+        """The other units whose latest upload of ``fragment`` is recent enough to judge by
+        (with ``newer_than``, unit: uploads counted before, only those that sent since)."""
         oldest = version - MAX_AGE * self.num_units
         return [
             latest
             for other, latest in self._latest[fragment].items()
-            if other != unit and latest.version >= oldest
+            if other != unit
+            and latest.version >= oldest
+            and (newer_than is None or latest.count > newer_than.get(other, 0))
         ]
+
+    def counts(self, fragment: int) -> dict[int, int]:
+        """Per unit, the uploads of ``fragment`` recorded so far."""
+        return {unit: latest.count for unit, latest in self._latest[fragment].items()}
 
     def record(
         self,
@@ -174,15 +188,23 @@ class PeerReview:
         latest.credit -= 1.0
 
     def judge(
-        self, fragment: int, unit: int, sketch: np.ndarray, norm: float, steps: int, version: int
+        self,
+        fragment: int,
+        unit: int,
+        sketch: np.ndarray,
+        norm: float,
+        steps: int,
+        version: int,
+        newer_than: Mapping[int, int] | None = None,
     ) -> Review:
         """The verdict on an upload of ``unit`` (its ``sketch``, and its ``norm`` over
-        ``steps`` inner steps) by its peers now: held while it has fewer than ``MIN_PEERS``.
+        ``steps`` inner steps) by its peers now (``newer_than``: see :meth:`peers`): held while
+        it has fewer than ``MIN_PEERS``.
 
         Raises:
             Rejected: ``direction_outlier``, with the median cosine.
         """
-        peers = self.peers(fragment, unit, version)
+        peers = self.peers(fragment, unit, version, newer_than)
         if len(peers) < MIN_PEERS:
             return Review(held=True)
         if norm > 0:

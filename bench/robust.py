@@ -1,0 +1,379 @@
+"""Robust merging on the real system: what peer review (``--peer-review``) costs honest runs,
+and what one hostile unit of 4 (and two of 8) can do with it.
+
+One ``diloco up`` run per row, all on the shipped defaults (model ``small``, 4 units, 240 inner
+steps each) apart from what the row names:
+
+* **clean**: the defaults, each of ``--seeds``; **clean + review**: the same with
+  ``--peer-review``. The honest cost is the mean over the seeds of review / clean − 1.
+* **honest units alone**: ``--learners 3 --peer-review``, the reference for one hostile unit of
+  4. A hostile unit's uploads are refused, so its work is lost to the job; what a defence can
+  keep is the honest units' training, and the attacked run is held to that.
+* **attacks**: ``--adversaries 1 --adversary KIND --peer-review`` for each attack of
+  ``services/learner/adversary.py`` (unit 0 sends it with its own valid credentials from its
+  first upload on), and the two the norm guard alone lets through at full size (``random``,
+  ``scaled``) without ``--peer-review`` for contrast.
+* **two of 8**: ``--learners 8 --adversaries 2 --adversary alie --peer-review`` against
+  ``--learners 6 --peer-review``.
+
+Every figure comes from the runs' ``summary.json``: the final held-out eval, the outer's
+rejections and clips per unit, the books. Raw results: ``bench/results/robust.json``.
+
+    .venv/bin/python bench/robust.py --write            # every row (about 45 min on 2 cores)
+    .venv/bin/python bench/robust.py --render --write   # the section from the stored runs
+    .venv/bin/python bench/robust.py --quick            # the smoke version (tiny model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cluster import up_command  # bench/ is on sys.path when run as a script
+from evidence import (
+    Claim,
+    Provenance,
+    at_least,
+    at_most,
+    note,
+    publish,
+    ratio_at_most,
+    render_claims,
+    results_path,
+    save,
+)
+from pydantic import BaseModel, Field
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from services.orchestration.local.records import RunSummary
+
+SECTION = "## Robust merging: peer review against hostile units"
+NAME = "robust"
+PROGRAM = ".venv/bin/python bench/robust.py"
+HONEST_COST = 1.005  # at most: clean + review / clean, mean over the seeds
+ONE_OF_FOUR = 1.02  # at most: an attacked run / the honest units alone
+TWO_OF_EIGHT = 1.05  # at most: two ALIE units of 8 / the 6 honest alone
+CAUGHT = 0.9  # at least: share of the attacker's uploads refused (or clipped) for its reason
+ATTACKS = ["sign_flip", "random", "scaled", "alie", "replay", "too_frequent"]
+#: What the outer counts an attack's uploads under (None: nothing it can tell).
+REASONS: dict[str, str | None] = {
+    "sign_flip": "direction_outlier",
+    "random": "direction_outlier",
+    "scaled": "clipped",
+    "alie": None,
+    "replay": "payload_replayed",
+    "too_frequent": "too_frequent",
+}
+CONTRAST = ["random", "scaled"]  # attacks also run without --peer-review
+
+
+class Row(BaseModel):
+    """One run: its name, seed, units and the flags beyond the defaults."""
+
+    name: str
+    seed: int
+    flags: list[str]
+    learners: int = 4
+
+    @property
+    def key(self) -> str:
+        return f"{self.name} / seed {self.seed}"
+
+
+class RunFigures(BaseModel):
+    """What one run measured."""
+
+    key: str
+    commit: str
+    flags: list[str]
+    elapsed_s: float
+    final_eval: float
+    balanced: bool
+    applied: int
+    hostile_units: list[int] = Field(description="the adversaries' unit numbers")
+    hostile_published: int = Field(description="uploads the adversaries' status reports")
+    hostile_rejected: dict[str, int] = Field(description="their uploads refused, by reason")
+    hostile_clipped: int
+    hostile_applied: int
+    honest_rejected: dict[str, int]
+    honest_clipped: int
+
+
+class RobustResults(BaseModel):
+    """Raw results of ``bench/robust.py``."""
+
+    provenance: Provenance
+    runs: dict[str, RunFigures] = {}
+
+
+def rows(args: argparse.Namespace) -> list[Row]:
+    """Every run, in the order they run."""
+    review = ["--peer-review"]
+    out = [Row(name="clean", seed=s, flags=[]) for s in args.seeds]
+    out += [Row(name="clean + review", seed=s, flags=review) for s in args.seeds]
+    first = args.seeds[0]
+    out.append(Row(name="honest units alone", seed=first, flags=review, learners=3))
+    for attack in args.attacks:
+        hostile = ["--adversaries", "1", "--adversary", attack]
+        out.append(Row(name=f"{attack} + review", seed=first, flags=[*review, *hostile]))
+        if attack in CONTRAST:
+            out.append(Row(name=f"{attack}, no review", seed=first, flags=hostile))
+    if args.eight:
+        two = ["--adversaries", "2", "--adversary", "alie"]
+        out.append(Row(name="6 honest of 8 alone", seed=first, flags=review, learners=6))
+        out.append(Row(name="2 alie of 8 + review", seed=first, flags=[*review, *two], learners=8))
+    return out
+
+
+def flags(row: Row, args: argparse.Namespace) -> list[str]:
+    out = [
+        *("--model", args.model, "--learners", str(row.learners)),
+        *("--max-steps", str(args.steps), "--seed", str(row.seed)),
+    ]
+    if args.h_steps is not None:
+        out += ["--h-steps", str(args.h_steps)]
+    return [*out, *row.flags]
+
+
+def run(row: Row, args: argparse.Namespace, cache: Path) -> RunSummary:
+    """One ``diloco up`` run; its summary."""
+    with tempfile.TemporaryDirectory() as data_dir:
+        env = {**os.environ, "DILOCO_JAX_CACHE": str(cache)}
+        result = subprocess.run(
+            up_command(data_dir, *flags(row, args)),
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+        )
+        path = Path(data_dir, "summary.json")
+        if not path.exists():
+            raise SystemExit(f"{row.key}: diloco up failed:\n{result.stdout}\n{result.stderr}")
+        summary = RunSummary.model_validate_json(path.read_text())
+    if summary.reason != "finished":
+        raise SystemExit(f"{row.key}: the run ended with {summary.reason!r}:\n{result.stdout}")
+    return summary
+
+
+def hostile_units(row: Row) -> list[int]:
+    if "--adversaries" not in row.flags:
+        return []
+    return list(range(int(row.flags[row.flags.index("--adversaries") + 1])))
+
+
+def figures(row: Row, summary: RunSummary, code: str, args: argparse.Namespace) -> RunFigures:
+    """The figures of one run, from its summary."""
+    outer = summary.outer
+    if outer is None or outer.evaluation.last is None:
+        raise SystemExit(f"{row.key}: no outer status or evaluation in the summary")
+    hostile = hostile_units(row)
+    rejected: dict[bool, dict[str, int]] = {True: {}, False: {}}
+    clipped = {True: 0, False: 0}
+    applied = {True: 0, False: 0}
+    for unit, stats in outer.units.items():
+        bad = int(unit) in hostile
+        for reason, count in stats.rejected.items():
+            rejected[bad][reason] = rejected[bad].get(reason, 0) + count
+        clipped[bad] += stats.clipped
+        applied[bad] += stats.applied
+    published = sum(
+        books.published for unit, books in summary.ledger.per_unit.items() if int(unit) in hostile
+    )
+    return RunFigures(
+        key=row.key,
+        commit=code,
+        flags=flags(row, args),
+        elapsed_s=summary.elapsed_s,
+        final_eval=outer.evaluation.last.nats_per_byte,
+        balanced=summary.ledger.balanced,
+        applied=outer.applied,
+        hostile_units=hostile,
+        hostile_published=published,
+        hostile_rejected=rejected[True],
+        hostile_clipped=clipped[True],
+        hostile_applied=applied[True],
+        honest_rejected=rejected[False],
+        honest_clipped=clipped[False],
+    )
+
+
+def final(results: RobustResults, name: str, seed: int) -> float | None:
+    found = results.runs.get(f"{name} / seed {seed}")
+    return found.final_eval if found is not None else None
+
+
+def honest_cost(results: RobustResults, seeds: list[int]) -> float | None:
+    """Mean over the seeds of clean + review / clean (None: no seed has both)."""
+    ratios = []
+    for seed in seeds:
+        clean, review = final(results, "clean", seed), final(results, "clean + review", seed)
+        if clean and review:
+            ratios.append(review / clean)
+    return statistics.mean(ratios) if ratios else None
+
+
+def caught(fig: RunFigures, reason: str) -> float | None:
+    """The share of the attacker's uploads the outer counted under ``reason``."""
+    if not fig.hostile_published:
+        return None
+    count = fig.hostile_clipped if reason == "clipped" else fig.hostile_rejected.get(reason, 0)
+    return count / fig.hostile_published
+
+
+def claims(results: RobustResults, args: argparse.Namespace) -> list[Claim]:
+    """The section's claims, for the rows this run has."""
+    seeds, first = args.seeds, args.seeds[0]
+    out = [
+        at_most(
+            f"--peer-review costs honest runs at most {HONEST_COST - 1:.1%} of final eval "
+            f"(clean + review / clean, mean over {len(seeds)} seeds)",
+            honest_cost(results, seeds),
+            HONEST_COST,
+            ".4f",
+        ),
+        at_least(
+            "every run's books balance",
+            float(all(f.balanced for f in results.runs.values())) if results.runs else None,
+            1.0,
+            ".0f",
+        ),
+    ]
+    alone = final(results, "honest units alone", first)
+    for attack in args.attacks:
+        fig = results.runs.get(f"{attack} + review / seed {first}")
+        value = fig.final_eval if fig is not None else None
+        out.append(
+            ratio_at_most(
+                f"one {attack} unit of 4 with --peer-review ends within "
+                f"+{ONE_OF_FOUR - 1:.0%} of the honest units alone",
+                value,
+                alone,
+                ONE_OF_FOUR,
+            )
+        )
+        reason = REASONS[attack]
+        if reason is not None:
+            out.append(
+                at_least(
+                    f"at least {CAUGHT:.0%} of the {attack} unit's uploads are counted as {reason}",
+                    caught(fig, reason) if fig is not None else None,
+                    CAUGHT,
+                )
+            )
+    if args.eight:
+        out.append(
+            ratio_at_most(
+                f"two alie units of 8 with --peer-review end within +{TWO_OF_EIGHT - 1:.0%} "
+                "of the 6 honest units alone",
+                final(results, "2 alie of 8 + review", first),
+                final(results, "6 honest of 8 alone", first),
+                TWO_OF_EIGHT,
+            )
+        )
+    return out
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "-"
+
+
+def render(
+    results: RobustResults, checked: list[Claim], path: Path, args: argparse.Namespace
+) -> str:
+    """The BENCHMARKS.md section."""
+    lines = [
+        SECTION,
+        "",
+        results.provenance.line(path),
+        "",
+        "Final held-out eval (nats/byte) of `diloco up` runs on the shipped defaults (model "
+        f"`{args.model}`, {args.steps} steps per unit) with what each row adds. The attacker "
+        "is unit 0 (units 0 and 1 of 8), with its own credentials, from its first upload on "
+        "(`--adversaries N --adversary KIND`, `services/learner/adversary.py`). Its uploads: "
+        "what its status says it published, and how the outer counted them; the honest "
+        "units' refusals and clips beside them.",
+        "",
+        "| run | final eval | applied | attacker: published → refused (reason) | clipped | "
+        "honest refused | honest clipped | minutes |",
+        "|---|---:|---:|---|---:|---|---:|---:|",
+    ]
+    for fig in results.runs.values():
+        hostile = (
+            f"{fig.hostile_published} → {_reasons(fig.hostile_rejected)}"
+            if fig.hostile_units
+            else "-"
+        )
+        lines.append(
+            f"| {fig.key} | {fig.final_eval:.4f} | {fig.applied} | {hostile} | "
+            f"{fig.hostile_clipped if fig.hostile_units else '-'} | "
+            f"{_reasons(fig.honest_rejected)} | {fig.honest_clipped} | {fig.elapsed_s / 60:.1f} |"
+        )
+    lines += ["", render_claims(checked)]
+    return "\n".join(lines)
+
+
+def parser() -> argparse.ArgumentParser:
+    out = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    seeds = lambda text: [int(seed) for seed in text.split(",") if seed]  # noqa: E731
+    out.add_argument("--model", default="small")
+    out.add_argument("--steps", type=int, default=240, help="inner steps per unit")
+    out.add_argument("--h-steps", type=int, default=None, help="default: the shipped H")
+    out.add_argument("--seeds", type=seeds, default=[1, 2, 3], help="seeds of the clean rows")
+    out.add_argument("--attacks", default=",".join(ATTACKS), help="which attacks to run")
+    out.add_argument("--no-eight", dest="eight", action="store_false", help="skip 2 of 8")
+    out.add_argument("--reuse", action="store_true", help="keep the runs already stored")
+    out.add_argument("--render", action="store_true", help="run nothing: render the stored")
+    out.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
+    out.add_argument("--quick", action="store_true", help="smoke version: tiny model, few rows")
+    return out
+
+
+QUICK = dict(model="tiny", steps=60, h_steps=10, seeds=[1], attacks="sign_flip", eight=False)
+CONFIGURATION = ("model", "steps", "h_steps", "seeds", "attacks", "eight")
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    path = results_path(NAME, args.quick)
+    if args.render or args.reuse:
+        results = RobustResults.model_validate_json(path.read_text())
+        # The stored runs' configuration, so that the claims are those of what ran.
+        for key in CONFIGURATION:
+            setattr(args, key, results.provenance.configuration[key])
+    else:
+        configuration = {key: getattr(args, key) for key in CONFIGURATION}
+        results = RobustResults(provenance=Provenance.start(PROGRAM, configuration))
+    args.attacks = [a for a in args.attacks.split(",") if a]
+    if not args.render:
+        code = results.provenance.commit
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory() as cache:
+            for row in rows(args):
+                if row.key in results.runs:
+                    continue
+                note(f"robust: {row.key} ...")
+                summary = run(row, args, Path(cache))
+                results.runs[row.key] = figures(row, summary, code, args)
+                fig = results.runs[row.key]
+                note(f"robust: {row.key}: final eval {fig.final_eval:.4f}")
+                save(path, results)
+        results.provenance.seconds += time.monotonic() - started
+        save(path, results)
+    checked = claims(results, args)
+    publish(SECTION, render(results, checked, path, args), checked, args.write, args.quick)
+
+
+if __name__ == "__main__":
+    main()
