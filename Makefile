@@ -100,6 +100,7 @@ bench: $(STAMP)  ## every benchmark on the shipped defaults (hours on 2 cores: B
 	$(BIN)/python bench/loadtest.py --write
 	$(BIN)/python bench/links.py --write
 	$(BIN)/python bench/goodput.py --write
+	$(BIN)/python bench/robust.py --write
 	$(BIN)/python bench/quality.py --write
 	$(BIN)/python bench/scaling.py --write
 	$(BIN)/python bench/summary.py --write
@@ -109,7 +110,7 @@ bench: $(STAMP)  ## every benchmark on the shipped defaults (hours on 2 cores: B
 # a claim unmeasured. quality.py reads the goodput.py runs of the same folder.
 bench-quick: $(STAMP)  ## a smoke run of every benchmark (<= 15 min), writing nothing here
 	export BENCH_QUICK_DIR=$$(mktemp -d) && all=$$(date +%s) && \
-	for script in codec codec_parts throughput timing chaos loadtest links goodput quality scaling; do \
+	for script in codec codec_parts throughput timing chaos loadtest links goodput robust quality scaling; do \
 		started=$$(date +%s); \
 		$(BIN)/python bench/$$script.py --quick > $$BENCH_QUICK_DIR/$$script.md || { \
 			echo "bench-quick: $$script failed (its output: $$BENCH_QUICK_DIR/$$script.md)" >&2; \

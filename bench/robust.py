@@ -337,7 +337,7 @@ def parser() -> argparse.ArgumentParser:
     return out
 
 
-QUICK = dict(model="tiny", steps=60, h_steps=10, seeds=[1], attacks="sign_flip", eight=False)
+QUICK = dict(model="tiny", steps=40, h_steps=10, seeds=[1], attacks="sign_flip", eight=False)
 CONFIGURATION = ("model", "steps", "h_steps", "seeds", "attacks", "eight")
 
 
