@@ -120,6 +120,7 @@ ROLE_STREAMS: dict[NatsRole, tuple[str, ...]] = {
     "outer": (
         _kv_stream(subjects.STATUS_BUCKET),
         _kv_stream(subjects.OUTER_BUCKET),
+        _kv_stream(subjects.DESIRED_BUCKET),
         subjects.GRADS_STREAM,
         subjects.PARAMS_STREAM,
         subjects.CKPT_STREAM,
@@ -173,6 +174,8 @@ def _outer(who: Identity) -> list[str]:
         *_stream_info("outer"),
         _kv_read(subjects.STATUS_BUCKET, f"{job}.>"),
         _kv_read(subjects.OUTER_BUCKET, subjects.lease_key(job)),
+        # The units' desired states: a quarantined unit's uploads are refused.
+        _kv_read(subjects.DESIRED_BUCKET, f"{job}.*"),
         f"{JS_API}.DIRECT.GET.{subjects.PARAMS_STREAM}",
         f"{JS_API}.DIRECT.GET.{subjects.PARAMS_STREAM}.diloco.{job}.params.>",
         f"{JS_API}.DIRECT.GET.{subjects.CKPT_STREAM}",
@@ -303,13 +306,20 @@ class Credentials:
 
     folder: Path
     _users: dict[str, tuple[Identity, NatsCredentials, str]] = field(default_factory=dict)
+    revoked: set[str] = field(default_factory=set)  # users removed for good (quarantine)
 
     def path(self, who: Identity) -> Path:
         """Where the credentials file of ``who`` is (or goes)."""
         return self.folder / f"{who.user}.json"
 
     def ensure(self, who: Identity) -> tuple[Path, bool]:
-        """The credentials file of ``who``, made if new; returns it and whether it is new."""
+        """The credentials file of ``who``, made if new; returns it and whether it is new.
+
+        Raises:
+            CredentialsError: ``who`` was revoked, or its file holds another identity.
+        """
+        if who.user in self.revoked:
+            raise CredentialsError(f"the NATS user {who.user!r} was revoked")
         path = self.path(who)
         if who.user in self._users:
             return path, False
@@ -323,6 +333,13 @@ class Credentials:
         self._users[who.user] = (who, credentials, password_hash(credentials.password))
         return path, True
 
+    def revoke(self, who: Identity) -> bool:
+        """Remove ``who`` for good: from the server's block (the caller reloads the server,
+        which closes the user's connections) and its file; returns whether it was there."""
+        self.revoked.add(who.user)
+        self.path(who).unlink(missing_ok=True)
+        return self._users.pop(who.user, None) is not None
+
     def load(self) -> tuple[list[str], list[str]]:
         """Add every credentials file in the folder that is new to this object (written by
         another process).
@@ -332,7 +349,7 @@ class Credentials:
         """
         added, problems = [], []
         for path in sorted(self.folder.glob("*.json")):
-            if path.stem in self._users:
+            if path.stem in self._users or path.stem in self.revoked:
                 continue
             try:
                 credentials = read_credentials(path)

@@ -209,7 +209,7 @@ def test_units_transitions_and_scaling(client):
     assert client.post("/jobs/j1/units/0/resume").json()["desired"] == "running"
     assert client.post("/jobs/j1/units/1/stop").json()["desired"] == "stopped"
     for action in ("start", "pause", "resume", "stop"):
-        assert_refused(client, "j1", 409, "POST", f"/jobs/j1/units/1/{action}", "stopped is final")
+        assert_refused(client, "j1", 409, "POST", f"/jobs/j1/units/1/{action}", "quarantine")
 
     # Scale up while created: new units idle.
     scaled = client.put("/jobs/j1/units", json={"units": 4})
@@ -227,8 +227,15 @@ def test_units_transitions_and_scaling(client):
     # Scale up while running: running; down: the highest indexes are stopped.
     assert client.put("/jobs/j1/units", json={"units": 5}).json()["units"] == 5
     assert desired(client, "j1", 5)[4] == "running"
+    # A quarantined unit stays so: no job action changes it (docs/SECURITY.md).
+    assert client.post("/jobs/j1/units/2/quarantine").json()["desired"] == "quarantined"
+    for action in ("start", "pause", "resume", "stop", "quarantine"):
+        assert_refused(client, "j1", 409, "POST", f"/jobs/j1/units/2/{action}", "final")
+    assert client.post("/jobs/j1/pause").json()["state"] == "paused"
+    assert client.post("/jobs/j1/resume").json()["state"] == "running"
+    assert desired(client, "j1", 5)[:3] == ["running", "stopped", "quarantined"]
     assert client.put("/jobs/j1/units", json={"units": 1}).json()["units"] == 1
-    assert desired(client, "j1", 5) == ["running", "stopped", "stopped", "stopped", "stopped"]
+    assert desired(client, "j1", 5) == ["running", "stopped", "quarantined", "stopped", "stopped"]
     assert_refused(client, "j1", 404, "POST", "/jobs/j1/units/3/resume", "has 1 units")
 
     assert client.post("/jobs/j1/stop").status_code == 200

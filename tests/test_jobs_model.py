@@ -12,6 +12,7 @@ from services.gateway.jobs import (
     UNIT_TRANSITIONS,
     Action,
     TransitionError,
+    UnitAction,
     job_transition,
     unit_transition,
 )
@@ -48,8 +49,13 @@ def test_state_machines() -> None:
     assert unit_transition("j", 0, "paused", "stop") == "stopped"
     with pytest.raises(TransitionError, match="allowed: pause, stop"):
         job_transition("j", "running", "start")
-    with pytest.raises(TransitionError, match="stopped is final"):
+    with pytest.raises(TransitionError, match="allowed: quarantine"):
         unit_transition("j", 0, "stopped", "resume")
-    for table in (JOB_TRANSITIONS, UNIT_TRANSITIONS):
-        assert {action for _, action in table} == set(get_args(Action))
-        assert not any(state == "stopped" for state, _ in table)  # final
+    for state in ("idle", "running", "paused", "stopped"):
+        assert unit_transition("j", 0, state, "quarantine") == "quarantined"
+    with pytest.raises(TransitionError, match="quarantined is final"):
+        unit_transition("j", 0, "quarantined", "resume")
+    assert {action for _, action in JOB_TRANSITIONS} == set(get_args(Action))
+    assert {action for _, action in UNIT_TRANSITIONS} == set(get_args(UnitAction))
+    assert not any(state == "stopped" for state, _ in JOB_TRANSITIONS)  # final
+    assert not any(state == "quarantined" for state, _ in UNIT_TRANSITIONS)  # final

@@ -191,6 +191,10 @@ async def test_the_outer_and_the_gateway_keep_to_their_roles(
         await outer.nc.jetstream().publish(subjects.params_head_subject(JOB, 0), b"{}", timeout=5)
         lease = await outer.nc.jetstream().key_value(subjects.OUTER_BUCKET)
         await lease.put(subjects.lease_key(JOB), b"{}")
+        # The outer reads its units' desired states (a quarantined unit's uploads are refused).
+        outer_desired = await outer.nc.jetstream().key_value(subjects.DESIRED_BUCKET)
+        found = await kv.get(outer_desired, subjects.desired_key(JOB, 1), DesiredRecord)
+        assert found is not None and found.state == "paused"
         for subject in (
             subjects.grads_subject(JOB, 0),
             subjects.params_head_subject(JOB, 0),
@@ -270,6 +274,30 @@ async def test_new_users_are_added_by_a_reload_or_at_the_next_restart(cluster: S
     late_settings = NatsSettings(nats_url=cluster.server.url, nats_credentials=str(path))
     nc = await connect(late_settings, "after-restart")
     await nc.close()
+
+
+async def test_a_revoked_user_is_disconnected_by_the_reload_and_refused_after(
+    cluster: SecureNats,
+) -> None:
+    """Quarantine (docs/SECURITY.md): the unit's user leaves the server's block; nats-server
+    closes its connections on the reload, and its credentials no longer connect."""
+    who = Identity("learner", "revoked", unit=5)
+    path, _ = cluster.credentials.ensure(who)
+    kept = Path(str(path) + ".kept")
+    kept.write_bytes(path.read_bytes())
+    kept.chmod(0o600)
+    cluster.server.reload(cluster.credentials.authorization_block())
+    settings = NatsSettings(nats_url=cluster.server.url, nats_credentials=str(kept))
+    nc = await connect(settings, "to-be-revoked")
+    assert cluster.credentials.revoke(who) and not path.exists()
+    cluster.server.reload(cluster.credentials.authorization_block())
+    await wait_for_async(lambda: not nc.is_connected, 30, "the revoked user's disconnection")
+    await nc.close()
+    with pytest.raises(transport.TransportError, match="[Aa]uthorization"):
+        await connect(settings, "revoked")
+    with pytest.raises(CredentialsError, match="revoked"):
+        cluster.credentials.ensure(who)
+    assert who.user not in cluster.credentials.load()[0]
 
 
 def test_credentials_files_are_private_and_checked(tmp_path: Path) -> None:

@@ -474,3 +474,12 @@ def test_an_upload_held_for_peers_and_then_rejected_is_counted_and_dead_lettered
     assert upload_id(JOB, 0, 0, 0) not in intake.buffered and len(intake.buffered) == 4
     assert [messages for messages, _ in intake.dead_letters.waiting] == [hostile]
     assert reviewing.held() == 0 and reviewing.due(time.monotonic()) == [0]
+
+
+def test_an_upload_of_a_quarantined_unit_is_refused_and_counted(core: OuterCore) -> None:
+    intake = make_intake(core)
+    intake.quarantined.add(3)
+    assert take(intake, chunks(envelope(unit=3, round=7, base_version=core.version(0)))) == 1
+    assert dict(intake.ledger.rejected) == {"quarantined": 1}
+    assert intake.ledger.units[3].rejected == {"quarantined": 1}
+    assert intake.ledger.is_done(3, 7) == "rejected" and intake.buffered == set()

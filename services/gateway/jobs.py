@@ -29,6 +29,8 @@ from typing import Literal
 from shared.records.jobs import DesiredState, JobState
 
 Action = Literal["start", "pause", "resume", "stop"]
+#: A unit's actions: a job's, and quarantine.
+UnitAction = Literal["start", "pause", "resume", "stop", "quarantine"]
 
 # (state, action) -> new state. Anything else is an invalid transition (HTTP 409).
 JOB_TRANSITIONS: dict[tuple[str, str], JobState] = {
@@ -46,6 +48,8 @@ UNIT_TRANSITIONS: dict[tuple[str, str], DesiredState] = {
     ("running", "stop"): "stopped",
     ("paused", "resume"): "running",
     ("paused", "stop"): "stopped",
+    # A unit that misbehaves (a bug, stolen credentials) is shut out whatever it is doing.
+    **{(state, "quarantine"): "quarantined" for state in ("idle", "running", "paused", "stopped")},
 }
 # The desired state of a unit while its job is in a state (new units, job transitions).
 UNIT_DESIRED_FOR_JOB: dict[str, DesiredState] = {

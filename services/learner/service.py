@@ -166,8 +166,10 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
 
     while core.step < settings.max_steps and not stop.is_set():
         desired = link.desired_state
-        if desired == "stopped":
-            log.info("unit %d stopped by its desired state at step %d", settings.unit, core.step)
+        if desired in ("stopped", "quarantined"):
+            log.info(
+                "unit %d %s by its desired state at step %d", settings.unit, desired, core.step
+            )
             break
         if desired in ("paused", "idle"):
             # Idle (created, not started yet) behaves like paused: no training, no uploads.

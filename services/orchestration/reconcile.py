@@ -44,7 +44,7 @@ from services.learner.settings import LearnerSettings
 from services.orchestration.commands import LEARNER_OWN, OUTER_OWN
 from services.orchestration.supervisor import State
 from services.outer.settings import OuterSettings
-from shared.records.jobs import JobRecord, JobSpec
+from shared.records.jobs import FINAL_DESIRED, JobRecord, JobSpec
 from shared.settings.cli import flags_for
 
 DONE = (State.FINISHED, State.GAVE_UP)
@@ -161,7 +161,7 @@ def plan(
             states = desired.get(job, {})
             for unit in range(record.units):
                 name = learner_name(job, unit)
-                if name not in children and states.get(unit, "running") != "stopped":
+                if name not in children and states.get(unit, "running") not in FINAL_DESIRED:
                     args = learner_args(record, unit, checkpoint_dir)
                     actions.append(Spawn(name, job, "learner", tuple(args), unit))
             continue

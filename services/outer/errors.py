@@ -38,6 +38,8 @@ RejectionReason = Literal[
     # A valid upload its peers' latest uploads do not vouch for (services/outer/peers.py).
     "too_frequent",  # more often than PACE_FACTOR x the median peer's pace
     "direction_outlier",  # its median cosine with the peers' uploads below DIRECTION_FLOOR
+    # An upload of a unit quarantined through the REST API (its desired state).
+    "quarantined",
 ]
 #: Every rejection reason.
 REJECTION_REASONS: tuple[RejectionReason, ...] = get_args(RejectionReason)

@@ -65,6 +65,7 @@ class Intake:
             max_upload_bytes=rules.max_upload_bytes, max_pending_uploads=max_pending_uploads
         )
         self.order = UploadOrder(ledger)
+        self.quarantined: set[int] = set()  # units whose uploads are refused (the service's)
         self.buffered: set[str] = set()
         self._rejected_uploads: set[str] = set()
         self._chunks: dict[str, list[Any]] = collections.defaultdict(list)
@@ -150,6 +151,8 @@ class Intake:
             arrival = dataclasses.replace(
                 valid.arrival, norm=update_norm(valid.arrival.pseudo_grad)
             )
+            if arrival.unit in self.quarantined:
+                raise Rejected("quarantined", f"unit {arrival.unit} is quarantined")
             fingerprint = valid.fingerprint if arrival.norm else None
             self.order.check(arrival.unit, arrival.round, fingerprint)
             self.core.offer(valid.fragment, arrival)

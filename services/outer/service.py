@@ -46,6 +46,7 @@ from services.outer.validation import UploadRules
 from shared import data, evaluation, kv, liveness, model, pytree, subjects
 from shared.cancel import raise_if_cancelling
 from shared.codec import api as codec
+from shared.records.jobs import DesiredRecord
 from shared.records.outer import (
     CheckpointInfo,
     OuterState,
@@ -62,6 +63,7 @@ from shared.transport.streams import prepare_streams
 log = logging.getLogger(__name__)
 
 ACK_WAIT_S = 300.0
+QUARANTINE_POLL_S = 2.0  # seconds between reads of the units' desired states
 
 
 class OuterService:
@@ -203,7 +205,10 @@ class OuterService:
             outer_kv, subjects.lease_key(self.settings.job), self.holder, self.settings.lease_s
         )
         self.lease = lease
-        tasks = [asyncio.create_task(self._heartbeat(status_kv))]
+        tasks = [
+            asyncio.create_task(self._heartbeat(status_kv)),
+            asyncio.create_task(self._watch_quarantine(js)),
+        ]
         try:
             if await lease.acquire(self.stop.is_set, self._on_standby):
                 with contextlib.suppress(*NATS_ERRORS):
@@ -501,6 +506,27 @@ class OuterService:
 
     def _status_key(self) -> str:
         return status_key(self.settings.job, self.state, self.holder)
+
+    async def _watch_quarantine(self, js: Any) -> None:
+        """Every ``QUARANTINE_POLL_S``, read the job's units' desired states: the uploads of a
+        unit quarantined through the REST API are refused from then on (``quarantined``)."""
+        desired_kv = None
+        while True:
+            raise_if_cancelling()
+            try:
+                if desired_kv is None:
+                    desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
+                seen = max(self.ledger.units, default=-1) + 1
+                for unit in range(max(self.settings.num_units, seen)):
+                    key = subjects.desired_key(self.settings.job, unit)
+                    record = await kv.get(desired_kv, key, DesiredRecord)
+                    if record is not None and record.state == "quarantined":
+                        if unit not in self.intake.quarantined:
+                            log.warning("unit %d is quarantined: its uploads are refused", unit)
+                        self.intake.quarantined.add(unit)
+            except NATS_ERRORS as err:
+                log.info("reading the units' desired states: %r", err)
+            await asyncio.sleep(QUARANTINE_POLL_S)
 
     async def _heartbeat(self, status_kv: Any) -> None:
         while True:

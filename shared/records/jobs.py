@@ -26,10 +26,13 @@ from shared.settings.codec import CodecSettings
 from shared.settings.workload import DEFAULT_UNITS, MAX_STEPS, BudgetSettings, WorkloadSettings
 
 #: What the gateway may ask of a unit. ``idle``: created, not training yet; ``paused``: stopped
-#: training until resumed; ``stopped``: upload what is left and exit (final).
-DesiredState = Literal["idle", "running", "paused", "stopped"]
+#: training until resumed; ``stopped``: upload what is left and exit (final); ``quarantined``:
+#: the outer refuses its uploads and its NATS user is removed (final; docs/SECURITY.md).
+DesiredState = Literal["idle", "running", "paused", "stopped", "quarantined"]
 
 DESIRED_STATES: tuple[str, ...] = get_args(DesiredState)
+#: The final desired states: no learner is started for such a unit, no job action changes them.
+FINAL_DESIRED: tuple[DesiredState, ...] = ("stopped", "quarantined")
 
 JobState = Literal["created", "running", "paused", "stopped"]
 

@@ -29,7 +29,7 @@ from services.gateway.views import (
 from shared import data
 from shared.job_status import read_job_status
 from shared.records import MAX_UNITS
-from shared.records.jobs import JobRecord, JobSpec
+from shared.records.jobs import FINAL_DESIRED, JobRecord, JobSpec
 
 router = APIRouter(tags=["jobs"])
 
@@ -151,13 +151,13 @@ async def run_job_action(
 ) -> JobRecordView:
     """Move the job through ``action`` and write the matching desired state to its units.
 
-    A unit stopped on its own stays stopped (stopped is final).
+    A unit stopped or quarantined on its own stays so (both are final).
     """
     record, revision = await managed(registry, nats, job)
     state = job_transition(job, record.state, action)
     record = await registry.replace_job(record.model_copy(update={"state": state}), revision)
     for unit in range(record.units):
-        if await registry.read_desired(job, unit) != "stopped":
+        if await registry.read_desired(job, unit) not in FINAL_DESIRED:
             await registry.write_desired(job, [unit], UNIT_DESIRED_FOR_JOB[state])
     return record_view(record)
 
@@ -191,7 +191,7 @@ for _action, (_summary, _description) in JOB_ACTIONS.items():
     summary="Scale a job to N units",
     description="New units get the desired state of the job's state (created → idle, "
     "running → running, paused → paused); removed units (the highest indexes) get "
-    "`stopped`. 409 for a stopped or unmanaged job.",
+    "`stopped` (a quarantined one stays quarantined). 409 for a stopped or unmanaged job.",
     responses={**NOT_FOUND, **CONFLICT},
 )
 async def scale_units(
@@ -209,5 +209,7 @@ async def scale_units(
     if new > old:
         await registry.write_desired(job, range(old, new), UNIT_DESIRED_FOR_JOB[record.state])
     else:
-        await registry.write_desired(job, range(new, old), "stopped")
+        for unit in range(new, old):  # a quarantined unit stays so
+            if await registry.read_desired(job, unit) != "quarantined":
+                await registry.write_desired(job, [unit], "stopped")
     return record_view(record)

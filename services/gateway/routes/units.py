@@ -1,4 +1,5 @@
-"""The units resource: one unit's health, and its transitions (start, pause, resume, stop).
+"""The units resource: one unit's health, and its transitions (start, pause, resume, stop,
+quarantine).
 
 A unit action writes the unit's desired state (KV ``diloco_desired``, key ``<job>.<unit>``),
 which the unit polls. A unit of a managed job must be below the job's unit count; a unit of an
@@ -12,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import APIRouter, HTTPException
 
 from services.gateway.deps import JobName, NatsDep, RegistryDep, SettingsDep, UnitIndex
-from services.gateway.jobs import Action, unit_transition
+from services.gateway.jobs import UnitAction, unit_transition
 from services.gateway.link import NatsHandles
 from services.gateway.registry import Registry
 from services.gateway.views import (
@@ -28,7 +29,7 @@ from shared.job_status import read_job_status
 router = APIRouter(tags=["units"])
 
 #: Summary and description of each unit action's route.
-UNIT_ACTIONS: dict[Action, tuple[str, str]] = {
+UNIT_ACTIONS: dict[UnitAction, tuple[str, str]] = {
     "start": ("Start an idle unit", "idle → running."),
     "pause": (
         "Pause a unit: it stops training and publishing until resumed",
@@ -38,6 +39,13 @@ UNIT_ACTIONS: dict[Action, tuple[str, str]] = {
     "stop": (
         "Stop a unit for good: it uploads what it has and exits",
         "idle/running/paused → stopped.",
+    ),
+    "quarantine": (
+        "Quarantine a misbehaving unit: the outer refuses its uploads, its NATS user is removed",
+        "idle/running/paused/stopped → quarantined (final). The outer counts the unit's uploads "
+        "as rejected (quarantined) from when it reads the state (within 2 s); diloco up removes "
+        "the unit's NATS user and reloads nats-server, which closes its connections, and "
+        "stops its learner.",
     ),
 }
 
@@ -74,7 +82,7 @@ async def get_unit_health(
 
 
 async def run_unit_action(
-    registry: Registry, nats: NatsHandles, job: str, unit: int, action: Action
+    registry: Registry, nats: NatsHandles, job: str, unit: int, action: UnitAction
 ) -> DesiredStateView:
     """Move the unit's desired state through ``action``."""
     found = await registry.read_job(job)
@@ -101,7 +109,7 @@ async def run_unit_action(
     return DesiredStateView(job=job, unit=unit, desired=desired)
 
 
-def unit_action_route(action: Action) -> Callable[..., Awaitable[DesiredStateView]]:
+def unit_action_route(action: UnitAction) -> Callable[..., Awaitable[DesiredStateView]]:
     """The route function of one unit action."""
 
     async def unit_action(

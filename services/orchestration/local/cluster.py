@@ -371,6 +371,20 @@ class Cluster:
             self.write_pids()
         return ended
 
+    def quarantine(self, job: str, unit: int) -> None:
+        """Shut a quarantined unit out: remove its NATS user and reload nats-server (which
+        closes its connections), and SIGKILL its learner for good."""
+        revoked = self.credentials.revoke(nats_auth.Identity("learner", job, unit=unit))
+        if revoked and self.server is not None:
+            self.server.reload(self.credentials.authorization_block())
+        name = f"learner-{unit}" if job == self.settings.job else reconcile.learner_name(job, unit)
+        child = next((c for c in self.children() if c.name == name), None)
+        if child is not None:
+            self.supervisor.retire(name)
+            if child.alive():
+                child.process.kill()
+        self.print(f"{job} unit {unit} quarantined: its NATS user removed, its learner stopped")
+
     def kill_for_chaos(self, event: ChaosEvent) -> None:
         """SIGKILL the event's target; it is not restarted before its repair time is over."""
         self.supervisor.hold(event.target, time.monotonic() + event.repair_s)

@@ -29,7 +29,7 @@ from services.orchestration.local.cluster import Cluster
 from services.orchestration.local.progress import Throughput, progress_line, summary_lines
 from services.orchestration.local.records import RunSummary
 from services.orchestration.local.settings import UpSettings
-from services.orchestration.registry import read_registry
+from services.orchestration.registry import Registry, read_registry
 from shared import kv, ledger, retry, subjects, transport
 from shared.goodput import Goodput, job_goodput
 from shared.job_status import JobStatus, read_job_status
@@ -72,6 +72,7 @@ class _Watch:
     status: JobStatus | None = None  # the last read of the job's status records
     started_at: float | None = None  # when the units were started (together), unix seconds
     chaos_offset_s: float | None = None  # how far the failure schedule had run by then
+    quarantined: set[tuple[str, int]] = field(default_factory=set)  # (job, unit) shut out
 
     def start(self, cluster: Cluster) -> None:
         """Note that the units start now, and how far the failure schedule has run."""
@@ -129,6 +130,7 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
             watch.last_reconcile = time.monotonic()
             if not stop.is_set():
                 cluster.reconcile(registry)
+                await shut_out_quarantined(cluster, registry, desired_kv, watch)
         alive = [unit for unit, child in enumerate(cluster.learners) if child.alive()]
         if not watch.released and release.all_ready(alive, watch.units, elapsed):
             await asyncio.wait_for(
@@ -196,6 +198,27 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
         started_at=watch.started_at,
         chaos_offset_s=watch.chaos_offset_s if cluster.chaos else None,
     )
+
+
+async def shut_out_quarantined(
+    cluster: Cluster, registry: Registry, desired_kv: Any, watch: _Watch
+) -> None:
+    """Quarantine (``Cluster.quarantine``) each unit, of this run's job or a registry job,
+    whose desired state became ``quarantined`` (through the REST API)."""
+    s = cluster.settings
+    wanted = {
+        (job, unit)
+        for job, states in registry.desired.items()
+        for unit, st in states.items()
+        if st == "quarantined"
+    }
+    for unit in range(s.learners):
+        record = await kv.get(desired_kv, subjects.desired_key(s.job, unit), DesiredRecord)
+        if record is not None and record.state == "quarantined":
+            wanted.add((s.job, unit))
+    for job, unit in sorted(wanted - watch.quarantined):
+        cluster.quarantine(job, unit)
+        watch.quarantined.add((job, unit))
 
 
 def target_reached(outer: OuterStatus | None, target: float | None) -> bool:
