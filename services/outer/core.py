@@ -160,8 +160,7 @@ class OuterCore:
         # A job of fewer than MIN_PEERS + 1 units has no majority to judge an upload by.
         reviewed = algorithm.peer_review and algorithm.num_units > MIN_PEERS
         self.peers = PeerReview(sizes, algorithm.num_units) if reviewed else None
-        # Per fragment, arrivals waiting for peers: (arrival, its sketch, when it is merged
-        # unjudged).
+        # Per fragment, the arrivals peer review has not decided on yet (settle).
         self._held: list[list[_Held]] = [[] for _ in sizes]
         self._shares = [size / sum(sizes) for size in sizes]
         self.fragments: list[_Fragment] = []
