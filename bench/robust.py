@@ -21,6 +21,7 @@ rejections and clips per unit, the books. Raw results: ``bench/results/robust.js
 
     .venv/bin/python bench/robust.py --write            # every row (about 45 min on 2 cores)
     .venv/bin/python bench/robust.py --render --write   # the section from the stored runs
+    .venv/bin/python bench/robust.py --reuse --drop "+ review" --write  # those rows again
     .venv/bin/python bench/robust.py --quick            # the smoke version (tiny model)
 """
 
@@ -303,8 +304,8 @@ def render(
         "units' refusals and clips beside them.",
         "",
         "| run | final eval | applied | attacker: published → refused (reason) | clipped | "
-        "honest refused | honest clipped | minutes |",
-        "|---|---:|---:|---|---:|---|---:|---:|",
+        "honest refused | honest clipped | minutes | commit |",
+        "|---|---:|---:|---|---:|---|---:|---:|---|",
     ]
     for fig in results.runs.values():
         hostile = (
@@ -315,7 +316,8 @@ def render(
         lines.append(
             f"| {fig.key} | {fig.final_eval:.4f} | {fig.applied} | {hostile} | "
             f"{fig.hostile_clipped if fig.hostile_units else '-'} | "
-            f"{_reasons(fig.honest_rejected)} | {fig.honest_clipped} | {fig.elapsed_s / 60:.1f} |"
+            f"{_reasons(fig.honest_rejected)} | {fig.honest_clipped} | {fig.elapsed_s / 60:.1f} | "
+            f"`{fig.commit}` |"
         )
     lines += ["", render_claims(checked)]
     return "\n".join(lines)
@@ -331,6 +333,12 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--attacks", default=",".join(ATTACKS), help="which attacks to run")
     out.add_argument("--no-eight", dest="eight", action="store_false", help="skip 2 of 8")
     out.add_argument("--reuse", action="store_true", help="keep the runs already stored")
+    out.add_argument(
+        "--drop",
+        action="append",
+        default=[],
+        help="with --reuse: run again the stored rows whose name holds this text",
+    )
     out.add_argument("--render", action="store_true", help="run nothing: render the stored")
     out.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     out.add_argument("--quick", action="store_true", help="smoke version: tiny model, few rows")
@@ -352,6 +360,8 @@ def main() -> None:
         # The stored runs' configuration, so that the claims are those of what ran.
         for key in CONFIGURATION:
             setattr(args, key, results.provenance.configuration[key])
+        for key in [k for k in results.runs if any(text in k for text in args.drop)]:
+            del results.runs[key]
     else:
         configuration = {key: getattr(args, key) for key in CONFIGURATION}
         results = RobustResults(provenance=Provenance.start(PROGRAM, configuration))

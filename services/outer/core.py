@@ -315,11 +315,10 @@ class OuterCore:
         )
         peers = self.peers
         if peers is not None:
-            now = arrival.arrived_at
-            peers.check_pace(fragment, arrival.unit, state.version, now)
+            peers.check_pace(fragment, arrival.unit, state.version)
             sketch = peers.sketch(fragment, arrival.pseudo_grad)
-            peers.record(fragment, arrival.unit, sketch, arrival.norm, steps, state.version, now)
-            deadline = now + self.algorithm.peer_hold_s
+            peers.record(fragment, arrival.unit, sketch, arrival.norm, steps, state.version)
+            deadline = arrival.arrived_at + self.algorithm.peer_hold_s
             try:
                 review = peers.judge(
                     fragment, arrival.unit, sketch, arrival.norm, steps, state.version

@@ -10,11 +10,12 @@ the fragment's version then, and when the unit's uploads came. A new upload of u
 reviewed against its **peers**, the other units whose latest upload is at most ``MAX_AGE``
 rounds of the job's merges old:
 
-* **pace**: unit u's uploads of the fragment may come at most ``PACE_FACTOR`` × as often as
-  the median peer's (uploads per second since each was first seen, once it has sent
-  ``PACE_MIN_UPLOADS``; DyLU, on by default, gives units of any speed the same pace), with a
-  burst of up to ``PACE_BURST`` (a unit flushing what it kept while NATS was unreachable),
-  else ``too_frequent``: a unit cannot outrun its work;
+* **pace**: unit u may have sent at most ``PACE_FACTOR`` × as many uploads of the fragment as
+  the median peer, plus ``PACE_SLACK``, else ``too_frequent``: a unit cannot outrun its work.
+  Counts, not rates, so that the limit holds from the first upload on (DyLU, on by default,
+  gives units of any speed the same pace; a unit that joins late or was down is behind, never
+  ahead; with ``--no-dynamic-h`` a unit more than ``PACE_FACTOR`` × as fast as the median has
+  its extra uploads refused);
 * **direction**: the (upper) median of its cosines with the peers' sketches must be at least
   ``DIRECTION_FLOOR``: at least half of its peers agree with it (a sign flip reads as negative
   as honest uploads read positive, a random direction about 0). One that disagrees gets a
@@ -61,9 +62,8 @@ SKETCH_SIZE = 1 << 15  # coordinates of a fragment whose cosine stands for the w
 MIN_PEERS = 2  # peers an upload needs before it is judged (else held)
 DIRECTION_FLOOR = 0.05  # least median cosine with the peers' latest uploads
 NORM_CLIP = 2.0  # an upload's norm is clipped to this × the median of its peers' norms
-PACE_FACTOR = 2.0  # most uploads per second of a fragment, × the median peer's
-PACE_BURST = 8.0  # uploads a unit may send at once (the learner keeps up to 8 unsent)
-PACE_MIN_UPLOADS = 4  # uploads a peer has sent before its pace counts
+PACE_FACTOR = 1.5  # most uploads of a fragment, × the median peer's
+PACE_SLACK = 2  # uploads a unit may be ahead of that (the first in, a flush after an outage)
 MAX_AGE = 4  # a peer's latest upload counts while at most this many rounds of merges old
 
 
@@ -74,17 +74,7 @@ class _Latest:
     sketch: np.ndarray  # unit vector of SKETCH_SIZE (or fewer) coordinates
     norm_per_step: float  # its norm over √(inner steps)
     version: int  # the fragment's version when it came
-    first: float  # when its first upload came
-    last: float = 0.0  # when its newest came
     count: int = 0  # uploads kept to its pace
-    credit: float = PACE_BURST  # uploads it may send now (a token bucket)
-    refilled: float = 0.0  # when the credit was last brought up to date
-
-    def pace(self) -> float | None:
-        """Uploads per second since the first (None: fewer than ``PACE_MIN_UPLOADS``)."""
-        if self.count < PACE_MIN_UPLOADS or self.last <= self.first:
-            return None
-        return (self.count - 1) / (self.last - self.first)
 
 
 @dataclass(frozen=True)
@@ -142,50 +132,33 @@ class PeerReview:
         return {unit: latest.count for unit, latest in self._latest[fragment].items()}
 
     def record(
-        self,
-        fragment: int,
-        unit: int,
-        sketch: np.ndarray,
-        norm: float,
-        steps: int,
-        version: int,
-        now: float,
+        self, fragment: int, unit: int, sketch: np.ndarray, norm: float, steps: int, version: int
     ) -> None:
         """Keep ``unit``'s newest upload of ``fragment`` (one that kept to its pace): its
-        sketch, its ``norm`` over ``steps`` inner steps, the fragment's version and the time."""
+        sketch, its ``norm`` over ``steps`` inner steps and the fragment's version."""
         latest = self._latest[fragment].get(unit)
         if latest is None:
-            # Its first upload takes one of its credit.
-            latest = _Latest(sketch, 0.0, version, first=now, credit=PACE_BURST - 1, refilled=now)
+            latest = _Latest(sketch, 0.0, version)
             self._latest[fragment][unit] = latest
         latest.sketch, latest.version = sketch, version
         latest.norm_per_step = norm / math.sqrt(max(1, steps))
-        latest.last, latest.count = now, latest.count + 1
+        latest.count += 1
 
-    def check_pace(self, fragment: int, unit: int, version: int, now: float) -> None:
-        """Take one upload from ``unit``'s credit, which grows at ``PACE_FACTOR`` × the
-        median peer's pace up to ``PACE_BURST``.
-
-        Raises:
-            Rejected: ``too_frequent``, no credit left (nothing taken).
-        """
+    def check_pace(self, fragment: int, unit: int, version: int) -> None:
+        """Raises ``Rejected("too_frequent")`` if one more upload of ``unit`` would put it more
+        than ``PACE_FACTOR`` × the median peer's count (+ ``PACE_SLACK``) ahead."""
         latest = self._latest[fragment].get(unit)
-        if latest is None:
+        counts = [peer.count for peer in self.peers(fragment, unit, version)]
+        if latest is None or len(counts) < MIN_PEERS:
             return
-        paces = [p for p in (peer.pace() for peer in self.peers(fragment, unit, version)) if p]
-        if len(paces) < MIN_PEERS:
-            return
-        rate = PACE_FACTOR * float(np.median(paces))
-        elapsed = max(0.0, now - latest.refilled)
-        latest.credit = min(PACE_BURST, latest.credit + rate * elapsed)
-        latest.refilled = now
-        if latest.credit < 1.0:
+        limit = PACE_FACTOR * float(np.median(counts)) + PACE_SLACK
+        if latest.count + 1 > limit:
             raise Rejected(
                 "too_frequent",
-                f"unit {unit} sends fragment {fragment} faster than {PACE_FACTOR:g} x its peers' "
-                f"median pace of {rate / PACE_FACTOR:.3g} uploads/s",
+                f"upload {latest.count + 1} of unit {unit} for fragment {fragment}: more than "
+                f"{PACE_FACTOR:g} x its peers' median of {float(np.median(counts)):g} "
+                f"+ {PACE_SLACK}",
             )
-        latest.credit -= 1.0
 
     def judge(
         self,
