@@ -55,6 +55,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from services.orchestration.local.records import RunSummary
+from services.outer.peers import PACE_FACTOR, PACE_SLACK
+from shared.settings.algorithm import AlgorithmSettings
 
 SECTION = "## Robust merging: peer review against hostile units"
 NAME = "robust"
@@ -71,9 +73,10 @@ REASONS: dict[str, str | None] = {
     "scaled": "clipped",
     "alie": None,
     "replay": "payload_replayed",
-    "too_frequent": "too_frequent",
+    "too_frequent": None,  # its first uploads are within its pace: see pace_ratio
 }
 CONTRAST = ["random", "scaled"]  # attacks also run without --peer-review
+FRAGMENTS = AlgorithmSettings().fragments  # the shipped default, which every row runs
 
 
 class Row(BaseModel):
@@ -223,11 +226,24 @@ def honest_cost(results: RobustResults, seeds: list[int]) -> float | None:
 
 
 def caught(fig: RunFigures, reason: str) -> float | None:
-    """The share of the attacker's uploads the outer counted under ``reason``."""
-    if not fig.hostile_published:
+    """The share of the attacker's hostile uploads the outer counted under ``reason`` (a
+    replaying unit's first upload of each fragment is an original, not a replay)."""
+    hostile = fig.hostile_published - (FRAGMENTS if reason == "payload_replayed" else 0)
+    if hostile <= 0:
         return None
     count = fig.hostile_clipped if reason == "clipped" else fig.hostile_rejected.get(reason, 0)
-    return count / fig.hostile_published
+    return count / hostile
+
+
+def pace_ratio(fig: RunFigures, units: int = 4) -> float | None:
+    """The attacker's applied uploads over what peer review's pace allows it: 1.5 x an honest
+    unit's mean applied, + 2 per fragment (``services/outer/peers.py``)."""
+    honest = units - len(fig.hostile_units)
+    if not fig.hostile_units or honest <= 0:
+        return None
+    mean = (fig.applied - fig.hostile_applied) / honest
+    allowed = PACE_FACTOR * mean + PACE_SLACK * FRAGMENTS
+    return fig.hostile_applied / len(fig.hostile_units) / allowed
 
 
 def claims(results: RobustResults, args: argparse.Namespace) -> list[Claim]:
@@ -261,6 +277,15 @@ def claims(results: RobustResults, args: argparse.Namespace) -> list[Claim]:
                 ONE_OF_FOUR,
             )
         )
+        if attack == "too_frequent":
+            out.append(
+                at_most(
+                    "the too_frequent unit gets no more uploads applied than its pace allows "
+                    f"({PACE_FACTOR:g} x an honest unit's + {PACE_SLACK} per fragment)",
+                    pace_ratio(fig) if fig is not None else None,
+                    1.0,
+                )
+            )
         reason = REASONS[attack]
         if reason is not None:
             out.append(

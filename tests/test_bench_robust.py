@@ -81,7 +81,7 @@ def results(robust: ModuleType, **finals: float):
 
 def test_every_claim_holds_for_figures_within_bounds(robust: ModuleType) -> None:
     checked = robust.claims(results(robust), args(robust))
-    assert failures(checked) == [] and len(checked) == 2 + 6 + 5 + 1
+    assert failures(checked) == [] and len(checked) == 2 + 6 + 4 + 1 + 1
 
 
 @pytest.mark.parametrize(
@@ -107,6 +107,17 @@ def test_an_attack_the_outer_did_not_count_fails(robust: ModuleType) -> None:
     ]
 
 
+def test_a_too_frequent_unit_applied_beyond_its_pace_fails(robust: ModuleType) -> None:
+    stored = results(robust)
+    key = next(k for k in stored.runs if k.startswith("too_frequent + review"))
+    stored.runs[key].hostile_applied = 100  # honest: (280 - 100) / 3 = 60 each; allowed 100
+    stored.runs[key].applied = 280
+    assert failures(robust.claims(stored, args(robust))) == []
+    stored.runs[key].hostile_applied = 110
+    stored.runs[key].applied = 290
+    assert len(failures(robust.claims(stored, args(robust)))) == 1
+
+
 def test_unbalanced_books_fail(robust: ModuleType) -> None:
     stored = results(robust)
     next(iter(stored.runs.values())).balanced = False
@@ -119,3 +130,16 @@ def test_a_missing_row_fails_a_quick_run(robust: ModuleType) -> None:
     stored = results(robust)
     del stored.runs[next(k for k in stored.runs if k.startswith("honest units alone"))]
     assert len(failures(robust.claims(stored, args(robust)), quick=True)) == len(robust.ATTACKS)
+
+
+def test_the_stored_runs_render_and_every_claim_holds(robust: ModuleType) -> None:
+    from tests.helpers import REPO
+
+    path = REPO / "bench" / "results" / "robust.json"
+    stored = robust.RobustResults.model_validate_json(path.read_text())
+    a = args(robust)
+    for key, value in stored.provenance.configuration.items():
+        setattr(a, key, value.split(",") if key == "attacks" else value)
+    checked = robust.claims(stored, a)
+    assert failures(checked) == [], [c.text for c in failures(checked)]
+    assert "| too_frequent + review / seed 1 |" in robust.render(stored, checked, path, a)
