@@ -243,6 +243,28 @@ def cluster_processes(data_dir: Path, out_path: Path) -> list[str]:
     return sorted(set(processes_mentioning(str(data_dir)) + processes_mentioning(url + " ")))
 
 
+def up_gateway(data_dir: Path, out_path: Path) -> Any:
+    """An ``httpx.Client`` of the gateway of a ``diloco up`` started with :func:`start_up`
+    (its URL from the output, its token from the data folder), once it answers."""
+    import httpx
+
+    url = wait_for(
+        lambda: next(
+            (
+                line.split()[1]
+                for line in out_path.read_text().splitlines()
+                if line.startswith("gateway ")
+            ),
+            None,
+        ),
+        60,
+        "the gateway line",
+    )
+    token = (data_dir / "token").read_text().strip()
+    wait_for(lambda: answers_http(url + "/readyz"), 120, "the gateway to answer")
+    return httpx.Client(base_url=url, timeout=10, headers={"Authorization": f"Bearer {token}"})
+
+
 def start_up(
     tmp_path: Path, jax_cache: Path, *extra: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen, Path, Path]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 
-import httpx
 import pytest
 
 from services.orchestration.local import files
@@ -18,7 +17,7 @@ from shared.settings.nats import NatsSettings
 from shared.transport.blobs import publish_blob
 from shared.transport.connection import connect
 from shared.wire.chunks import upload_id
-from tests.helpers import answers_http, start_up, upload_blob, wait_for
+from tests.helpers import start_up, up_gateway, upload_blob, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -69,23 +68,7 @@ def test_a_unit_quarantined_through_the_gateway_is_shut_out_of_the_run(tmp_path,
     try:
         record = wait_for(lambda: files.read_pids(data_dir), 60, "pids.json")
         assert record.nats_url is not None and record.nats_credentials is not None
-        gateway_url = wait_for(
-            lambda: next(
-                (
-                    line.split()[1]
-                    for line in out_path.read_text().splitlines()
-                    if line.startswith("gateway ")
-                ),
-                None,
-            ),
-            60,
-            "the gateway line",
-        )
-        token = (data_dir / "token").read_text().strip()
-        wait_for(lambda: answers_http(gateway_url + "/readyz"), 120, "the gateway to answer")
-        client = httpx.Client(
-            base_url=gateway_url, timeout=10, headers={"Authorization": f"Bearer {token}"}
-        )
+        client = up_gateway(data_dir, out_path)
 
         def published(unit: int) -> int:
             view = client.get(f"/jobs/{JOB}").json()

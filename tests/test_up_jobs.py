@@ -7,10 +7,9 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.helpers import answers_http, cluster_processes, live_pids, start_up, wait_for
+from tests.helpers import cluster_processes, live_pids, start_up, up_gateway, wait_for
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -34,23 +33,7 @@ def test_up_runs_scales_and_stops_a_job_created_through_the_gateway(tmp_path, ja
         env={"DILOCO_SLOWDOWN": "4"},
     )
     try:
-        gateway_url = wait_for(
-            lambda: next(
-                (
-                    line.split()[1]
-                    for line in out_path.read_text().splitlines()
-                    if line.startswith("gateway ")
-                ),
-                None,
-            ),
-            60,
-            "the gateway line",
-        )
-        token = (data_dir / "token").read_text().strip()
-        wait_for(lambda: answers_http(gateway_url + "/readyz"), 120, "the gateway to answer")
-        client = httpx.Client(
-            base_url=gateway_url, timeout=10, headers={"Authorization": f"Bearer {token}"}
-        )
+        client = up_gateway(data_dir, out_path)
         assert client.post("/jobs", json=SPEC).status_code == 201
         # Created: its processes start, the units idle.
         wait_for(
