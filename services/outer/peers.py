@@ -101,15 +101,37 @@ class PeerReview:
             for size in sizes
         ]
         self._latest: list[dict[int, _Latest]] = [{} for _ in sizes]
+        # Per fragment, its pieces' layout (name, size) and each piece's sampled positions.
+        self._layouts: list[tuple[tuple[tuple[str, int], ...], list[np.ndarray]] | None] = [
+            None for _ in sizes
+        ]
 
     def sketch(self, fragment: int, pseudo_grad: Mapping[str, np.ndarray]) -> np.ndarray:
         """The unit-norm sketch of an upload (its pieces in name order, at the sampled
         positions; a zero vector for a zero upload)."""
-        flat = np.concatenate(
-            [np.asarray(pseudo_grad[name], np.float32).ravel() for name in sorted(pseudo_grad)]
+        pieces = [np.asarray(pseudo_grad[name], np.float32).ravel() for name in sorted(pseudo_grad)]
+        layout = tuple(
+            (name, piece.size) for name, piece in zip(sorted(pseudo_grad), pieces, strict=True)
         )
-        positions = self._positions[fragment]
-        sampled = flat if positions is None else flat[positions]
+        cached = self._layouts[fragment]
+        if cached is None or cached[0] != layout:
+            # The positions in the pieces laid end to end, split piece by piece (once), so that
+            # a sketch reads its coordinates without copying the whole fragment.
+            positions = self._positions[fragment]
+            ends = np.cumsum([size for _, size in layout])
+            starts = ends - [size for _, size in layout]
+            cached = self._layouts[fragment] = (
+                layout,
+                [
+                    np.arange(size)
+                    if positions is None
+                    else positions[(positions >= start) & (positions < end)] - start
+                    for (_, size), start, end in zip(layout, starts, ends, strict=True)
+                ],
+            )
+        sampled = np.concatenate(
+            [piece[index] for piece, index in zip(pieces, cached[1], strict=True)]
+        )
         norm = float(np.linalg.norm(sampled))
         return sampled / norm if norm > 0 else sampled
 
@@ -151,13 +173,12 @@ class PeerReview:
         counts = [peer.count for peer in self.peers(fragment, unit, version)]
         if latest is None or len(counts) < MIN_PEERS:
             return
-        limit = PACE_FACTOR * float(np.median(counts)) + PACE_SLACK
-        if latest.count + 1 > limit:
+        median = float(np.median(counts))
+        if latest.count + 1 > PACE_FACTOR * median + PACE_SLACK:
             raise Rejected(
                 "too_frequent",
                 f"upload {latest.count + 1} of unit {unit} for fragment {fragment}: more than "
-                f"{PACE_FACTOR:g} x its peers' median of {float(np.median(counts)):g} "
-                f"+ {PACE_SLACK}",
+                f"{PACE_FACTOR:g} x its peers' median of {median:g} + {PACE_SLACK}",
             )
 
     def judge(
