@@ -22,14 +22,14 @@ def test_the_norm_is_the_l2_norm_over_all_pieces():
 
 def test_nothing_is_judged_before_the_fragment_has_history():
     guard = NormGuard(1, "reject", factor=10.0)
-    guard.merged(0, [1.0] * (MIN_HISTORY - 1))
+    guard.merged(0, [(0, 1.0)] * (MIN_HISTORY - 1))
     assert guard.bound(0) is None
     assert guard.judge(0, 1e9) == 1.0
 
 
 def test_reject_refuses_an_update_above_factor_times_the_median_with_its_reason():
     guard = NormGuard(2, "reject", factor=10.0)
-    guard.merged(0, [1.0, 2.0, 3.0] * 4)  # median 2
+    guard.merged(0, [(u, norm) for u, norm in enumerate([1.0, 2.0, 3.0] * 4)])  # median 2
     assert guard.bound(0) == pytest.approx(20.0)
     assert guard.judge(0, 19.9) == 1.0
     with pytest.raises(Rejected) as info:
@@ -40,22 +40,23 @@ def test_reject_refuses_an_update_above_factor_times_the_median_with_its_reason(
 
 def test_clip_scales_an_outlier_down_to_the_bound():
     guard = NormGuard(1, "clip", factor=10.0)
-    guard.merged(0, [2.0] * MIN_HISTORY)
+    guard.merged(0, [(0, 2.0)] * MIN_HISTORY)
     assert guard.judge(0, 400.0) == pytest.approx(20.0 / 400.0)
     assert guard.judge(0, 5.0) == 1.0
 
 
 def test_off_never_judges():
     guard = NormGuard(1, "off")
-    guard.merged(0, [1.0] * WINDOW)
+    guard.merged(0, [(0, 1.0)] * WINDOW)
     assert guard.bound(0) is None and guard.judge(0, 1e12) == 1.0
 
 
-def test_the_history_is_a_bounded_window_and_round_trips():
+def test_the_history_is_a_bounded_window_per_unit_and_round_trips():
     guard = NormGuard(2, "reject", factor=4.0)
-    guard.merged(0, [float(i) for i in range(WINDOW + 10)])
+    guard.merged(0, [(3, float(i)) for i in range(WINDOW + 10)] + [(1, 5.0)])
     history = guard.history()
-    assert len(history[0]) == WINDOW and history[0][0] == 10.0 and history[1] == []
+    assert history[0] == {1: [5.0], 3: [float(i) for i in range(10, WINDOW + 10)]}
+    assert history[1] == {}
     again = NormGuard(2, "reject", factor=4.0)
     again.restore(history)
     assert again.history() == history and again.bound(0) == guard.bound(0)
@@ -63,11 +64,29 @@ def test_the_history_is_a_bounded_window_and_round_trips():
 
 @pytest.mark.parametrize(
     ("history", "message"),
-    [([[1.0]], "fragments"), ([[1.0], [float("nan")]], "finite"), ([[-1.0], []], "finite")],
+    [
+        ([{0: [1.0]}], "fragments"),
+        ([{0: [1.0]}, {2: [float("nan")]}], "finite"),
+        ([{0: [-1.0]}, {}], "finite"),
+    ],
 )
 def test_a_bad_history_is_refused(history, message):
     with pytest.raises(ValueError, match=message):
         NormGuard(2).restore(history)
+
+
+def test_each_unit_has_one_voice_however_often_it_uploads():
+    """A unit sending many small uploads (a few steps each, claiming a whole period) fills its
+    own window, not the others': the reference stays the median of the units' medians, and
+    an honest upload 5x the honest size still passes."""
+    guard = NormGuard(1, "reject", factor=10.0)
+    for _ in range(4):
+        guard.merged(0, [(1, 1.0), (2, 1.2), (3, 0.9)])
+        guard.merged(0, [(0, 0.01)] * 20)
+    assert guard.reference(0) == pytest.approx(0.95)  # median of 0.01, 0.9, 1.0, 1.2
+    assert guard.judge(0, 5.0) == 1.0
+    with pytest.raises(Rejected):
+        guard.judge(0, 10.0)
 
 
 @pytest.mark.parametrize(
@@ -152,7 +171,7 @@ def test_clip_applies_an_outlier_at_the_bound_and_the_books_count_it():
     assert arrival.clipped and arrival.norm == pytest.approx(bound, rel=1e-5)
     # Outer SGD with learning rate 1: the params moved by exactly the clipped update.
     assert _distance(core.fragment_params(0), before) == pytest.approx(bound, rel=1e-4)
-    assert core.guard.history()[0][-1] == pytest.approx(bound, rel=1e-5)
+    assert core.guard.history()[0][0][-1] == pytest.approx(bound, rel=1e-5)
     ledger = OuterLedger()
     ledger.merged(result.arrivals, result.staleness)
     assert ledger.to_record().clipped == 1

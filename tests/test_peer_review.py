@@ -46,7 +46,7 @@ def reviewed(units: int = 4) -> PeerReview:
     review = PeerReview([SIZE], units)
     for unit in range(1, units):
         update = honest(unit)
-        review.record(0, unit, review.sketch(0, update), norm(update), 10, 0)
+        review.record(0, unit, f"u{unit}", review.sketch(0, update), norm(update), 10, 0)
     return review
 
 
@@ -87,14 +87,14 @@ def test_an_honest_direction_scaled_up_is_clipped_to_its_peers_size() -> None:
 def test_a_minority_of_hostile_peers_does_not_move_an_honest_units_verdict() -> None:
     review = reviewed()
     flipped = {"w": -honest(3)["w"]}
-    review.record(0, 3, review.sketch(0, flipped), norm(flipped), 10, 0)  # unit 3 turned
+    review.record(0, 3, "u3b", review.sketch(0, flipped), norm(flipped), 10, 0)  # unit 3 turned
     assert judge(review, honest(10)).scale == 1.0
 
 
 def test_an_upload_without_enough_peers_is_held() -> None:
     review = PeerReview([SIZE], 4)
     update = honest(1)
-    review.record(0, 1, review.sketch(0, update), norm(update), 10, 0)
+    review.record(0, 1, "u1b", review.sketch(0, update), norm(update), 10, 0)
     assert judge(review, honest(10)).held  # one peer of the two needed
 
 
@@ -109,7 +109,7 @@ def test_a_unit_uploading_far_more_often_than_its_peers_is_too_frequent() -> Non
 
     def send(unit: int) -> None:
         review.check_pace(0, unit, 0)
-        review.record(0, unit, review.sketch(0, honest(unit)), 1.0, 10, 0)
+        review.record(0, unit, f"u{unit}", review.sketch(0, honest(unit)), 1.0, 10, 0)
 
     for unit in (1, 2, 3):
         send(unit)
@@ -134,7 +134,7 @@ def test_units_at_their_peers_pace_are_never_too_frequent() -> None:
     for _ in range(100):  # every unit once a round, in any order within it
         for unit in order.permutation(4):
             review.check_pace(0, int(unit), 0)
-            review.record(0, int(unit), review.sketch(0, honest(int(unit))), 1.0, 10, 0)
+            review.record(0, int(unit), f"u{unit}", review.sketch(0, honest(int(unit))), 1.0, 10, 0)
 
 
 # ---- the core holds, judges later, or merges after peer_hold_s --------------------------------
@@ -211,6 +211,65 @@ def test_an_upload_that_finds_no_peers_is_merged_after_peer_hold_s() -> None:
     outer.offer(0, arrival(0, correlated(named, 0), at=0.0))
     assert outer.settle(29.9) == [] and outer.due(29.9) == []
     assert outer.settle(30.0) == [] and outer.due(30.0) == [0]
+
+
+def test_a_restored_outer_reviews_as_the_one_before_and_records_a_redelivered_upload_once():
+    """What peer review keeps is in the checkpoint: a core restored from it holds, judges and
+    merges the next uploads as the original does, bit for bit; an upload taken but not merged
+    when the checkpoint was written comes again (JetStream redelivers it) and is not counted
+    twice."""
+    from services.outer import checkpoint, restore
+    from services.outer.ledger import OuterLedger
+    from services.outer.status import Progress
+    from shared.records.outer import CheckpointPointer
+
+    named = tiny_named()
+    original = core()
+    for unit in (1, 2, 3):
+        original.offer(0, arrival(unit, correlated(named, unit), at=0.0))
+    assert original.settle(0.0) == [] and merged_units(original, 0.0) == [1, 2, 3]
+    pending = arrival(0, correlated(named, 0), base_version=3, at=1.0, round_=1)
+    original.offer(0, pending)  # taken, not yet merged when the checkpoint is written
+    snapshot = checkpoint.loads(
+        checkpoint.dumps(
+            checkpoint.OuterSnapshot(
+                "j",
+                "tiny",
+                *original.export_state(),
+                norms=original.guard.history(),
+                peers=original.peers.history(),
+            )
+        )
+    )
+    pointer = CheckpointPointer(id="c", epoch=1, slot=0, chunks=1, size=1, crc=0, versions=[3])
+    restored = core()
+    restore.from_checkpoint(snapshot, pointer, "j", "tiny", restored, OuterLedger(), Progress())
+    assert restored.guard.history() == original.guard.history()
+    restored.offer(0, pending)  # delivered again: judged again, recorded once
+    counts = restored.peers.counts(0)
+    assert counts == original.peers.counts(0) == {0: 1, 1: 1, 2: 1, 3: 1}
+    for outer in (original, restored):
+        for unit in (1, 2, 3):
+            update = correlated(named, 10 + unit)
+            outer.offer(0, arrival(unit, update, base_version=3, at=2.0, round_=1))
+        assert outer.settle(2.0) == [] and merged_units(outer, 2.0) == [0, 1, 2, 3]
+    for name, value in original.full_params().items():
+        np.testing.assert_array_equal(value, restored.full_params()[name], err_msg=name)
+
+
+def test_a_bad_peer_history_is_refused() -> None:
+    review = PeerReview([100], 4)
+    good = peer_rules.Latest("u1", np.ones(100, np.float32) / 10, 1.0, 0, 1)
+    review.restore([{1: good}])
+    for bad in (
+        peer_rules.Latest("u1", np.ones(99, np.float32), 1.0, 0, 1),
+        peer_rules.Latest("u1", np.full(100, np.nan, np.float32), 1.0, 0, 1),
+        peer_rules.Latest("u1", np.ones(100, np.float32), -1.0, 0, 1),
+    ):
+        with pytest.raises(ValueError, match="unit 1"):
+            review.restore([{1: bad}])
+    with pytest.raises(ValueError, match="fragments"):
+        review.restore([])
 
 
 def test_a_job_of_two_units_is_not_reviewed() -> None:

@@ -4,7 +4,8 @@
 optimizer's state (every leaf of its pytree: momentum, Delayed Nesterov's accumulator and
 counter) and the version; the ledger (counters, per-unit applied and rejected rounds, which is
 also the deduplication set); the evaluation record; the norms the norm guard judges by
-(``norm_guard.py``); and the payload fingerprints of recently merged uploads (``order.py``).
+(``norm_guard.py``); what peer review judges by (``peers.py``); and the payload fingerprints of
+recently merged uploads (``order.py``).
 Uploads waiting in a merge buffer are
 *not* copied: their chunk messages stay unacknowledged in the work-queue stream until the merge
 that uses them is checkpointed, so JetStream holds them, and a restarted outer gets them again.
@@ -33,6 +34,7 @@ import nats.js.errors
 import numpy as np
 from pydantic import ValidationError
 
+from services.outer.peers import Latest
 from shared import subjects
 from shared.records import R
 from shared.records.outer import CheckpointPointer, EvaluationRecord, LedgerRecord
@@ -40,7 +42,7 @@ from shared.transport import TransportError
 from shared.transport.blobs import publish_blob
 from shared.wire.chunks import Reassembler, WireError, parse_chunk_headers
 
-FORMAT = 1
+FORMAT = 2
 _MAX_FIELD_BYTES = 1 << 40
 
 
@@ -60,7 +62,9 @@ class OuterSnapshot:
             ``jax.tree_util`` order (the tree structure comes from the optimizer itself).
         ledger: The outer's books (``services/outer/ledger.py``).
         evaluation: Its held-out evaluations.
-        norms: Per fragment, the norms of the merged uploads the norm guard judges by.
+        norms: Per fragment and unit, the norms of merged uploads the norm guard judges by.
+        peers: Per fragment and unit, what peer review keeps of its latest upload (empty
+            without peer review).
         fingerprints: The payload fingerprints of recently merged uploads (``order.py``).
     """
 
@@ -71,7 +75,8 @@ class OuterSnapshot:
     opt_leaves: list[list[np.ndarray]]
     ledger: LedgerRecord = field(default_factory=LedgerRecord)
     evaluation: EvaluationRecord = field(default_factory=EvaluationRecord)
-    norms: list[list[float]] = field(default_factory=list)
+    norms: list[dict[int, list[float]]] = field(default_factory=list)
+    peers: list[dict[int, Latest]] = field(default_factory=list)
     fingerprints: list[int] = field(default_factory=list)
 
 
@@ -90,6 +95,26 @@ def _unpack_array(item: Any) -> np.ndarray:
     return array.copy()  # writable, owned
 
 
+def _pack_latest(kept: Latest) -> dict[str, Any]:
+    return {
+        "upload": kept.upload,
+        "sketch": _pack_array(np.asarray(kept.sketch, np.float32)),
+        "norm_per_step": float(kept.norm_per_step),
+        "version": int(kept.version),
+        "count": int(kept.count),
+    }
+
+
+def _unpack_latest(item: Any) -> Latest:
+    return Latest(
+        upload=str(item["upload"]),
+        sketch=_unpack_array(item["sketch"]).astype(np.float32).reshape(-1),
+        norm_per_step=float(item["norm_per_step"]),
+        version=int(item["version"]),
+        count=int(item["count"]),
+    )
+
+
 def dumps(snapshot: OuterSnapshot) -> bytes:
     """Serialise a snapshot (msgpack; arrays as dtype, shape and raw bytes)."""
     body = {
@@ -101,7 +126,15 @@ def dumps(snapshot: OuterSnapshot) -> bytes:
         "opt_leaves": [[_pack_array(leaf) for leaf in leaves] for leaves in snapshot.opt_leaves],
         "ledger": snapshot.ledger.model_dump(mode="json"),
         "evaluation": snapshot.evaluation.model_dump(mode="json"),
-        "norms": [[float(n) for n in norms] for norms in snapshot.norms],
+        # msgpack maps keyed by integers are refused when read: (unit, value) pairs instead.
+        "norms": [
+            [[int(unit), [float(n) for n in norms]] for unit, norms in per_unit.items()]
+            for per_unit in snapshot.norms
+        ],
+        "peers": [
+            [[int(unit), _pack_latest(kept)] for unit, kept in per_unit.items()]
+            for per_unit in snapshot.peers
+        ],
         "fingerprints": _pack_array(np.asarray(snapshot.fingerprints, np.uint64)),
     }
     return msgpack.packb(body, use_bin_type=True)
@@ -130,7 +163,14 @@ def loads(blob: bytes) -> OuterSnapshot:
             opt_leaves=[[_unpack_array(leaf) for leaf in leaves] for leaves in body["opt_leaves"]],
             ledger=ledger,
             evaluation=evaluation,
-            norms=[[float(n) for n in norms] for norms in body["norms"]],
+            norms=[
+                {int(unit): [float(n) for n in norms] for unit, norms in per_unit}
+                for per_unit in body["norms"]
+            ],
+            peers=[
+                {int(unit): _unpack_latest(kept) for unit, kept in per_unit}
+                for per_unit in body["peers"]
+            ],
             fingerprints=[int(v) for v in _unpack_array(body["fingerprints"]).reshape(-1)],
         )
     except (KeyError, TypeError, ValueError) as exc:

@@ -61,9 +61,9 @@ class OuterAlgorithm:
     norm_guard: str  # reject, clip or off (norm_guard.py)
     norm_guard_factor: float
     momentum_max_age: float  # momentum periods after which an arrival brings no momentum
-    inner: InnerBound | None = None  # the learners' inner optimizer: the norm guard's prior bound
-    peer_review: bool = False  # judge each upload by the other units' latest (peers.py)
-    peer_hold_s: float = 30.0  # most seconds an upload waits for peers before it is merged
+    inner: InnerBound | None  # the learners' inner optimizer: the norm guard's prior bound
+    peer_review: bool  # judge each upload by the other units' latest (peers.py)
+    peer_hold_s: float  # most seconds an upload waits for peers before it is merged
 
     def __post_init__(self) -> None:
         # Fail at start-up, not at the first merge: build everything once to validate.
@@ -315,9 +315,18 @@ class OuterCore:
         )
         peers = self.peers
         if peers is not None:
-            peers.check_pace(fragment, arrival.unit, state.version)
             sketch = peers.sketch(fragment, arrival.pseudo_grad)
-            peers.record(fragment, arrival.unit, sketch, arrival.norm, steps, state.version)
+            if not peers.recorded(fragment, arrival.unit, arrival.upload):
+                peers.check_pace(fragment, arrival.unit, state.version)
+                peers.record(
+                    fragment,
+                    arrival.unit,
+                    arrival.upload,
+                    sketch,
+                    arrival.norm,
+                    steps,
+                    state.version,
+                )
             deadline = arrival.arrived_at + self.algorithm.peer_hold_s
             try:
                 review = peers.judge(
@@ -447,7 +456,9 @@ class OuterCore:
         state.params, state.opt_state = step.params, step.opt_state
         state.params_norm = float(step.params_norm)
         state.version += 1
-        self.guard.merged(fragment, [arr.norm for arr in arrivals if arr.norm is not None])
+        self.guard.merged(
+            fragment, [(arr.unit, arr.norm) for arr in arrivals if arr.norm is not None]
+        )
         return MergeResult(
             fragment,
             state.version,

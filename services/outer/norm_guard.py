@@ -2,20 +2,23 @@
 uploads usually do.
 
 A finite pseudo-gradient passes validation whatever its size, and with staleness 0 it would be
-applied in full: one buggy or hostile unit could replace the model. So each fragment keeps the
-L2 norms of the last ``WINDOW`` uploads it merged, and an upload whose norm is above ``factor``
-times their median is
+applied in full: one buggy or hostile unit could replace the model. So each fragment keeps,
+per unit, the L2 norms of the last ``WINDOW`` uploads of that unit it merged; the reference is
+the median over the units of each unit's median, and an upload whose norm is above ``factor``
+times the reference is
 
 * ``reject``-ed (the default): not applied, counted and dead-lettered as ``norm_outlier``;
 * ``clip``-ped: scaled down to ``factor`` × the median and applied (counted in the books as
   ``clipped``);
 * or let through (``off``).
 
-The median is there only once a fragment has merged ``MIN_HISTORY`` uploads, and only uploads
-the guard let through unclipped or clipped to the bound enter the history, so that a burst of
-outliers cannot raise the bar for the next ones; a unit sending a minority of the uploads cannot
-move the median. The history is part of the outer's checkpoint, so a restarted outer judges as
-the one before it.
+The reference is there only once a fragment has merged ``MIN_HISTORY`` uploads, and only
+uploads the guard let through unclipped or clipped to the bound enter the history, so that a
+burst of outliers cannot raise the bar for the next ones. Each unit has one voice, however
+often it uploads: a minority of the units cannot move the median of their medians past the
+honest units' norms (a unit uploading many small updates, each over a few steps, once pulled a
+window shared by all units down until honest uploads were refused). The history is part of the
+outer's checkpoint, so a restarted outer judges as the one before it.
 
 From the first merge on, and below the median's bound whenever that is looser, an upload is
 also held to a bound that needs no history (:func:`prior_bound`): what ``steps`` AdamW steps
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,8 +48,8 @@ from services.outer.errors import Rejected
 from shared.outer_choices import NORM_GUARDS
 from shared.settings.algorithm import INNER_B1, INNER_B2
 
-WINDOW = 64  # merged uploads per fragment whose norms make the reference
-MIN_HISTORY = 8  # merged uploads before the median bound applies
+WINDOW = 16  # merged uploads per fragment and unit whose norms make the unit's median
+MIN_HISTORY = 8  # merged uploads of a fragment (all units) before the median bound applies
 PRIOR_SLACK = 2.0  # the prior bound's margin over what AdamW can do (see the module docstring)
 
 
@@ -115,7 +118,8 @@ class NormGuard:
         fragments: The job's fragments.
         mode: ``reject``, ``clip`` or ``off``.
         factor: The median bound, × the median norm.
-        window, min_history: Norms kept per fragment; how many before the median bound.
+        window, min_history: Norms kept per fragment and unit; how many (all units) before the
+            median bound.
         inner: The learners' inner optimizer, for the prior bound (None: no prior bound).
         sizes: Values per fragment (needed with ``inner``).
         """
@@ -133,14 +137,22 @@ class NormGuard:
         self.min_history = min_history
         self.inner = inner
         self.sizes = list(sizes)
-        self._norms = [collections.deque[float](maxlen=window) for _ in range(fragments)]
+        self._norms: list[dict[int, collections.deque[float]]] = [{} for _ in range(fragments)]
+
+    def reference(self, fragment: int) -> float | None:
+        """The median over units of each unit's median merged norm of ``fragment`` (None: fewer
+        than ``min_history`` merged yet)."""
+        per_unit = self._norms[fragment]
+        if sum(len(norms) for norms in per_unit.values()) < self.min_history:
+            return None
+        return float(np.median([np.median(norms) for norms in per_unit.values() if norms]))
 
     def median_bound(self, fragment: int) -> float | None:
-        """``factor`` × the median of the fragment's merged norms (None: too few yet)."""
-        norms = self._norms[fragment]
-        if self.mode == "off" or len(norms) < self.min_history:
+        """``factor`` × the fragment's reference norm (None: too few yet, or ``off``)."""
+        reference = self.reference(fragment)
+        if self.mode == "off" or reference is None:
             return None
-        return self.factor * float(np.median(norms))
+        return self.factor * reference
 
     def prior_bound(self, fragment: int, steps: int, params_norm: float) -> float | None:
         """What ``steps`` inner steps can do to the fragment at most (None: no prior bound)."""
@@ -181,23 +193,30 @@ class NormGuard:
         if self.mode == "reject":
             if median is not None and median <= bound:
                 why = (
-                    f"{self.factor:g} x the median {median / self.factor:.4g} of the last "
-                    f"{len(self._norms[fragment])} merged"
+                    f"{self.factor:g} x the median {median / self.factor:.4g} of "
+                    f"{len(self._norms[fragment])} units' merged norms"
                 )
             else:
                 why = f"{prior:.4g}, the most {steps} inner steps can move the fragment"
             raise Rejected("norm_outlier", f"update norm {norm:.4g} > {why}")
         return bound / norm
 
-    def merged(self, fragment: int, norms: Sequence[float]) -> None:
-        """Enter the norms (after clipping) of the uploads one merge of ``fragment`` applied."""
-        self._norms[fragment].extend(norms)
+    def merged(self, fragment: int, norms: Iterable[tuple[int, float]]) -> None:
+        """Enter the (unit, norm after clipping) of the uploads one merge of ``fragment``
+        applied."""
+        per_unit = self._norms[fragment]
+        for unit, norm in norms:
+            per_unit.setdefault(unit, collections.deque(maxlen=self.window)).append(float(norm))
 
-    def history(self) -> list[list[float]]:
-        """Per fragment, the norms the guard judges by (oldest first), for a checkpoint."""
-        return [list(norms) for norms in self._norms]
+    def history(self) -> list[dict[int, list[float]]]:
+        """Per fragment and unit, the norms the guard judges by (oldest first), for a
+        checkpoint."""
+        return [
+            {unit: list(norms) for unit, norms in sorted(per_unit.items())}
+            for per_unit in self._norms
+        ]
 
-    def restore(self, history: Sequence[Sequence[float]]) -> None:
+    def restore(self, history: Sequence[Mapping[int, Sequence[float]]]) -> None:
         """Continue from :meth:`history` output.
 
         Raises:
@@ -207,10 +226,14 @@ class NormGuard:
             raise ValueError(
                 f"norm history has {len(history)} fragments, the job {len(self._norms)}"
             )
-        for norms in history:
-            if not all(math.isfinite(n) and n >= 0 for n in norms):
-                raise ValueError("norm history holds a norm that is not finite and >= 0")
+        for per_unit in history:
+            for norms in per_unit.values():
+                if not all(math.isfinite(n) and n >= 0 for n in norms):
+                    raise ValueError("norm history holds a norm that is not finite and >= 0")
         self._norms = [
-            collections.deque[float]((float(n) for n in norms), maxlen=self.window)
-            for norms in history
+            {
+                int(unit): collections.deque((float(n) for n in norms), maxlen=self.window)
+                for unit, norms in per_unit.items()
+            }
+            for per_unit in history
         ]

@@ -44,12 +44,15 @@ reviewed at all.
 A hostile unit's uploads are refused, so its work is lost to the job: an attacked job trains
 like one of its honest units alone, which is the reference its final eval is held to.
 
-The peers' sketches are not checkpointed: a restarted outer holds its first uploads until
-their peers have sent again. Pure: no I/O, no JAX.
+What the review keeps (:meth:`PeerReview.history`) is part of the outer's checkpoint, so a
+restarted outer judges as the one before it: an upload it had taken but not merged when it
+stopped is delivered again and judged again, but recorded once (by its upload id). Pure: no
+I/O, no JAX.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -68,10 +71,12 @@ MAX_AGE = 4  # a peer's latest upload counts while at most this many rounds of m
 
 
 @dataclass
-class _Latest:
-    """What the outer keeps of one unit's uploads of one fragment."""
+class Latest:
+    """What the outer keeps of one unit's uploads of one fragment: its latest upload's id,
+    sketch, norm and the fragment's version then, and how many it recorded."""
 
-    sketch: np.ndarray  # unit vector of SKETCH_SIZE (or fewer) coordinates
+    upload: str
+    sketch: np.ndarray  # unit vector of SKETCH_SIZE (or fewer) coordinates, float32
     norm_per_step: float  # its norm over √(inner steps)
     version: int  # the fragment's version when it came
     count: int = 0  # uploads kept to its pace
@@ -95,12 +100,13 @@ class PeerReview:
         seed: Fixes the sampled coordinates.
         """
         self.num_units = num_units
+        self._sizes = list(sizes)
         rng = np.random.default_rng(seed)
         self._positions = [
             np.sort(rng.choice(size, SKETCH_SIZE, replace=False)) if size > SKETCH_SIZE else None
             for size in sizes
         ]
-        self._latest: list[dict[int, _Latest]] = [{} for _ in sizes]
+        self._latest: list[dict[int, Latest]] = [{} for _ in sizes]
         # Per fragment, its pieces' layout (name, size) and each piece's sampled positions.
         self._layouts: list[tuple[tuple[tuple[str, int], ...], list[np.ndarray]] | None] = [
             None for _ in sizes
@@ -133,11 +139,11 @@ class PeerReview:
             [piece[index] for piece, index in zip(pieces, cached[1], strict=True)]
         )
         norm = float(np.linalg.norm(sampled))
-        return sampled / norm if norm > 0 else sampled
+        return (sampled / norm if norm > 0 else sampled).astype(np.float32)
 
     def peers(
         self, fragment: int, unit: int, version: int, newer_than: Mapping[int, int] | None = None
-    ) -> list[_Latest]:
+    ) -> list[Latest]:
         """The other units whose latest upload of ``fragment`` is recent enough to judge by
         (with ``newer_than``, unit: uploads counted before, only those that sent since)."""
         oldest = version - MAX_AGE * self.num_units
@@ -153,18 +159,62 @@ class PeerReview:
         """Per unit, the uploads of ``fragment`` recorded so far."""
         return {unit: latest.count for unit, latest in self._latest[fragment].items()}
 
+    def recorded(self, fragment: int, unit: int, upload: str) -> bool:
+        """Whether ``upload`` is the latest upload of ``unit`` recorded for ``fragment`` (one
+        delivered again after a restart; never an upload without an id)."""
+        latest = self._latest[fragment].get(unit)
+        return bool(upload) and latest is not None and latest.upload == upload
+
     def record(
-        self, fragment: int, unit: int, sketch: np.ndarray, norm: float, steps: int, version: int
+        self,
+        fragment: int,
+        unit: int,
+        upload: str,
+        sketch: np.ndarray,
+        norm: float,
+        steps: int,
+        version: int,
     ) -> None:
-        """Keep ``unit``'s newest upload of ``fragment`` (one that kept to its pace): its
+        """Keep ``unit``'s newest upload of ``fragment`` (one that kept to its pace): its id,
         sketch, its ``norm`` over ``steps`` inner steps and the fragment's version."""
         latest = self._latest[fragment].get(unit)
         if latest is None:
-            latest = _Latest(sketch, 0.0, version)
+            latest = Latest(upload, sketch, 0.0, version)
             self._latest[fragment][unit] = latest
-        latest.sketch, latest.version = sketch, version
+        latest.upload, latest.sketch, latest.version = upload, sketch, version
         latest.norm_per_step = norm / math.sqrt(max(1, steps))
         latest.count += 1
+
+    def history(self) -> list[dict[int, Latest]]:
+        """Per fragment and unit, what the review keeps, for a checkpoint."""
+        return [dict(sorted(latest.items())) for latest in self._latest]
+
+    def restore(self, history: Sequence[Mapping[int, Latest]]) -> None:
+        """Continue from :meth:`history` output.
+
+        Raises:
+            ValueError: another number of fragments, a sketch of another size than the
+                fragment's, or a norm that is not finite and >= 0.
+        """
+        if len(history) != len(self._latest):
+            raise ValueError(
+                f"peer history has {len(history)} fragments, the job {len(self._latest)}"
+            )
+        for fragment, latest in enumerate(history):
+            size = self._sketch_size(fragment)
+            for unit, kept in latest.items():
+                if kept.sketch.shape != (size,) or not np.isfinite(kept.sketch).all():
+                    raise ValueError(f"peer history of unit {unit} holds a bad sketch")
+                if not (math.isfinite(kept.norm_per_step) and kept.norm_per_step >= 0):
+                    raise ValueError(f"peer history of unit {unit} holds a bad norm")
+        self._latest = [
+            {int(unit): dataclasses.replace(kept) for unit, kept in latest.items()}
+            for latest in history
+        ]
+
+    def _sketch_size(self, fragment: int) -> int:
+        positions = self._positions[fragment]
+        return self._sizes[fragment] if positions is None else len(positions)
 
     def check_pace(self, fragment: int, unit: int, version: int) -> None:
         """Raises ``Rejected("too_frequent")`` if one more upload of ``unit`` would put it more

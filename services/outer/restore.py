@@ -32,8 +32,8 @@ def from_checkpoint(
     ledger: OuterLedger,
     progress: Progress,
 ) -> None:
-    """Continue from a committed checkpoint: the core, the norm guard, the books and the
-    evaluations, exactly as they were committed.
+    """Continue from a committed checkpoint: the core, the norm guard, peer review, the books
+    and the evaluations, exactly as they were committed.
 
     Raises:
         WrongModel: the checkpoint is another job's or another model's.
@@ -45,6 +45,8 @@ def from_checkpoint(
         )
     core.import_state(snapshot.versions, snapshot.params, snapshot.opt_leaves)
     core.guard.restore(snapshot.norms)
+    if core.peers is not None and snapshot.peers:  # else: a checkpoint without peer review
+        core.peers.restore(snapshot.peers)
     ledger.load(snapshot.ledger)
     progress.evaluation = snapshot.evaluation
     progress.restored_from = RestoredFrom(

@@ -414,6 +414,7 @@ class OuterService:
             ledger=self.ledger.to_record(),
             evaluation=self.progress.evaluation,
             norms=self.core.guard.history(),
+            peers=self.core.peers.history() if self.core.peers is not None else [],
             fingerprints=self.intake.order.history(),
         )
 
