@@ -382,7 +382,9 @@ def publish_uploads(
 ) -> None:
     """Store ``count`` uploads of three units (upload k: unit k % 3, round k // 3) in the job's
     grads stream, from upload ``first`` on; upload k's noise has standard deviation
-    ``scales.get(k, 1e-3)``. With ``secure``, each unit publishes as its own NATS user."""
+    ``scales.get(k, 1e-3)``, and as much again along a direction they share (honest units
+    agree: peer review judges by it). With ``secure``, each unit publishes as its own NATS
+    user."""
     from shared import subjects
     from shared.nats_auth import Identity
     from shared.wire.chunks import upload_id
@@ -405,7 +407,7 @@ def publish_uploads(
             # The outer offers a whole fetched batch (up to 32 messages) before merging it, so
             # a base version 40 behind the upload's position is always one it has reached.
             scale = (scales or {}).get(k, 1e-3)
-            blob = upload_blob(job, unit, round_, base=max(0, k - 40), seed=k, scale=scale)
+            blob = upload_blob(job, unit, round_, max(0, k - 40), k, scale, shared=1.0)
             await publish_blob(
                 nc.jetstream(),
                 subjects.grads_subject(job, unit),

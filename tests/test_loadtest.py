@@ -156,3 +156,25 @@ def test_every_synthetic_payload_differs_and_decodes(monkeypatch):
             assert set(decoded) == set(get_config("tiny").param_shapes())
     finally:
         segments.segment_plan.cache_clear()
+
+
+def test_synthetic_pseudo_gradients_agree_as_honest_units_do_at_the_measured_size() -> None:
+    """Peer review refuses an upload that does not point where its peers' do: the pool's
+    pseudo-gradients share a direction (cosine about AGREEMENT) at the measured RMS."""
+    import numpy as np
+
+    from services.loadtest.payloads import AGREEMENT, RMS, PayloadPool
+    from shared.codec import api as codec
+    from shared.codec.config import CodecConfig
+    from shared.model_config import get_config
+
+    pool = PayloadPool(get_config("tiny"), CodecConfig("int8"), count=3, seed=0)
+    flat = []
+    for _ in range(3):
+        decoded = codec.decode_tensors(*pool.take())
+        flat.append(np.concatenate([np.ravel(decoded[k]) for k in sorted(decoded)]))
+    for x in flat:
+        assert np.sqrt(np.mean(x**2)) == pytest.approx(RMS, rel=0.05)
+    for i, j in ((0, 1), (0, 2), (1, 2)):
+        cosine = flat[i] @ flat[j] / (np.linalg.norm(flat[i]) * np.linalg.norm(flat[j]))
+        assert cosine == pytest.approx(AGREEMENT, abs=0.05)

@@ -75,8 +75,14 @@ def test_a_quorum_merge_under_delayed_nesterov_is_one_round_of_synchronous_diloc
         {k: rng.normal(0, 0.01, v.shape).astype(np.float32) for k, v in named.items()}
         for _ in range(4)
     ]
+    # The merge's arithmetic, not peer review (these deltas are independent noise).
     algorithm = outer_algorithm(
-        4, merge_policy="quorum", min_quorum=4, staleness_rule="constant", token_weighting="uniform"
+        4,
+        merge_policy="quorum",
+        min_quorum=4,
+        staleness_rule="constant",
+        token_weighting="uniform",
+        peer_review=False,
     )
     assert algorithm.optimizer == "delayed_nesterov" and algorithm.dn_period == 4
     core = OuterCore(named, algorithm)
@@ -156,6 +162,7 @@ def test_participation_scale_makes_one_of_k_arrivals_a_1_over_k_step():
             outer_lr=1.0,
             staleness_rule="constant",
             token_weighting="uniform",
+            peer_review=False,  # one arrival alone: peer review would hold it for peers
         ),
     )
     core.offer(0, arrival(0, {"w": np.full(3, 4e-3, np.float32)}))
@@ -284,7 +291,8 @@ def test_the_outer_event_loop_keeps_running_while_a_merge_is_slow(tmp_path, monk
     meanwhile renews the lease and sends heartbeats; the ledger is updated once it is done."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(256)) * 40)
-    settings = OuterSettings(job="slow", model="tiny", corpus=str(corpus))
+    # One arrival alone: without peer review, which would hold it for peers.
+    settings = OuterSettings(job="slow", model="tiny", corpus=str(corpus), peer_review=False)
     service = OuterService(settings, asyncio.Event())
     service.build_math()
     merge = service.core.merge

@@ -7,6 +7,11 @@ heavier-tailed than a Gaussian (3), close to a Laplace distribution (6). Its int
 4.38× smaller than fp32; a Laplace tensor of the same RMS gives 4.55×, a Gaussian 4.21×.
 So a synthetic pseudo-gradient is Laplace noise of RMS ``RMS`` on every tensor of the model
 (``ModelConfig.param_shapes``), and its payload is what the learner's codec makes of it.
+Honest units descend the same loss, and the outer's peer review (``services/outer/peers.py``)
+refuses an upload that does not point where its peers' do: so ``AGREEMENT`` of each one's
+variance is a direction all of the pool's pseudo-gradients share (their cosines are about
+``AGREEMENT``), the rest its own noise. The sum of two Laplace tensors has a kurtosis of 4.5,
+still in the measured range.
 A few different ones are encoded up front, so that sending costs the load generator no
 encoding. The outer refuses a payload equal to one it accepted recently (a replay,
 ``services/outer/order.py``), so every upload must differ: upload k is put together frame by
@@ -29,6 +34,7 @@ from shared.codec.description import Description
 from shared.model_config import ModelConfig
 
 RMS = 7e-3  # measured, see the module docstring
+AGREEMENT = 0.5  # share of a synthetic pseudo-gradient's variance along the common direction
 
 
 class PayloadPool:
@@ -44,6 +50,7 @@ class PayloadPool:
         self._rng = np.random.default_rng(seed)
         self._shapes = model.param_shapes()
         self._config = config
+        self._common = {name: self._laplace(shape) for name, shape in self._shapes.items()}
         self._payloads = [self._encode() for _ in range(count)]
         self._frames = [
             split_frames(payload, description) for payload, description in self._payloads
@@ -52,10 +59,14 @@ class PayloadPool:
         self.fp32_bytes = 4 * model.param_count
         self.seq_len = model.seq_len
 
-    def _encode(self) -> tuple[bytes, Description]:
+    def _laplace(self, shape: tuple[int, ...]) -> np.ndarray:
         scale = RMS / math.sqrt(2)  # a Laplace distribution of scale b has RMS b·√2
+        return self._rng.laplace(0.0, scale, shape).astype(np.float32)
+
+    def _encode(self) -> tuple[bytes, Description]:
+        common, own = math.sqrt(AGREEMENT), math.sqrt(1 - AGREEMENT)
         tensors = {
-            name: self._rng.laplace(0.0, scale, shape).astype(np.float32)
+            name: common * self._common[name] + own * self._laplace(shape)
             for name, shape in self._shapes.items()
         }
         payload, description, _ = codec.encode(tensors, self._config, codec.CodecState())

@@ -193,10 +193,11 @@ class OuterAlgorithmSettings(BaseModel):
         10.0, gt=1, le=1e6, description="the norm guard's bound, times the median norm"
     )
     peer_review: bool = Field(
-        False,
+        True,
         description="judge each upload against the other units' latest uploads of its fragment "
         "(jobs of 3 units or more): its pace (too_frequent), its direction (direction_outlier) "
-        "and its size (clipped); off until its cost on honest runs is measured (docs/SECURITY.md)",
+        "and its size (clipped), so that a minority of hostile units cannot steer the model "
+        "(docs/SECURITY.md); --no-peer-review leaves the norm guard alone",
     )
     peer_hold_s: float = Field(
         30.0,
