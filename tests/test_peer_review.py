@@ -84,6 +84,29 @@ def test_an_honest_direction_scaled_up_is_clipped_to_its_peers_size() -> None:
     assert fewer.scale == pytest.approx(verdict.scale / np.sqrt(10), 1e-3)
 
 
+def test_an_upload_far_smaller_than_its_peers_for_the_steps_it_claims_is_implausible_work():
+    """A few steps' update claiming a whole period would dilute the merges it takes part in."""
+    small = honest(10, scale=0.2)  # below WORK_FLOOR (0.25) x its peers' size for 10 steps
+    with pytest.raises(Rejected) as rejected:
+        judge(reviewed(), small)
+    assert rejected.value.reason == "implausible_work" and "10 inner steps" in rejected.value.detail
+    assert judge(reviewed(), small, steps=1).scale == 1.0  # what 1 step does: it passes
+    assert judge(reviewed(), honest(10, scale=0.3)).scale == 1.0
+
+
+def test_a_unit_whose_upload_was_refused_is_no_peer_until_one_passes() -> None:
+    review = reviewed()  # units 1, 2 and 3
+    flipped = {"w": -honest(3)["w"]}
+    review.record(0, 3, "u3b", review.sketch(0, flipped), norm(flipped), 10, 0)
+    assert len(review.peers(0, 0, 0)) == 3
+    review.refuse(0, 3, "u3a")  # not its latest: nothing changes
+    assert len(review.peers(0, 0, 0)) == 3
+    review.refuse(0, 3, "u3b")
+    assert len(review.peers(0, 0, 0)) == 2
+    review.record(0, 3, "u3c", review.sketch(0, honest(3)), norm(honest(3)), 10, 0)
+    assert len(review.peers(0, 0, 0)) == 3
+
+
 def test_a_minority_of_hostile_peers_does_not_move_an_honest_units_verdict() -> None:
     review = reviewed()
     flipped = {"w": -honest(3)["w"]}

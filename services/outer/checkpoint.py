@@ -102,6 +102,7 @@ def _pack_latest(kept: Latest) -> dict[str, Any]:
         "norm_per_step": float(kept.norm_per_step),
         "version": int(kept.version),
         "count": int(kept.count),
+        "refused": bool(kept.refused),
     }
 
 
@@ -112,6 +113,7 @@ def _unpack_latest(item: Any) -> Latest:
         norm_per_step=float(item["norm_per_step"]),
         version=int(item["version"]),
         count=int(item["count"]),
+        refused=bool(item["refused"]),
     )
 
 

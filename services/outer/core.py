@@ -334,6 +334,7 @@ class OuterCore:
                 )
             except Rejected as why:
                 if why.reason != "direction_outlier" or self._doubted(fragment, arrival.unit):
+                    peers.refuse(fragment, arrival.unit, arrival.upload)
                     raise
                 # A second opinion from the peers' next uploads (one doubted upload per unit).
                 doubted = _Held(arrival, sketch, deadline, why, peers.counts(fragment))
@@ -381,12 +382,14 @@ class OuterCore:
                         waiting.append(_Held(arrival, entry.sketch, deadline, why, counts))
                     else:
                         rejected.append((arrival, why))
+                        peers.refuse(fragment, arrival.unit, arrival.upload)
                     continue
                 if review.held and now < entry.deadline:
                     waiting.append(entry)
                     continue
                 if review.held and entry.doubt is not None:
                     rejected.append((arrival, entry.doubt))
+                    peers.refuse(fragment, arrival.unit, arrival.upload)
                     continue
                 fresh = arrival.base_version == state.version
                 state.policy.add(_scaled(arrival, review.scale), fresh=fresh)

@@ -8,7 +8,9 @@ each fragment the outer keeps, per unit, a sketch of its latest upload (``SKETCH
 coordinates at fixed random positions: the cosine of two sketches estimates theirs), its norm,
 the fragment's version then, and when the unit's uploads came. A new upload of unit u is
 reviewed against its **peers**, the other units whose latest upload is at most ``MAX_AGE``
-rounds of the job's merges old:
+rounds of the job's merges old and was not refused (a unit whose upload was refused is no
+peer until it sends one that passes, so that a hostile unit's latest upload does not sit among
+the honest ones an honest upload is judged by):
 
 * **pace**: unit u may have sent at most ``PACE_FACTOR`` × as many uploads of the fragment as
   the median peer, plus ``PACE_SLACK``, else ``too_frequent``: a unit cannot outrun its work.
@@ -28,7 +30,14 @@ rounds of the job's merges old:
   clipped), so one upload weighs at most that many honest ones. Norms are compared per √ of
   the inner steps behind them (noise adds up as √k, drift as k: within the factor for units
   whose H differ up to 4×, as DyLU's do), and the steps an upload may claim are bounded by the
-  job's H (``validation.py``).
+  job's H (``validation.py``);
+* **work**: its norm must be at least ``WORK_FLOOR`` × the peers' median for the inner steps
+  it claims, else ``implausible_work``: an upload of a few steps that claims a whole period
+  would take a merge's share of an honest one (an outer step averages the arrivals of its
+  momentum period) and dilute the honest units' progress (a unit uploading every H/8 steps,
+  claiming H, left a ``tiny`` run 7% behind a clean one with the pace limit alone). A unit
+  that joins a running job is still in its learning-rate warm-up: its first uploads can fall
+  below the floor and are refused as this.
 
 Medians over peers are what one unit, or any minority of the units, cannot move. Against f
 hostile units of K with f ≤ (K − 1)/2, an honest unit has at least half of its K − 1 peers
@@ -65,6 +74,7 @@ SKETCH_SIZE = 1 << 15  # coordinates of a fragment whose cosine stands for the w
 MIN_PEERS = 2  # peers an upload needs before it is judged (else held)
 DIRECTION_FLOOR = 0.05  # least median cosine with the peers' latest uploads
 NORM_CLIP = 2.0  # an upload's norm is clipped to this × the median of its peers' norms
+WORK_FLOOR = 0.25  # an upload's norm is at least this × its peers' median for its steps
 PACE_FACTOR = 1.5  # most uploads of a fragment, × the median peer's
 PACE_SLACK = 2  # uploads a unit may be ahead of that (the first in, a flush after an outage)
 MAX_AGE = 4  # a peer's latest upload counts while at most this many rounds of merges old
@@ -80,6 +90,7 @@ class Latest:
     norm_per_step: float  # its norm over √(inner steps)
     version: int  # the fragment's version when it came
     count: int = 0  # uploads kept to its pace
+    refused: bool = False  # the latest upload was refused (no peer until one passes)
 
 
 @dataclass(frozen=True)
@@ -152,6 +163,7 @@ class PeerReview:
             for other, latest in self._latest[fragment].items()
             if other != unit
             and latest.version >= oldest
+            and not latest.refused
             and (newer_than is None or latest.count > newer_than.get(other, 0))
         ]
 
@@ -182,8 +194,16 @@ class PeerReview:
             latest = Latest(upload, sketch, 0.0, version)
             self._latest[fragment][unit] = latest
         latest.upload, latest.sketch, latest.version = upload, sketch, version
+        latest.refused = False
         latest.norm_per_step = norm / math.sqrt(max(1, steps))
         latest.count += 1
+
+    def refuse(self, fragment: int, unit: int, upload: str) -> None:
+        """Note that ``upload``, ``unit``'s latest recorded upload of ``fragment``, was
+        refused: the unit is no peer until its next upload."""
+        latest = self._latest[fragment].get(unit)
+        if latest is not None and latest.upload == upload:
+            latest.refused = True
 
     def history(self) -> list[dict[int, Latest]]:
         """Per fragment and unit, what the review keeps, for a checkpoint."""
@@ -246,7 +266,8 @@ class PeerReview:
         it has fewer than ``MIN_PEERS``.
 
         Raises:
-            Rejected: ``direction_outlier``, with the median cosine.
+            Rejected: ``direction_outlier``, with the median cosine; ``implausible_work``, an
+                upload far smaller than its peers' for the steps it claims.
         """
         peers = self.peers(fragment, unit, version, newer_than)
         if len(peers) < MIN_PEERS:
@@ -262,5 +283,12 @@ class PeerReview:
                     f"units < {DIRECTION_FLOOR:g}",
                 )
         per_step = float(np.median([peer.norm_per_step for peer in peers]))
-        bound = NORM_CLIP * per_step * math.sqrt(max(1, steps))
+        usual = per_step * math.sqrt(max(1, steps))
+        if norm < WORK_FLOOR * usual:
+            raise Rejected(
+                "implausible_work",
+                f"update norm {norm:.4g} < {WORK_FLOOR:g} x its peers' median {usual:.4g} for "
+                f"{steps} inner steps: less work than it claims",
+            )
+        bound = NORM_CLIP * usual
         return Review(scale=bound / norm if norm > bound > 0 else 1.0)
