@@ -1,27 +1,29 @@
-"""Robust merging on the real system: what peer review (``--peer-review``) costs honest runs,
-and what one hostile unit of 4 (and two of 8) can do with it.
+"""Robust merging on the real system: what peer review (on by default) costs honest runs,
+and what one hostile unit of 4 (and two of 8) can do against it.
 
 One ``diloco up`` run per row, all on the shipped defaults (model ``small``, 4 units, 240 inner
 steps each) apart from what the row names:
 
-* **clean**: the defaults, each of ``--seeds``; **clean + review**: the same with
-  ``--peer-review``. The honest cost is the mean over the seeds of review / clean − 1.
-* **honest units alone**: ``--learners 3 --peer-review``, the reference for one hostile unit of
+* **clean**: the defaults, each of ``--seeds``; **clean, no review**: the same with
+  ``--no-peer-review``. The honest cost is the mean over the seeds of clean / no review − 1.
+* **honest units alone**: ``--learners 3 --dn-period 4``, the reference for one hostile unit of
   4. A hostile unit's uploads are refused, so its work is lost to the job; what a defence can
-  keep is the honest units' training, and the attacked run is held to that.
-* **attacks**: ``--adversaries 1 --adversary KIND --peer-review`` for each attack of
+  keep is the honest units' training in the job as configured (a job of 4 units merges under
+  Delayed Nesterov with a momentum period of 4 arrivals, hence ``--dn-period 4``), and the
+  attacked run is held to that. The clean run of 4 units is beside it.
+* **attacks**: ``--adversaries 1 --adversary KIND`` for each attack of
   ``services/learner/adversary.py`` (unit 0 sends it with its own valid credentials from its
   first upload on), and the two the norm guard alone lets through at full size (``random``,
-  ``scaled``) without ``--peer-review`` for contrast.
-* **two of 8**: ``--learners 8 --adversaries 2 --adversary alie --peer-review`` against
-  ``--learners 6 --peer-review``.
+  ``scaled``) with ``--no-peer-review`` for contrast.
+* **two of 8**: ``--learners 8 --adversaries 2 --adversary alie`` against ``--learners 6
+  --dn-period 8``.
 
 Every figure comes from the runs' ``summary.json``: the final held-out eval, the outer's
 rejections and clips per unit, the books. Raw results: ``bench/results/robust.json``.
 
     .venv/bin/python bench/robust.py --write            # every row (about 45 min on 2 cores)
     .venv/bin/python bench/robust.py --render --write   # the section from the stored runs
-    .venv/bin/python bench/robust.py --reuse --drop "+ review" --write  # those rows again
+    .venv/bin/python bench/robust.py --reuse --drop "no review" --write  # those rows again
     .venv/bin/python bench/robust.py --quick            # the smoke version (tiny model)
 """
 
@@ -61,7 +63,7 @@ from shared.settings.algorithm import AlgorithmSettings
 SECTION = "## Robust merging: peer review against hostile units"
 NAME = "robust"
 PROGRAM = ".venv/bin/python bench/robust.py"
-HONEST_COST = 1.005  # at most: clean + review / clean, mean over the seeds
+HONEST_COST = 1.005  # at most: clean / clean with --no-peer-review, mean over the seeds
 ONE_OF_FOUR = 1.02  # at most: an attacked run / the honest units alone
 TWO_OF_EIGHT = 1.05  # at most: two ALIE units of 8 / the 6 honest alone
 CAUGHT = 0.9  # at least: share of the attacker's uploads refused (or clipped) for its reason
@@ -75,7 +77,7 @@ REASONS: dict[str, str | None] = {
     "replay": "payload_replayed",
     "too_frequent": None,  # its first uploads are within its pace: see pace_ratio
 }
-CONTRAST = ["random", "scaled"]  # attacks also run without --peer-review
+CONTRAST = ["random", "scaled"]  # attacks also run with --no-peer-review
 FRAGMENTS = AlgorithmSettings().fragments  # the shipped default, which every row runs
 
 
@@ -120,20 +122,22 @@ class RobustResults(BaseModel):
 
 def rows(args: argparse.Namespace) -> list[Row]:
     """Every run, in the order they run."""
-    review = ["--peer-review"]
+    off = ["--no-peer-review"]
     out = [Row(name="clean", seed=s, flags=[]) for s in args.seeds]
-    out += [Row(name="clean + review", seed=s, flags=review) for s in args.seeds]
+    out += [Row(name="clean, no review", seed=s, flags=off) for s in args.seeds]
     first = args.seeds[0]
-    out.append(Row(name="honest units alone", seed=first, flags=review, learners=3))
+    alone = ["--dn-period", "4"]  # the momentum period of the job of 4 they are part of
+    out.append(Row(name="honest units alone", seed=first, flags=alone, learners=3))
     for attack in args.attacks:
         hostile = ["--adversaries", "1", "--adversary", attack]
-        out.append(Row(name=f"{attack} + review", seed=first, flags=[*review, *hostile]))
+        out.append(Row(name=attack, seed=first, flags=hostile))
         if attack in CONTRAST:
-            out.append(Row(name=f"{attack}, no review", seed=first, flags=hostile))
+            out.append(Row(name=f"{attack}, no review", seed=first, flags=[*off, *hostile]))
     if args.eight:
         two = ["--adversaries", "2", "--adversary", "alie"]
-        out.append(Row(name="6 honest of 8 alone", seed=first, flags=review, learners=6))
-        out.append(Row(name="2 alie of 8 + review", seed=first, flags=[*review, *two], learners=8))
+        six = ["--dn-period", "8"]
+        out.append(Row(name="6 honest of 8 alone", seed=first, flags=six, learners=6))
+        out.append(Row(name="2 alie of 8", seed=first, flags=two, learners=8))
     return out
 
 
@@ -216,12 +220,12 @@ def final(results: RobustResults, name: str, seed: int) -> float | None:
 
 
 def honest_cost(results: RobustResults, seeds: list[int]) -> float | None:
-    """Mean over the seeds of clean + review / clean (None: no seed has both)."""
+    """Mean over the seeds of clean / clean, no review (None: no seed has both)."""
     ratios = []
     for seed in seeds:
-        clean, review = final(results, "clean", seed), final(results, "clean + review", seed)
-        if clean and review:
-            ratios.append(review / clean)
+        review, off = final(results, "clean", seed), final(results, "clean, no review", seed)
+        if review and off:
+            ratios.append(review / off)
     return statistics.mean(ratios) if ratios else None
 
 
@@ -251,8 +255,8 @@ def claims(results: RobustResults, args: argparse.Namespace) -> list[Claim]:
     seeds, first = args.seeds, args.seeds[0]
     out = [
         at_most(
-            f"--peer-review costs honest runs at most {HONEST_COST - 1:.1%} of final eval "
-            f"(clean + review / clean, mean over {len(seeds)} seeds)",
+            f"peer review costs honest runs at most {HONEST_COST - 1:.1%} of final eval "
+            f"(clean / clean with --no-peer-review, mean over {len(seeds)} seeds)",
             honest_cost(results, seeds),
             HONEST_COST,
             ".4f",
@@ -266,11 +270,11 @@ def claims(results: RobustResults, args: argparse.Namespace) -> list[Claim]:
     ]
     alone = final(results, "honest units alone", first)
     for attack in args.attacks:
-        fig = results.runs.get(f"{attack} + review / seed {first}")
+        fig = results.runs.get(f"{attack} / seed {first}")
         value = fig.final_eval if fig is not None else None
         out.append(
             ratio_at_most(
-                f"one {attack} unit of 4 with --peer-review ends within "
+                f"one {attack} unit of 4 ends within "
                 f"+{ONE_OF_FOUR - 1:.0%} of the honest units alone",
                 value,
                 alone,
@@ -298,9 +302,9 @@ def claims(results: RobustResults, args: argparse.Namespace) -> list[Claim]:
     if args.eight:
         out.append(
             ratio_at_most(
-                f"two alie units of 8 with --peer-review end within +{TWO_OF_EIGHT - 1:.0%} "
+                f"two alie units of 8 end within +{TWO_OF_EIGHT - 1:.0%} "
                 "of the 6 honest units alone",
-                final(results, "2 alie of 8 + review", first),
+                final(results, "2 alie of 8", first),
                 final(results, "6 honest of 8 alone", first),
                 TWO_OF_EIGHT,
             )

@@ -87,9 +87,9 @@ def test_every_claim_holds_for_figures_within_bounds(robust: ModuleType) -> None
 @pytest.mark.parametrize(
     ("row", "final"),
     [
-        ("clean_review", 3.02),  # honest cost 0.7%
-        ("sign_flip_review", 3.05),  # 2.3% above the honest units alone
-        ("2_alie_of_8_review", 3.15),  # 5.7% above the 6 honest alone
+        ("clean", 3.02),  # honest cost 0.7%
+        ("sign_flip", 3.05),  # 2.3% above the honest units alone
+        ("2_alie_of_8", 3.15),  # 5.7% above the 6 honest alone
     ],
 )
 def test_a_claim_fails_outside_its_bound(robust: ModuleType, row: str, final: float) -> None:
@@ -99,7 +99,7 @@ def test_a_claim_fails_outside_its_bound(robust: ModuleType, row: str, final: fl
 
 def test_an_attack_the_outer_did_not_count_fails(robust: ModuleType) -> None:
     stored = results(robust)
-    key = next(k for k in stored.runs if k.startswith("replay + review"))
+    key = next(k for k in stored.runs if k.startswith("replay / "))
     stored.runs[key].hostile_rejected = {"round_replayed": 10}
     failed = failures(robust.claims(stored, args(robust)))
     assert [c.text for c in failed] == [
@@ -109,7 +109,7 @@ def test_an_attack_the_outer_did_not_count_fails(robust: ModuleType) -> None:
 
 def test_a_too_frequent_unit_applied_beyond_its_pace_fails(robust: ModuleType) -> None:
     stored = results(robust)
-    key = next(k for k in stored.runs if k.startswith("too_frequent + review"))
+    key = next(k for k in stored.runs if k.startswith("too_frequent / "))
     stored.runs[key].hostile_applied = 100  # honest: (280 - 100) / 3 = 60 each; allowed 100
     stored.runs[key].applied = 280
     assert failures(robust.claims(stored, args(robust))) == []
@@ -142,4 +142,4 @@ def test_the_stored_runs_render_and_every_claim_holds(robust: ModuleType) -> Non
         setattr(a, key, value.split(",") if key == "attacks" else value)
     checked = robust.claims(stored, a)
     assert failures(checked) == [], [c.text for c in failures(checked)]
-    assert "| too_frequent + review / seed 1 |" in robust.render(stored, checked, path, a)
+    assert "| too_frequent / seed 1 |" in robust.render(stored, checked, path, a)

@@ -1,0 +1,118 @@
+"""Each attack of the security review, end to end, against the shipped defaults (peer review on).
+
+In a ``diloco up`` run of 4 units (``tiny``, every process its own NATS user), unit 0 sends
+hostile uploads with its own valid credentials from its first upload on
+(``--adversaries 1 --adversary KIND``, ``services/learner/adversary.py``). The outer refuses
+what it can tell apart and bounds what it cannot: the attacker's uploads must be counted under
+their reasons, no honest upload refused, and the attacked job must train like its 3 honest
+units alone in the job as configured (``--learners 3 --dn-period 4``, same seed, steps and
+pacing): what a defence can keep when the attacker's work is refused.
+
+The quality bound here is +``WITHIN`` − 1: on ``tiny`` over 40 steps, runs of one configuration
+spread by up to 3% (measured: the attacked runs' final evals 4.78–4.88 nats/byte against
+4.72–4.74 for the honest units alone, paced as here). The +2% claim is measured where the
+spread is smaller: ``bench/robust.py`` runs the same attacks on ``small`` over 240 steps
+(BENCHMARKS.md, "Robust merging"), with 3 seeds of clean runs and 2 hostile units of 8.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+
+from services.orchestration.local import files
+from services.orchestration.local.records import RunSummary
+from shared.settings.algorithm import AlgorithmSettings
+from tests.helpers import start_up
+
+pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
+
+# Paced (slowdown 3), as the other end-to-end tests: unpaced tiny units outrun the outer's
+# merges, and the runs spread twice as much.
+BUDGET = ("--max-steps", "40", "--h-steps", "10", "--seed", "1")
+PACED = "3"
+FRAGMENTS = AlgorithmSettings().fragments  # the shipped default, which every run has
+WITHIN = 1.05  # the attacked run's final eval over the honest units' alone, at most
+CAUGHT = 0.9  # at least: the share of the attacker's uploads counted under its reasons
+
+
+def run(tmp_path: Path, jax_cache: Path, learners: int, *flags: str) -> RunSummary:
+    """A whole ``diloco up`` run to its end; its summary."""
+    process, data_dir, out_path = start_up(
+        tmp_path,
+        jax_cache,
+        *BUDGET,
+        *("--learners", str(learners), "--slowdowns", ",".join([PACED] * learners)),
+        *flags,
+    )
+    try:
+        assert process.wait(timeout=400) == 0, out_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    summary = files.read_summary(data_dir)
+    assert summary is not None and summary.reason == "finished", out_path.read_text()
+    assert summary.ledger.balanced, summary.ledger
+    return summary
+
+
+def final_eval(summary: RunSummary) -> float:
+    assert summary.outer is not None and summary.outer.evaluation.last is not None
+    return summary.outer.evaluation.last.nats_per_byte
+
+
+@pytest.fixture(scope="session")
+def honest_alone(tmp_path_factory: pytest.TempPathFactory, jax_cache: Path) -> float:
+    """The final eval of the 3 honest units alone in a job of 4's momentum period: run once
+    for every test worker (the first to ask runs it under a file lock, the others read its
+    result)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    result = shared / "attacks-honest-alone.txt"
+    with open(shared / "attacks-honest-alone.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            folder = tmp_path_factory.mktemp("honest-alone")
+            summary = run(folder, jax_cache, 3, "--dn-period", "4")
+            result.write_text(repr(final_eval(summary)))
+    return float(result.read_text())
+
+
+#: What the outer counts each attack's uploads under (refused for these reasons, or clipped),
+#: None where it cannot tell them from honest ones (their influence is bounded instead).
+REASONS: dict[str, set[str] | None] = {
+    "sign_flip": {"direction_outlier"},
+    "random": {"direction_outlier", "norm_outlier", "too_frequent"},
+    "scaled": {"clipped", "norm_outlier"},
+    "alie": None,
+    "replay": {"payload_replayed"},
+    "too_frequent": {"too_frequent", "implausible_work"},
+}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("attack", list(REASONS))
+def test_one_hostile_unit_of_four_is_counted_and_the_job_trains_as_its_honest_units_alone(
+    attack: str, tmp_path: Path, jax_cache: Path, honest_alone: float
+) -> None:
+    """The attacker's uploads are counted under their reasons (all but its originals, for a
+    replay), at most one of the honest units' is refused, and the job ends as its honest
+    units alone would."""
+    summary = run(tmp_path, jax_cache, 4, "--adversaries", "1", "--adversary", attack)
+    assert summary.outer is not None
+    books = summary.outer.units[0]
+    published = summary.ledger.per_unit[0].published
+    reasons = REASONS[attack]
+    if reasons is not None:
+        counted = sum(n for why, n in books.rejected.items() if why in reasons)
+        counted += books.clipped if "clipped" in reasons else 0
+        originals = FRAGMENTS if attack == "replay" else 0  # its first upload of each fragment
+        assert counted >= CAUGHT * (published - originals), (attack, books, published)
+        assert set(books.rejected) <= reasons | {"direction_outlier"}, (attack, books)
+    honest = {u: summary.outer.units[u] for u in (1, 2, 3)}
+    assert sum(sum(unit.rejected.values()) for unit in honest.values()) <= 1, (attack, honest)
+    value = final_eval(summary)
+    assert value <= WITHIN * honest_alone, (attack, value, honest_alone)
