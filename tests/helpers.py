@@ -36,6 +36,7 @@ from shared.transport.streams import ensure_streams, prepare_streams
 if TYPE_CHECKING:
     from pydantic_settings import BaseSettings
 
+    from services.orchestration.local.records import RunSummary
     from services.outer.core import OuterAlgorithm
 from shared.records import Stamped
 
@@ -306,6 +307,24 @@ def start_up(
             stdin=subprocess.DEVNULL,
         )
     return process, data_dir, out_path
+
+
+def run_up_to_end(
+    tmp_path: Path, jax_cache: Path, *extra: str, timeout_s: float = 400
+) -> tuple[RunSummary, str]:
+    """A whole ``diloco up`` run (:func:`start_up`) to its end: its summary, which says it
+    finished with its books balanced, and its output."""
+    process, data_dir, out_path = start_up(tmp_path, jax_cache, *extra)
+    try:
+        assert process.wait(timeout=timeout_s) == 0, out_path.read_text()
+    finally:
+        if process.poll() is None:
+            process.kill()
+    output = out_path.read_text()
+    summary = files.read_summary(data_dir)
+    assert summary is not None and summary.reason == "finished", output
+    assert summary.ledger.balanced, summary.ledger
+    return summary, output
 
 
 def live_pids(data_dir: Path) -> dict[str, int]:

@@ -23,10 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from services.orchestration.local import files
 from services.orchestration.local.records import RunSummary
 from shared.settings.algorithm import AlgorithmSettings
-from tests.helpers import start_up
+from tests.helpers import run_up_to_end
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -40,23 +39,10 @@ CAUGHT = 0.9  # at least: the share of the attacker's uploads counted under its 
 
 
 def run(tmp_path: Path, jax_cache: Path, learners: int, *flags: str) -> RunSummary:
-    """A whole ``diloco up`` run to its end; its summary."""
-    process, data_dir, out_path = start_up(
-        tmp_path,
-        jax_cache,
-        *BUDGET,
-        *("--learners", str(learners), "--slowdowns", ",".join([PACED] * learners)),
-        *flags,
-    )
-    try:
-        assert process.wait(timeout=400) == 0, out_path.read_text()
-    finally:
-        if process.poll() is None:
-            process.kill()
-    summary = files.read_summary(data_dir)
-    assert summary is not None and summary.reason == "finished", out_path.read_text()
-    assert summary.ledger.balanced, summary.ledger
-    return summary
+    """A whole paced ``diloco up`` run of ``learners`` units to its end; its summary."""
+    paced = ",".join([PACED] * learners)
+    extra = ("--learners", str(learners), "--slowdowns", paced, *flags)
+    return run_up_to_end(tmp_path, jax_cache, *BUDGET, *extra)[0]
 
 
 def final_eval(summary: RunSummary) -> float:
