@@ -94,6 +94,23 @@ def test_an_upload_far_smaller_than_its_peers_for_the_steps_it_claims_is_implaus
     assert judge(reviewed(), honest(10, scale=0.3)).scale == 1.0
 
 
+def test_an_honest_upload_of_few_steps_is_not_implausible() -> None:
+    """At the end of a run or after a pause a unit uploads what fewer steps did: a drift grows
+    with the steps, so 1 step of an honest 10-step direction is a tenth of its size."""
+    assert judge(reviewed(), honest(10, scale=0.1), steps=1).scale == 1.0
+
+
+@pytest.mark.parametrize("hostile_scale", [9.0, 0.01])
+def test_one_hostile_peer_of_two_moves_neither_the_floor_nor_the_clip(hostile_scale) -> None:
+    """With 2 peers, one honest and one hostile (huge or tiny, in the honest direction), an
+    honest upload is neither refused as implausible_work nor clipped."""
+    review = PeerReview([SIZE], 4)
+    hostile = honest(3, scale=hostile_scale)
+    review.record(0, 1, "u1", review.sketch(0, honest(1)), norm(honest(1)), 10, 0)
+    review.record(0, 3, "u3", review.sketch(0, hostile), norm(hostile), 10, 0)
+    assert judge(review, honest(10)) == peer_rules.Review(scale=1.0)
+
+
 def test_a_unit_whose_upload_was_refused_is_no_peer_until_one_passes() -> None:
     review = reviewed()  # units 1, 2 and 3
     flipped = {"w": -honest(3)["w"]}
@@ -282,12 +299,13 @@ def test_a_restored_outer_reviews_as_the_one_before_and_records_a_redelivered_up
 
 def test_a_bad_peer_history_is_refused() -> None:
     review = PeerReview([100], 4)
-    good = peer_rules.Latest("u1", np.ones(100, np.float32) / 10, 1.0, 0, 1)
+    good = peer_rules.Latest("u1", np.ones(100, np.float32) / 10, 1.0, 10, 0, 1)
     review.restore([{1: good}])
     for bad in (
-        peer_rules.Latest("u1", np.ones(99, np.float32), 1.0, 0, 1),
-        peer_rules.Latest("u1", np.full(100, np.nan, np.float32), 1.0, 0, 1),
-        peer_rules.Latest("u1", np.ones(100, np.float32), -1.0, 0, 1),
+        peer_rules.Latest("u1", np.ones(99, np.float32), 1.0, 10, 0, 1),
+        peer_rules.Latest("u1", np.full(100, np.nan, np.float32), 1.0, 10, 0, 1),
+        peer_rules.Latest("u1", np.ones(100, np.float32), -1.0, 10, 0, 1),
+        peer_rules.Latest("u1", np.ones(100, np.float32), 1.0, 0, 0, 1),
     ):
         with pytest.raises(ValueError, match="unit 1"):
             review.restore([{1: bad}])

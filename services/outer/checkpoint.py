@@ -99,7 +99,8 @@ def _pack_latest(kept: Latest) -> dict[str, Any]:
     return {
         "upload": kept.upload,
         "sketch": _pack_array(np.asarray(kept.sketch, np.float32)),
-        "norm_per_step": float(kept.norm_per_step),
+        "norm": float(kept.norm),
+        "steps": int(kept.steps),
         "version": int(kept.version),
         "count": int(kept.count),
         "refused": bool(kept.refused),
@@ -110,7 +111,8 @@ def _unpack_latest(item: Any) -> Latest:
     return Latest(
         upload=str(item["upload"]),
         sketch=_unpack_array(item["sketch"]).astype(np.float32).reshape(-1),
-        norm_per_step=float(item["norm_per_step"]),
+        norm=float(item["norm"]),
+        steps=int(item["steps"]),
         version=int(item["version"]),
         count=int(item["count"]),
         refused=bool(item["refused"]),

@@ -26,18 +26,25 @@ the honest ones an honest upload is judged by):
   rejected as ``direction_outlier`` if those disagree too (or none come within
   ``peer_hold_s``); a unit has one upload waiting so at a time, its next disagreeing one is
   rejected at once;
-* **size**: its norm is clipped to ``NORM_CLIP`` × the median of the peers' norms (counted as
-  clipped), so one upload weighs at most that many honest ones. Norms are compared per √ of
-  the inner steps behind them (noise adds up as √k, drift as k: within the factor for units
-  whose H differ up to 4×, as DyLU's do), and the steps an upload may claim are bounded by the
-  job's H (``validation.py``);
-* **work**: its norm must be at least ``WORK_FLOOR`` × the peers' median for the inner steps
-  it claims, else ``implausible_work``: an upload of a few steps that claims a whole period
-  would take a merge's share of an honest one (an outer step averages the arrivals of its
-  momentum period) and dilute the honest units' progress (a unit uploading every H/8 steps,
-  claiming H, left a ``tiny`` run 7% behind a clean one with the pace limit alone). A unit
-  that joins a running job is still in its learning-rate warm-up: its first uploads can fall
-  below the floor and are refused as this.
+* **size**: its norm is clipped to ``NORM_CLIP`` × the upper median of the peers' norms
+  (counted as clipped), so one upload weighs at most that many honest ones. Norms are compared
+  per √ of the inner steps behind them (noise adds up as √k, drift as k: within the factor for
+  units whose H differ up to 4×, as DyLU's do), and the steps an upload may claim are bounded
+  by the job's H (``validation.py``);
+* **work**: its norm must be at least ``WORK_FLOOR`` × the lower median of the peers' norms
+  scaled by the steps it claims over theirs (k / k_peer: the drift's growth, the fastest a
+  norm grows with steps, so that an honest upload of few steps, at the end of a run or after a
+  pause, is never below it), else ``implausible_work``: an upload of a few steps that claims a
+  whole period would take a merge's share of an honest one (an outer step averages the
+  arrivals of its momentum period) and dilute the honest units' progress (a unit uploading
+  every H/8 steps, claiming H, left a ``tiny`` run 7% behind a clean one with the pace limit
+  alone). A unit that joins a running job is still in its learning-rate warm-up: its first
+  uploads can fall below the floor and are refused as this.
+
+The size and the work are judged by the median on the side a hostile peer cannot push: the
+upper median for the clip (a hostile peer's tiny upload cannot get honest ones clipped), the
+lower one for the floor (its huge upload cannot get honest ones refused), so that a minority of
+hostile peers moves neither past the honest peers' values, even where the peers are 2.
 
 Medians over peers are what one unit, or any minority of the units, cannot move. Against f
 hostile units of K with f ≤ (K − 1)/2, an honest unit has at least half of its K − 1 peers
@@ -87,7 +94,8 @@ class Latest:
 
     upload: str
     sketch: np.ndarray  # unit vector of SKETCH_SIZE (or fewer) coordinates, float32
-    norm_per_step: float  # its norm over √(inner steps)
+    norm: float  # its L2 norm
+    steps: int  # the inner steps it claims
     version: int  # the fragment's version when it came
     count: int = 0  # uploads kept to its pace
     refused: bool = False  # the latest upload was refused (no peer until one passes)
@@ -191,11 +199,10 @@ class PeerReview:
         sketch, its ``norm`` over ``steps`` inner steps and the fragment's version."""
         latest = self._latest[fragment].get(unit)
         if latest is None:
-            latest = Latest(upload, sketch, 0.0, version)
+            latest = Latest(upload, sketch, norm, steps, version)
             self._latest[fragment][unit] = latest
         latest.upload, latest.sketch, latest.version = upload, sketch, version
-        latest.refused = False
-        latest.norm_per_step = norm / math.sqrt(max(1, steps))
+        latest.norm, latest.steps, latest.refused = norm, max(1, steps), False
         latest.count += 1
 
     def refuse(self, fragment: int, unit: int, upload: str) -> None:
@@ -225,8 +232,8 @@ class PeerReview:
             for unit, kept in latest.items():
                 if kept.sketch.shape != (size,) or not np.isfinite(kept.sketch).all():
                     raise ValueError(f"peer history of unit {unit} holds a bad sketch")
-                if not (math.isfinite(kept.norm_per_step) and kept.norm_per_step >= 0):
-                    raise ValueError(f"peer history of unit {unit} holds a bad norm")
+                if not (math.isfinite(kept.norm) and kept.norm >= 0 and kept.steps >= 1):
+                    raise ValueError(f"peer history of unit {unit} holds a bad norm or steps")
         self._latest = [
             {int(unit): dataclasses.replace(kept) for unit, kept in latest.items()}
             for latest in history
@@ -282,13 +289,16 @@ class PeerReview:
                     f"median cosine {cosine:.3f} with the latest uploads of {len(peers)} other "
                     f"units < {DIRECTION_FLOOR:g}",
                 )
-        per_step = float(np.median([peer.norm_per_step for peer in peers]))
-        usual = per_step * math.sqrt(max(1, steps))
-        if norm < WORK_FLOOR * usual:
+        steps = max(1, steps)
+        # The lower median of the peers' norms scaled linearly to these steps.
+        least = sorted(peer.norm * steps / peer.steps for peer in peers)[(len(peers) - 1) // 2]
+        if norm < WORK_FLOOR * least:
             raise Rejected(
                 "implausible_work",
-                f"update norm {norm:.4g} < {WORK_FLOOR:g} x its peers' median {usual:.4g} for "
-                f"{steps} inner steps: less work than it claims",
+                f"update norm {norm:.4g} < {WORK_FLOOR:g} x its peers' lower median "
+                f"{least:.4g} for {steps} inner steps: less work than it claims",
             )
-        bound = NORM_CLIP * usual
+        # The upper median of the peers' norms per √step, at these steps.
+        per_step = sorted(peer.norm / math.sqrt(peer.steps) for peer in peers)[len(peers) // 2]
+        bound = NORM_CLIP * per_step * math.sqrt(steps)
         return Review(scale=bound / norm if norm > bound > 0 else 1.0)
