@@ -330,20 +330,25 @@ def render(
         "is unit 0 (units 0 and 1 of 8), with its own credentials, from its first upload on "
         "(`--adversaries N --adversary KIND`, `services/learner/adversary.py`). Its uploads: "
         "what its status says it published, and how the outer counted them; the honest "
-        "units' refusals and clips beside them.",
+        "units' refusals and clips beside them. *÷ clean*: the final eval over the clean run "
+        "of the same seed (all units honest: an attacked run has lost its attacker's work, "
+        "so the claims hold it to its honest units alone).",
         "",
-        "| run | final eval | applied | attacker: published → refused (reason) | clipped | "
-        "honest refused | honest clipped | minutes | commit |",
-        "|---|---:|---:|---|---:|---|---:|---:|---|",
+        "| run | final eval | ÷ clean | applied | attacker: published → refused (reason) | "
+        "clipped | honest refused | honest clipped | minutes | commit |",
+        "|---|---:|---:|---:|---|---:|---|---:|---:|---|",
     ]
     for fig in results.runs.values():
+        seed = int(fig.key.rsplit(" ", 1)[1])
+        clean = final(results, "clean", seed)
+        against = f"{fig.final_eval / clean:.3f}" if clean else "-"
         hostile = (
             f"{fig.hostile_published} → {_reasons(fig.hostile_rejected)}"
             if fig.hostile_units
             else "-"
         )
         lines.append(
-            f"| {fig.key} | {fig.final_eval:.4f} | {fig.applied} | {hostile} | "
+            f"| {fig.key} | {fig.final_eval:.4f} | {against} | {fig.applied} | {hostile} | "
             f"{fig.hostile_clipped if fig.hostile_units else '-'} | "
             f"{_reasons(fig.honest_rejected)} | {fig.honest_clipped} | {fig.elapsed_s / 60:.1f} | "
             f"`{fig.commit}` |"
