@@ -66,16 +66,17 @@ PROGRAM = ".venv/bin/python bench/robust.py"
 HONEST_COST = 1.005  # at most: clean / clean with --no-peer-review, mean over the seeds
 ONE_OF_FOUR = 1.02  # at most: an attacked run / the honest units alone
 TWO_OF_EIGHT = 1.05  # at most: two ALIE units of 8 / the 6 honest alone
-CAUGHT = 0.9  # at least: share of the attacker's uploads refused (or clipped) for its reason
+CAUGHT = 0.9  # at least: share of the attacker's uploads refused (or clipped) for its reasons
 ATTACKS = ["sign_flip", "random", "scaled", "alie", "replay", "too_frequent"]
-#: What the outer counts an attack's uploads under (None: nothing it can tell).
-REASONS: dict[str, str | None] = {
-    "sign_flip": "direction_outlier",
-    "random": "direction_outlier",
-    "scaled": "clipped",
+#: What the outer counts an attack's uploads under: refusals for these reasons, or ``clipped``
+#: (None: nothing it can tell; too_frequent's are all refused: see pace_ratio).
+REASONS: dict[str, tuple[str, ...] | None] = {
+    "sign_flip": ("direction_outlier",),
+    "random": ("direction_outlier", "norm_outlier"),
+    "scaled": ("clipped", "norm_outlier"),  # under the guard's 10x: clipped, or above it
     "alie": None,
-    "replay": "payload_replayed",
-    "too_frequent": None,  # its first uploads are within its pace: see pace_ratio
+    "replay": ("payload_replayed",),
+    "too_frequent": None,
 }
 CONTRAST = ["random", "scaled"]  # attacks also run with --no-peer-review
 FRAGMENTS = AlgorithmSettings().fragments  # the shipped default, which every row runs
@@ -229,13 +230,14 @@ def honest_cost(results: RobustResults, seeds: list[int]) -> float | None:
     return statistics.mean(ratios) if ratios else None
 
 
-def caught(fig: RunFigures, reason: str) -> float | None:
-    """The share of the attacker's hostile uploads the outer counted under ``reason`` (a
+def caught(fig: RunFigures, reasons: tuple[str, ...]) -> float | None:
+    """The share of the attacker's hostile uploads the outer counted under ``reasons`` (a
     replaying unit's first upload of each fragment is an original, not a replay)."""
-    hostile = fig.hostile_published - (FRAGMENTS if reason == "payload_replayed" else 0)
+    hostile = fig.hostile_published - (FRAGMENTS if "payload_replayed" in reasons else 0)
     if hostile <= 0:
         return None
-    count = fig.hostile_clipped if reason == "clipped" else fig.hostile_rejected.get(reason, 0)
+    count = sum(fig.hostile_rejected.get(reason, 0) for reason in reasons)
+    count += fig.hostile_clipped if "clipped" in reasons else 0
     return count / hostile
 
 
@@ -290,12 +292,13 @@ def claims(results: RobustResults, args: argparse.Namespace) -> list[Claim]:
                     1.0,
                 )
             )
-        reason = REASONS[attack]
-        if reason is not None:
+        reasons = REASONS[attack]
+        if reasons is not None:
             out.append(
                 at_least(
-                    f"at least {CAUGHT:.0%} of the {attack} unit's uploads are counted as {reason}",
-                    caught(fig, reason) if fig is not None else None,
+                    f"at least {CAUGHT:.0%} of the {attack} unit's uploads are counted as "
+                    + " or ".join(reasons),
+                    caught(fig, reasons) if fig is not None else None,
                     CAUGHT,
                 )
             )
