@@ -8,6 +8,7 @@ get theirs from ``services.orchestration.reconcile``.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from services.learner.settings import LearnerSettings
@@ -38,8 +39,11 @@ def logs_dir(settings: UpSettings) -> Path:
 
 
 def cache_env(settings: UpSettings) -> dict[str, str]:
-    """Environment of every JAX service: the shared compilation cache."""
-    return {"DILOCO_JAX_CACHE": str((Path(settings.data_dir) / JAX_CACHE_DIR).resolve())}
+    """Environment of every JAX service: the shared compilation cache, ``$DILOCO_JAX_CACHE``
+    where it is set (one cache for many runs, e.g. the tests' and the benchmarks'), else the
+    data folder's ``jax-cache``."""
+    cache = os.environ.get("DILOCO_JAX_CACHE") or Path(settings.data_dir) / JAX_CACHE_DIR
+    return {"DILOCO_JAX_CACHE": str(Path(cache).resolve())}
 
 
 def threads_env(threads: int) -> dict[str, str]:

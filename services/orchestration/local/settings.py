@@ -50,7 +50,9 @@ class UpSettings(
         "heterogeneous hardware; the token budget is shared in proportion to speed)",
     )
     data_dir: str = Field(
-        "data", description="folder for logs, the JAX cache and the NATS store (emptied at start)"
+        "data",
+        description="folder for logs, the NATS store (emptied at start) and the JAX "
+        "compilation cache (unless $DILOCO_JAX_CACHE names another)",
     )
     gateway_port: int = Field(8000, ge=0, le=65535, description="gateway HTTP port (0 = free)")
     token: str = Field(
