@@ -242,7 +242,7 @@ def caught(fig: RunFigures, reasons: tuple[str, ...]) -> float | None:
 
 
 def pace_ratio(fig: RunFigures, units: int = 4) -> float | None:
-    """The attacker's applied uploads over what peer review's pace allows it: 1.5 x an honest
+    """The attacker's applied uploads over what peer review's pace allows it: 2 x an honest
     unit's mean applied, + 2 per fragment (``services/outer/peers.py``)."""
     honest = units - len(fig.hostile_units)
     if not fig.hostile_units or honest <= 0:

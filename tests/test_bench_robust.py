@@ -110,11 +110,11 @@ def test_an_attack_the_outer_did_not_count_fails(robust: ModuleType) -> None:
 def test_a_too_frequent_unit_applied_beyond_its_pace_fails(robust: ModuleType) -> None:
     stored = results(robust)
     key = next(k for k in stored.runs if k.startswith("too_frequent / "))
-    stored.runs[key].hostile_applied = 100  # honest: (280 - 100) / 3 = 60 each; allowed 100
-    stored.runs[key].applied = 280
+    stored.runs[key].hostile_applied = 130  # honest: (310 - 130) / 3 = 60 each; allowed 130
+    stored.runs[key].applied = 310
     assert failures(robust.claims(stored, args(robust))) == []
-    stored.runs[key].hostile_applied = 110
-    stored.runs[key].applied = 290
+    stored.runs[key].hostile_applied = 140
+    stored.runs[key].applied = 320
     assert len(failures(robust.claims(stored, args(robust)))) == 1
 
 

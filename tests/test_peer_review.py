@@ -100,6 +100,41 @@ def test_an_honest_upload_of_few_steps_is_not_implausible() -> None:
     assert judge(reviewed(), honest(10, scale=0.1), steps=1).scale == 1.0
 
 
+def test_the_learning_rate_sum_follows_the_learners_warm_up() -> None:
+    import optax
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1.0, 50, 10**9, 0.1)
+    for start, steps in [(0, 1), (0, 5), (10, 10), (45, 10), (50, 7), (200, 30)]:
+        expected = sum(float(schedule(t)) for t in range(start, start + steps))
+        assert peer_rules.learning_rate_sum(start, steps, 50) == pytest.approx(expected, 1e-5)
+    assert peer_rules.learning_rate_sum(7, 10, 0) == 10.0  # no warm-up: the steps
+
+
+def test_in_warm_up_a_unit_behind_its_peers_is_judged_by_the_learning_rate_it_had() -> None:
+    """Early in the learning rate's warm-up, a unit behind its peers (slower, or with a smaller
+    H) makes smaller updates for its steps than they do: judged by the steps alone, an honest
+    unit of a tiny run had 13 uploads refused as implausible_work. Placed in the warm-up by
+    the steps its uploads claimed, it passes, and an upload that claims more steps than its
+    size shows is still refused."""
+    review = PeerReview([SIZE], 4, warmup_steps=50)
+    for unit in (1, 2, 3):
+        for k in range(2):  # steps [0, 10) and [10, 20): the latest at learning rates 0.2-0.38
+            update = honest(unit)
+            review.record(0, unit, f"u{unit}-{k}", review.sketch(0, update), norm(update), 10, 0)
+    behind = honest(10, scale=0.05)  # its first 5 steps, at learning rates 0-0.08 of the peak
+    sketch = review.sketch(0, behind)
+    review.record(0, 0, "u0", sketch, norm(behind), 5, 0)
+    assert review.start(0, 0) == 0
+    assert review.judge(0, 0, sketch, norm(behind), 5, 0, start=0).scale == 1.0
+    # By the steps alone (no warm-up), the same upload is below the floor.
+    with pytest.raises(Rejected, match="implausible_work"):
+        PeerReview.judge(reviewed(), 0, 0, sketch, norm(behind), 5, 0, start=0)
+    # Claiming 10 steps where its peers were, it did far less than they did.
+    with pytest.raises(Rejected) as rejected:
+        review.judge(0, 0, sketch, norm(behind), 10, 0, start=10)
+    assert rejected.value.reason == "implausible_work" and "from step 10" in rejected.value.detail
+
+
 @pytest.mark.parametrize("hostile_scale", [9.0, 0.01])
 def test_one_hostile_peer_of_two_moves_neither_the_floor_nor_the_clip(hostile_scale) -> None:
     """With 2 peers, one honest and one hostile (huge or tiny, in the honest direction), an
@@ -153,16 +188,16 @@ def test_a_unit_uploading_far_more_often_than_its_peers_is_too_frequent() -> Non
 
     for unit in (1, 2, 3):
         send(unit)
-    # From the first upload on: 1.5 x the peers' median of 1, + 2.
-    for _ in range(3):
+    # From the first upload on: 2 x the peers' median of 1, + 2.
+    for _ in range(4):
         send(0)
     with pytest.raises(Rejected) as rejected:
         send(0)
     assert rejected.value.reason == "too_frequent" and "median of 1" in rejected.value.detail
-    for _ in range(2):  # its peers send twice more: 1.5 x 3 + 2 = 6.5
+    for _ in range(2):  # its peers send twice more: 2 x 3 + 2 = 8
         for unit in (1, 2, 3):
             send(unit)
-    for _ in range(3):
+    for _ in range(4):
         send(0)
     with pytest.raises(Rejected):
         send(0)
@@ -299,13 +334,14 @@ def test_a_restored_outer_reviews_as_the_one_before_and_records_a_redelivered_up
 
 def test_a_bad_peer_history_is_refused() -> None:
     review = PeerReview([100], 4)
-    good = peer_rules.Latest("u1", np.ones(100, np.float32) / 10, 1.0, 10, 0, 1)
+    good = peer_rules.Latest("u1", np.ones(100, np.float32) / 10, 1.0, 10, 0, 1, 10)
     review.restore([{1: good}])
     for bad in (
-        peer_rules.Latest("u1", np.ones(99, np.float32), 1.0, 10, 0, 1),
-        peer_rules.Latest("u1", np.full(100, np.nan, np.float32), 1.0, 10, 0, 1),
-        peer_rules.Latest("u1", np.ones(100, np.float32), -1.0, 10, 0, 1),
-        peer_rules.Latest("u1", np.ones(100, np.float32), 1.0, 0, 0, 1),
+        peer_rules.Latest("u1", np.ones(99, np.float32), 1.0, 10, 0, 1, 10),
+        peer_rules.Latest("u1", np.full(100, np.nan, np.float32), 1.0, 10, 0, 1, 10),
+        peer_rules.Latest("u1", np.ones(100, np.float32), -1.0, 10, 0, 1, 10),
+        peer_rules.Latest("u1", np.ones(100, np.float32), 1.0, 0, 0, 1, 10),
+        peer_rules.Latest("u1", np.ones(100, np.float32), 1.0, 10, 0, 1, 9),  # claimed < steps
     ):
         with pytest.raises(ValueError, match="unit 1"):
             review.restore([{1: bad}])

@@ -42,7 +42,7 @@ from shared.transport import TransportError
 from shared.transport.blobs import publish_blob
 from shared.wire.chunks import Reassembler, WireError, parse_chunk_headers
 
-FORMAT = 2
+FORMAT = 3
 _MAX_FIELD_BYTES = 1 << 40
 
 
@@ -103,6 +103,7 @@ def _pack_latest(kept: Latest) -> dict[str, Any]:
         "steps": int(kept.steps),
         "version": int(kept.version),
         "count": int(kept.count),
+        "claimed": int(kept.claimed),
         "refused": bool(kept.refused),
     }
 
@@ -115,6 +116,7 @@ def _unpack_latest(item: Any) -> Latest:
         steps=int(item["steps"]),
         version=int(item["version"]),
         count=int(item["count"]),
+        claimed=int(item["claimed"]),
         refused=bool(item["refused"]),
     )
 

@@ -119,6 +119,7 @@ class _Held:
     deadline: float
     doubt: Rejected | None = None
     seen: dict[int, int] | None = None
+    start: int = 0  # the inner step its steps began at (PeerReview.start)
 
 
 @dataclass
@@ -159,7 +160,10 @@ class OuterCore:
         sizes = self.plan.sizes()
         # A job of fewer than MIN_PEERS + 1 units has no majority to judge an upload by.
         reviewed = algorithm.peer_review and algorithm.num_units > MIN_PEERS
-        self.peers = PeerReview(sizes, algorithm.num_units) if reviewed else None
+        warmup = algorithm.inner.warmup_steps if algorithm.inner is not None else 0
+        self.peers = (
+            PeerReview(sizes, algorithm.num_units, warmup_steps=warmup) if reviewed else None
+        )
         # Per fragment, the arrivals peer review has not decided on yet (settle).
         self._held: list[list[_Held]] = [[] for _ in sizes]
         self._shares = [size / sum(sizes) for size in sizes]
@@ -328,20 +332,21 @@ class OuterCore:
                     state.version,
                 )
             deadline = arrival.arrived_at + self.algorithm.peer_hold_s
+            start = peers.start(fragment, arrival.unit)
             try:
                 review = peers.judge(
-                    fragment, arrival.unit, sketch, arrival.norm, steps, state.version
+                    fragment, arrival.unit, sketch, arrival.norm, steps, state.version, start=start
                 )
             except Rejected as why:
                 if why.reason != "direction_outlier" or self._doubted(fragment, arrival.unit):
                     peers.refuse(fragment, arrival.unit, arrival.upload)
                     raise
                 # A second opinion from the peers' next uploads (one doubted upload per unit).
-                doubted = _Held(arrival, sketch, deadline, why, peers.counts(fragment))
+                doubted = _Held(arrival, sketch, deadline, why, peers.counts(fragment), start)
                 self._held[fragment].append(doubted)
                 return
             if review.held:
-                self._held[fragment].append(_Held(arrival, sketch, deadline))
+                self._held[fragment].append(_Held(arrival, sketch, deadline, start=start))
                 return
             arrival = _scaled(arrival, review.scale)
         state.policy.add(arrival, fresh=staleness == 0)
@@ -374,12 +379,15 @@ class OuterCore:
                         steps,
                         state.version,
                         newer_than=entry.seen,
+                        start=entry.start,
                     )
                 except Rejected as why:
                     if entry.doubt is None and why.reason == "direction_outlier":
                         deadline = now + self.algorithm.peer_hold_s
                         counts = peers.counts(fragment)
-                        waiting.append(_Held(arrival, entry.sketch, deadline, why, counts))
+                        waiting.append(
+                            _Held(arrival, entry.sketch, deadline, why, counts, entry.start)
+                        )
                     else:
                         rejected.append((arrival, why))
                         peers.refuse(fragment, arrival.unit, arrival.upload)

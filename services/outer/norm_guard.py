@@ -84,11 +84,13 @@ def prior_bound(steps: int, lr: float, weight_decay: float, size: int, params_no
 
 @dataclass(frozen=True)
 class InnerBound:
-    """What the outer knows of the learners' inner optimizer: the peak learning rate and the
-    weight decay (the job's ``--inner-lr`` and ``--weight-decay``)."""
+    """What the outer knows of the learners' inner optimizer: the peak learning rate, the
+    weight decay and the linear warm-up (the job's ``--inner-lr``, ``--weight-decay`` and
+    ``--warmup-steps``)."""
 
     lr: float
     weight_decay: float
+    warmup_steps: int = 0
 
 
 def update_norm(pseudo_grad: Mapping[str, np.ndarray]) -> float:

@@ -17,7 +17,9 @@ the honest ones an honest upload is judged by):
   Counts, not rates, so that the limit holds from the first upload on (DyLU, on by default,
   gives units of any speed the same pace; a unit that joins late or was down is behind, never
   ahead; with ``--no-dynamic-h`` a unit more than ``PACE_FACTOR`` × as fast as the median has
-  its extra uploads refused);
+  its extra uploads refused). The factor is 2, not less: DyLU sets a unit's H from its
+  measured speed, and on a loaded machine an honest unit whose speed was misread sent 1.9×
+  its peers' median count (a ``tiny`` run of 4 units, two such runs on 2 cores);
 * **direction**: the (upper) median of its cosines with the peers' sketches must be at least
   ``DIRECTION_FLOOR``: at least half of its peers agree with it (a sign flip reads as negative
   as honest uploads read positive, a random direction about 0). One that disagrees gets a
@@ -31,15 +33,21 @@ the honest ones an honest upload is judged by):
   per √ of the inner steps behind them (noise adds up as √k, drift as k: within the factor for
   units whose H differ up to 4×, as DyLU's do), and the steps an upload may claim are bounded
   by the job's H (``validation.py``);
-* **work**: its norm must be at least ``WORK_FLOOR`` × the lower median of the peers' norms
-  scaled by the steps it claims over theirs (k / k_peer: the drift's growth, the fastest a
-  norm grows with steps, so that an honest upload of few steps, at the end of a run or after a
-  pause, is never below it), else ``implausible_work``: an upload of a few steps that claims a
-  whole period would take a merge's share of an honest one (an outer step averages the
+* **work**: its norm must be at least ``WORK_FLOOR`` × the lower median of the peers' norms,
+  each scaled by r, the inner learning rate summed over the steps the upload claims over that
+  summed over the peer's (:func:`learning_rate_sum`), where r < 1, and by √r where r > 1 (a
+  drift grows as r, the fastest a norm grows, noise as √r, the slowest: an honest upload of
+  few steps, at the end of a run or after a pause, is never below it, nor one of many steps
+  judged by a peer's few), else ``implausible_work``: an upload of a few steps that claims
+  a whole period would take a merge's share of an honest one (an outer step averages the
   arrivals of its momentum period) and dilute the honest units' progress (a unit uploading
   every H/8 steps, claiming H, left a ``tiny`` run 7% behind a clean one with the pace limit
-  alone). A unit that joins a running job is still in its learning-rate warm-up: its first
-  uploads can fall below the floor and are refused as this.
+  alone). An upload's steps are placed in the unit's schedule by the steps its uploads of the
+  fragment claimed before it: in the learning rate's warm-up a unit that is behind its peers
+  (a slower one, one that joined late) makes smaller updates for its steps than they do, and
+  is judged by the learning rate it had (counting steps alone refused 13 uploads of an honest
+  unit behind its peers in a ``tiny`` run, all in warm-up). A unit that claims more steps
+  than it trained only moves itself further up the warm-up, where more is expected of it.
 
 The size and the work are judged by the median on the side a hostile peer cannot push: the
 upper median for the clip (a hostile peer's tiny upload cannot get honest ones clipped), the
@@ -82,7 +90,7 @@ MIN_PEERS = 2  # peers an upload needs before it is judged (else held)
 DIRECTION_FLOOR = 0.05  # least median cosine with the peers' latest uploads
 NORM_CLIP = 2.0  # an upload's norm is clipped to this × the median of its peers' norms
 WORK_FLOOR = 0.25  # an upload's norm is at least this × its peers' median for its steps
-PACE_FACTOR = 1.5  # most uploads of a fragment, × the median peer's
+PACE_FACTOR = 2.0  # most uploads of a fragment, × the median peer's
 PACE_SLACK = 2  # uploads a unit may be ahead of that (the first in, a flush after an outage)
 MAX_AGE = 4  # a peer's latest upload counts while at most this many rounds of merges old
 
@@ -90,7 +98,8 @@ MAX_AGE = 4  # a peer's latest upload counts while at most this many rounds of m
 @dataclass
 class Latest:
     """What the outer keeps of one unit's uploads of one fragment: its latest upload's id,
-    sketch, norm and the fragment's version then, and how many it recorded."""
+    sketch, norm and the fragment's version then, and how many it recorded with how many
+    inner steps."""
 
     upload: str
     sketch: np.ndarray  # unit vector of SKETCH_SIZE (or fewer) coordinates, float32
@@ -98,6 +107,7 @@ class Latest:
     steps: int  # the inner steps it claims
     version: int  # the fragment's version when it came
     count: int = 0  # uploads kept to its pace
+    claimed: int = 0  # the inner steps those claimed (the latest began at claimed - steps)
     refused: bool = False  # the latest upload was refused (no peer until one passes)
 
 
@@ -112,13 +122,17 @@ class Review:
 class PeerReview:
     """Per fragment and unit, the latest upload's sketch, norm and pace; reviews a new one."""
 
-    def __init__(self, sizes: Sequence[int], num_units: int, seed: int = 0) -> None:
+    def __init__(
+        self, sizes: Sequence[int], num_units: int, seed: int = 0, warmup_steps: int = 0
+    ) -> None:
         """Args:
         sizes: Values per fragment.
         num_units: Units of the job (a round of merges is that many versions).
         seed: Fixes the sampled coordinates.
+        warmup_steps: The learners' linear warm-up of the inner learning rate.
         """
         self.num_units = num_units
+        self.warmup_steps = warmup_steps
         self._sizes = list(sizes)
         rng = np.random.default_rng(seed)
         self._positions = [
@@ -204,6 +218,13 @@ class PeerReview:
         latest.upload, latest.sketch, latest.version = upload, sketch, version
         latest.norm, latest.steps, latest.refused = norm, max(1, steps), False
         latest.count += 1
+        latest.claimed += latest.steps
+
+    def start(self, fragment: int, unit: int) -> int:
+        """The inner step at which ``unit``'s latest recorded upload of ``fragment`` began (by
+        the steps its uploads claimed; 0 before any)."""
+        latest = self._latest[fragment].get(unit)
+        return latest.claimed - latest.steps if latest is not None else 0
 
     def refuse(self, fragment: int, unit: int, upload: str) -> None:
         """Note that ``upload``, ``unit``'s latest recorded upload of ``fragment``, was
@@ -234,10 +255,23 @@ class PeerReview:
                     raise ValueError(f"peer history of unit {unit} holds a bad sketch")
                 if not (math.isfinite(kept.norm) and kept.norm >= 0 and kept.steps >= 1):
                     raise ValueError(f"peer history of unit {unit} holds a bad norm or steps")
+                if not kept.steps <= kept.claimed:
+                    raise ValueError(f"peer history of unit {unit} claims fewer steps in all")
         self._latest = [
             {int(unit): dataclasses.replace(kept) for unit, kept in latest.items()}
             for latest in history
         ]
+
+    def _least_growth(self, rate: float, peer: Latest) -> float:
+        """The least an upload's norm can be over ``peer``'s, by the learning rate summed over
+        its steps (``rate``) against the peer's: their ratio r where the upload did less (a
+        drift shrinks as r, the fastest a norm does), √r where it did more (noise grows as
+        √r, the slowest), so that the floor never asks more of an honest upload than either."""
+        peer_rate = learning_rate_sum(peer.claimed - peer.steps, peer.steps, self.warmup_steps)
+        if peer_rate <= 0:
+            return 0.0
+        ratio = rate / peer_rate
+        return min(ratio, math.sqrt(ratio))
 
     def _sketch_size(self, fragment: int) -> int:
         positions = self._positions[fragment]
@@ -267,10 +301,11 @@ class PeerReview:
         steps: int,
         version: int,
         newer_than: Mapping[int, int] | None = None,
+        start: int = 0,
     ) -> Review:
         """The verdict on an upload of ``unit`` (its ``sketch``, and its ``norm`` over
-        ``steps`` inner steps) by its peers now (``newer_than``: see :meth:`peers`): held while
-        it has fewer than ``MIN_PEERS``.
+        ``steps`` inner steps from step ``start``: see :meth:`start`) by its peers now
+        (``newer_than``: see :meth:`peers`): held while it has fewer than ``MIN_PEERS``.
 
         Raises:
             Rejected: ``direction_outlier``, with the median cosine; ``implausible_work``, an
@@ -290,15 +325,35 @@ class PeerReview:
                     f"units < {DIRECTION_FLOOR:g}",
                 )
         steps = max(1, steps)
-        # The lower median of the peers' norms scaled linearly to these steps.
-        least = sorted(peer.norm * steps / peer.steps for peer in peers)[(len(peers) - 1) // 2]
+        # The lower median of the peers' norms scaled to the learning rate over these steps.
+        rate = learning_rate_sum(start, steps, self.warmup_steps)
+        least = sorted(peer.norm * self._least_growth(rate, peer) for peer in peers)[
+            (len(peers) - 1) // 2
+        ]
         if norm < WORK_FLOOR * least:
             raise Rejected(
                 "implausible_work",
                 f"update norm {norm:.4g} < {WORK_FLOOR:g} x its peers' lower median "
-                f"{least:.4g} for {steps} inner steps: less work than it claims",
+                f"{least:.4g} for {steps} inner steps from step {start}: less work than it "
+                "claims",
             )
         # The upper median of the peers' norms per √step, at these steps.
         per_step = sorted(peer.norm / math.sqrt(peer.steps) for peer in peers)[len(peers) // 2]
         bound = NORM_CLIP * per_step * math.sqrt(steps)
         return Review(scale=bound / norm if norm > bound > 0 else 1.0)
+
+
+def learning_rate_sum(start: int, steps: int, warmup_steps: int) -> float:
+    """The inner learning rate summed over the steps ``[start, start + steps)``, in units of
+    its peak: a linear warm-up from 0 over ``warmup_steps`` (optax's
+    ``warmup_cosine_decay_schedule``, as the learners run it), then the peak. The cosine
+    decay after it is left out: units decay together, and one that is behind has the higher
+    learning rate, never below the floor for it."""
+    if warmup_steps <= 0:
+        return float(steps)
+    end = start + steps
+    ramp_end = min(end, warmup_steps)
+    total = 0.0
+    if start < ramp_end:  # sum of t / warmup_steps for t in [start, ramp_end)
+        total += (start + ramp_end - 1) * (ramp_end - start) / 2 / warmup_steps
+    return total + max(0, end - max(start, warmup_steps))

@@ -57,6 +57,12 @@ class WorkBoundsSettings(BaseModel):
         le=1.0,
         description="the learners' AdamW weight decay: the norm guard's prior bound",
     )
+    warmup_steps: int = Field(
+        InnerAlgorithmSettings.model_fields["warmup_steps"].default,
+        ge=0,
+        description="the learners' linear warm-up of the inner learning rate: peer review "
+        "expects an upload's size from the learning rate over the steps it claims",
+    )
     batch_size: int = Field(
         WorkloadSettings.model_fields["batch_size"].default,
         ge=1,
@@ -96,7 +102,8 @@ class OuterSettings(
 
     def outer_algorithm(self) -> OuterAlgorithm:
         """The algorithm the outer core runs for this job (its mode and units included)."""
-        return self.algorithm(self.num_units, self, (self.inner_lr, self.weight_decay))
+        inner = (self.inner_lr, self.weight_decay, self.warmup_steps)
+        return self.algorithm(self.num_units, self, inner)
 
     @model_validator(mode="after")
     def _check_quorum(self) -> OuterSettings:

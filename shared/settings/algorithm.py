@@ -214,11 +214,12 @@ class OuterAlgorithmSettings(BaseModel):
         return self
 
     def algorithm(
-        self, num_units: int, sync: SyncSettings, inner: tuple[float, float] | None = None
+        self, num_units: int, sync: SyncSettings, inner: tuple[float, float, int] | None = None
     ) -> OuterAlgorithm:
         """The algorithm the outer core runs for a job of ``num_units`` units (imports the
-        outer's JAX code). ``inner``: the learners' peak learning rate and weight decay, which
-        give the norm guard its bound from the first merge on (None: no such bound).
+        outer's JAX code). ``inner``: the learners' peak learning rate, weight decay and
+        warm-up steps, which give the norm guard its bound from the first merge on (None: no
+        such bound) and peer review the learning rate behind an upload's steps.
 
         With ``--mode sync`` a round is merged once every active unit is in (every unit of the
         job in the first round), or ``--sync-timeout-s`` after its first upload without the
@@ -291,4 +292,6 @@ class AlgorithmSettings(SyncSettings, InnerAlgorithmSettings, OuterAlgorithmSett
 
     def outer_algorithm(self, num_units: int) -> OuterAlgorithm:
         """The outer core's algorithm for a job of ``num_units`` units."""
-        return self.algorithm(num_units, self, (self.inner_lr, self.weight_decay))
+        return self.algorithm(
+            num_units, self, (self.inner_lr, self.weight_decay, self.warmup_steps)
+        )
