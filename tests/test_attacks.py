@@ -8,9 +8,12 @@ their reasons, at most one honest upload refused, and the attacked job must trai
 honest units alone in the job as configured (``--learners 3 --dn-period 4``, same seed, steps
 and pacing): what a defence can keep when the attacker's work is refused.
 
-The quality bound here is +``WITHIN`` − 1: on ``tiny`` over 40 steps, runs of one configuration
-spread by up to 3% (measured: the attacked runs' final evals 4.78–4.88 nats/byte against
-4.72–4.74 for the honest units alone, paced as here). The +2% claim is the benchmark's:
+The quality bound here is +``WITHIN`` − 1, one-sided: on ``tiny`` over 40 steps a run ends far
+better when its units stay in step (on an idle machine they start together and their uploads
+of a fragment merge as synchronous DiLoCo's would: about 3.4–3.8 nats/byte) than when the
+machine's load makes them drift apart (about 4.7–4.8, where the honest units alone have ended
+in every run of the suite so far: they run first, beside another test). The +2% claim is the
+benchmark's:
 ``bench/robust.py`` runs the same attacks on ``small`` over 240 steps (BENCHMARKS.md, "Robust
 merging"), with 3 seeds of clean runs and 2 hostile units of 8.
 """
@@ -30,8 +33,11 @@ from tests.helpers import run_up_to_end
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
 # Paced (slowdown 3), as the other end-to-end tests: unpaced tiny units outrun the outer's
-# merges, and the runs spread twice as much.
-BUDGET = ("--max-steps", "40", "--h-steps", "10", "--seed", "1")
+# merges, and the runs spread twice as much. H is fixed (--no-dynamic-h): DyLU scales a unit's
+# H by its speed over the fastest unit's, and on a loaded machine one unit read 4x faster than
+# the rest cut their H to 2 steps (the job ended at 5.15 nats/byte against 4.78 for the honest
+# units alone): noise in the comparison, not the defence under test.
+BUDGET = ("--max-steps", "40", "--h-steps", "10", "--seed", "1", "--no-dynamic-h")
 PACED = "3"
 FRAGMENTS = AlgorithmSettings().fragments  # the shipped default, which every run has
 WITHIN = 1.05  # the attacked run's final eval over the honest units' alone, at most
