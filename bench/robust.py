@@ -404,7 +404,8 @@ def main() -> None:
         results = RobustResults(provenance=Provenance.start(PROGRAM, configuration))
     args.attacks = [a for a in args.attacks.split(",") if a]
     if not args.render:
-        code = results.provenance.commit
+        # The code these rows run (stored rows keep the commit they ran at).
+        code = Provenance.start(PROGRAM, {}, path).commit
         started = time.monotonic()
         with tempfile.TemporaryDirectory() as cache:
             for row in rows(args):

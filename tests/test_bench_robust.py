@@ -132,16 +132,7 @@ def test_a_missing_row_fails_a_quick_run(robust: ModuleType) -> None:
     assert len(failures(robust.claims(stored, args(robust)), quick=True)) == len(robust.ATTACKS)
 
 
-#: Claims the stored runs fail, each with why it is left failing (BENCHMARKS.md shows it too).
-KNOWN_FAILING = {
-    # The same configuration and seed ends up to 2.9% apart from one run to the next on this
-    # machine (docs/SECURITY.md): a 0.5% bound over 3 seeds is below that noise.
-    "peer review costs honest runs at most 0.5% of final eval (clean / clean with "
-    "--no-peer-review, mean over 3 seeds)",
-}
-
-
-def test_the_stored_runs_render_and_every_claim_but_the_known_failing_holds(
+def test_the_stored_runs_render_and_every_claim_holds(
     robust: ModuleType,
 ) -> None:
     from tests.helpers import REPO
@@ -153,5 +144,5 @@ def test_the_stored_runs_render_and_every_claim_but_the_known_failing_holds(
         setattr(a, key, value.split(",") if key == "attacks" else value)
     checked = robust.claims(stored, a)
     assert failures(checked, quick=True) == []  # every claim measured
-    assert {c.text for c in failures(checked)} <= KNOWN_FAILING
+    assert failures(checked) == []
     assert "| too_frequent / seed 1 |" in robust.render(stored, checked, path, a)
