@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import nats
 import numpy as np
 import pytest
 
@@ -19,9 +20,10 @@ from services.outer.downlink import DownlinkServer
 from services.outer.publishing import params_envelope
 from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
-from shared import subjects
+from shared import records, subjects
 from shared.codec import api as codec
 from shared.downlink import params_checksum
+from shared.records.outer import DownlinkReply, DownlinkWant
 from shared.settings.nats import NatsSettings
 from shared.transport.blobs import chunk_size_for, publish_blob
 from shared.transport.connection import connect
@@ -284,5 +286,48 @@ def test_each_fragment_has_its_own_deltas(memory_nats, monkeypatch: pytest.Monke
             assert counters["params_delta_rejected"] == 0
         finally:
             await stop_fetching(fetching, fetcher, nc)
+
+    asyncio.run(scenario())
+
+
+def test_a_want_that_came_before_a_reconnect_is_not_answered(
+    memory_nats, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """nats-server lets the outer send one reply to a request it delivered; a restarted server
+    does not know the requests the old one delivered, and a reply to one is a publish
+    violation (seen in tests/test_up.py's restart of nats-server). A want whose answer was
+    prepared across a reconnect goes unanswered (the unit asks again); one that was not is
+    answered."""
+
+    async def scenario() -> None:
+        nc = await connect(NatsSettings(nats_url=memory_nats.url), "outer")
+        unit_nc = await connect(NatsSettings(nats_url=memory_nats.url), "unit")
+        js = nc.jetstream()
+        await ensure_streams(js)
+        server = DownlinkServer(JOB, "tiny", 1, "int8", 4096, 1 << 20)
+        honest = server._reply
+        reconnect = {"now": False}
+
+        async def across_a_reconnect(*args):
+            reply = await honest(*args)
+            if reconnect["now"]:
+                nc.stats["reconnects"] += 1  # the connection came back while it was prepared
+            return reply
+
+        monkeypatch.setattr(server, "_reply", across_a_reconnect)
+        await server.subscribe(nc, js)
+        want = records.encode(DownlinkWant(fragment=0, held_version=-1, held_checksum=0))
+        try:
+            await publish_version(js, server, 0)
+            reply = await unit_nc.request(subjects.want_subject(JOB, 0), want, timeout=5)
+            assert records.decode(DownlinkReply, reply.data, "reply").version == 0
+            answered = sum(server.answered.values())
+            reconnect["now"] = True
+            with pytest.raises(nats.errors.TimeoutError):
+                await unit_nc.request(subjects.want_subject(JOB, 0), want, timeout=1)
+            assert sum(server.answered.values()) == answered
+        finally:
+            await unit_nc.close()
+            await nc.close()
 
     asyncio.run(scenario())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -98,15 +98,21 @@ class DownlinkServer:
 
         async def on_want(msg: Any) -> None:
             try:
-                await self.answer(js, msg)
+                await self.answer(js, msg, lambda: nc.stats["reconnects"])
             except (TransportError, *NATS_ERRORS) as err:
                 log.info("params want on %s not answered: %r", msg.subject, err)
 
         return await nc.subscribe(subjects.want_subject(self.job, "*"), cb=on_want)
 
-    async def answer(self, js: Any, msg: Any) -> None:
+    async def answer(self, js: Any, msg: Any, reconnects: Callable[[], int] = lambda: 0) -> None:
         """Answer one want message (a malformed one, or one for an unknown fragment, is
-        ignored: its sender times out and reads the global copy)."""
+        ignored: its sender times out and reads the global copy).
+
+        ``reconnects`` counts the connection's reconnects: a want that came before one is not
+        answered. nats-server lets the outer publish one reply to a request it delivered
+        (``allow_responses``), and a restarted server does not know the requests the old one
+        delivered: the reply would be a publish violation. The unit asks again."""
+        received = reconnects()
         unit = subjects.unit_of_want(self.job, msg.subject)
         want = records.decode(DownlinkWant, msg.data, msg.subject)
         if unit is None or want is None or want.fragment >= len(self.senders) or not msg.reply:
@@ -123,6 +129,9 @@ class DownlinkServer:
                 log.warning("no delta for unit %d: %s", unit, err)
                 answer = Keyframe(sender.version, "no_record")
             reply = await self._reply(js, unit, want.fragment, answer)
+        if reconnects() != received:
+            log.info("params want of unit %d came before a reconnect: not answered", unit)
+            return
         self.answered[reply.kind] += 1
         await msg.respond(records.encode(reply))
 
