@@ -174,9 +174,19 @@ def test_an_upload_without_enough_peers_is_held() -> None:
 
 
 def test_peers_too_old_do_not_count() -> None:
-    review = reviewed()
+    """An upload whose peers' latest uploads are too old is not judged by them: held at the
+    job's start, passed on the norm guard's word after it (a sign flip included)."""
     too_new = peer_rules.MAX_AGE * 4 + 1  # versions since the peers' uploads
-    assert review.judge(0, 0, review.sketch(0, honest(10)), 1.0, 10, too_new).held
+    flipped = {"w": -honest(10)["w"]}
+    starting = reviewed(units=3)  # 2 units have sent: the start is not over
+    assert not starting.quorate(0)
+    assert starting.judge(0, 0, starting.sketch(0, flipped), 1.0, 10, too_new).held
+    review = reviewed()
+    assert review.quorate(0)
+    verdict = review.judge(0, 0, review.sketch(0, flipped), 1.0, 10, too_new)
+    assert not verdict.held and verdict.scale == 1.0
+    with pytest.raises(Rejected, match="median cosine"):  # by recent peers, it is refused
+        review.judge(0, 0, review.sketch(0, flipped), 1.0, 10, 0)
 
 
 def test_a_unit_uploading_far_more_often_than_its_peers_is_too_frequent() -> None:
@@ -286,6 +296,29 @@ def test_an_upload_that_finds_no_peers_is_merged_after_peer_hold_s() -> None:
     outer.offer(0, arrival(0, correlated(named, 0), at=0.0))
     assert outer.settle(29.9) == [] and outer.due(29.9) == []
     assert outer.settle(30.0) == [] and outer.due(30.0) == [0]
+
+
+def test_after_the_start_an_upload_whose_peers_are_gone_is_merged_at_once() -> None:
+    """Once 3 units have sent uploads of the fragment, an upload left with fewer than 2 peers
+    (one unit of 3 stopped, and its latest upload aged out) is merged on the norm guard's word
+    at once: waiting ``peer_hold_s`` for peers that stopped would only stall the job."""
+    outer, named = core(units=3), tiny_named()
+    for unit in (0, 1, 2):
+        outer.offer(0, arrival(unit, correlated(named, unit), at=0.0))
+    assert outer.settle(0.0) == [] and merged_units(outer, 0.0) == [0, 1, 2]
+    review = outer.peers
+    assert review is not None and review.quorate(0)
+    now, alone = 1.0, 0
+    for round_ in range(1, 12):  # unit 0 has stopped
+        for unit in (1, 2):
+            version = outer.fragments[0].version
+            update = correlated(named, 10 * round_ + unit)
+            outer.offer(0, arrival(unit, update, base_version=version, at=now, round_=round_))
+            alone += len(review.peers(0, unit, version)) < peer_rules.MIN_PEERS
+            assert outer.settle(now) == [] and outer.held() == 0, (round_, unit)
+            assert merged_units(outer, now) == [unit]
+            now += 1.0
+    assert alone >= 8  # most of them had one peer left
 
 
 def test_a_restored_outer_reviews_as_the_one_before_and_records_a_redelivered_upload_once():

@@ -355,12 +355,13 @@ class OuterCore:
         """Judge the held arrivals that have (newer) peers now; returns those rejected (with
         why), which the caller dead-letters.
 
-        An arrival held for want of peers is merged unjudged once it has waited
-        ``peer_hold_s``. One whose direction disagreed with its peers' is doubted: it is judged
-        again against the uploads its peers send next (an honest unit's update can reverse
-        its peers' older ones where the params moved past a minimum; a hostile one keeps
-        disagreeing), and rejected if they still disagree, or if none come within
-        ``peer_hold_s``.
+        An arrival held for want of peers (at the job's start) is merged unjudged once it has
+        waited ``peer_hold_s``, or at once when the start is over without them
+        (:meth:`PeerReview.quorate`). One whose direction disagreed with its peers' is
+        doubted: it is judged again against the uploads its peers send next (an honest unit's
+        update can reverse its peers' older ones where the params moved past a minimum; a
+        hostile one keeps disagreeing), and rejected if they still disagree, or if none come
+        within ``peer_hold_s``.
         """
         rejected: list[tuple[Arrival, Rejected]] = []
         peers = self.peers

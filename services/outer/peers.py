@@ -59,11 +59,15 @@ hostile units of K with f ≤ (K − 1)/2, an honest unit has at least half of i
 honest, so its direction passes whatever the hostile ones send; a hostile upload passes only
 if it agrees with at least half of its peers, so with honest ones: it must look like the
 honest units' uploads, and it weighs at most ``NORM_CLIP`` of theirs. Until an upload has
-``MIN_PEERS`` peers it is **held**, unjudged and not merged; the core reviews it again as
-peers arrive (the first uploads of a job come at about the same time), or merges it on the
-norm guard's word alone once it has waited ``peer_hold_s`` (a job down to fewer live units
-than that has no majority to judge by). A job of fewer than ``MIN_PEERS`` + 1 units is not
-reviewed at all.
+``MIN_PEERS`` peers at the job's start (before ``MIN_PEERS`` + 1 units have sent uploads of
+its fragment) it is **held**, unjudged and not merged; the core reviews it again as peers
+arrive (the first uploads of a job come at about the same time), or merges it on the norm
+guard's word alone once it has waited ``peer_hold_s``. After the start, an upload with fewer
+peers is merged on the norm guard's word at once: its peers stopped, finished or were shut
+out, and a job down to fewer live units than that has no majority to judge by (waiting for
+them would hold every upload of a 3-unit job with one unit gone for ``peer_hold_s``, and a
+run's last uploads once its other units have finished). A job of fewer than ``MIN_PEERS`` + 1
+units is not reviewed at all.
 
 A hostile unit's uploads are refused, so its work is lost to the job: an attacked job trains
 like one of its honest units alone, which is the reference its final eval is held to.
@@ -189,6 +193,12 @@ class PeerReview:
             and (newer_than is None or latest.count > newer_than.get(other, 0))
         ]
 
+    def quorate(self, fragment: int) -> bool:
+        """Whether ``fragment`` has had uploads from ``MIN_PEERS`` + 1 units: the job's start is
+        over, and an upload that has too few peers now has them no more (they stopped, finished
+        or were shut out) rather than not yet."""
+        return len(self._latest[fragment]) > MIN_PEERS
+
     def counts(self, fragment: int) -> dict[int, int]:
         """Per unit, the uploads of ``fragment`` recorded so far."""
         return {unit: latest.count for unit, latest in self._latest[fragment].items()}
@@ -305,7 +315,8 @@ class PeerReview:
     ) -> Review:
         """The verdict on an upload of ``unit`` (its ``sketch``, and its ``norm`` over
         ``steps`` inner steps from step ``start``: see :meth:`start`) by its peers now
-        (``newer_than``: see :meth:`peers`): held while it has fewer than ``MIN_PEERS``.
+        (``newer_than``: see :meth:`peers`). With fewer than ``MIN_PEERS`` it is held, or, once
+        the fragment is :meth:`quorate` (and not waiting for newer uploads), passed unjudged.
 
         Raises:
             Rejected: ``direction_outlier``, with the median cosine; ``implausible_work``, an
@@ -313,6 +324,8 @@ class PeerReview:
         """
         peers = self.peers(fragment, unit, version, newer_than)
         if len(peers) < MIN_PEERS:
+            if newer_than is None and self.quorate(fragment):
+                return Review()  # merged on the norm guard's word
             return Review(held=True)
         if norm > 0:
             # The upper median: the upload passes when at least half of its peers agree.

@@ -203,8 +203,9 @@ class OuterAlgorithmSettings(BaseModel):
         30.0,
         ge=0,
         le=3600,
-        description="most seconds an upload with fewer than 2 recent peers waits for them before "
-        "it is merged on the norm guard's word alone",
+        description="at a job's start (before 3 units have sent uploads of a fragment), most "
+        "seconds an upload with fewer than 2 recent peers waits for them before it is merged on "
+        "the norm guard's word alone (after the start it is merged so at once)",
     )
 
     @model_validator(mode="after")
