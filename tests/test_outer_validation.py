@@ -462,8 +462,10 @@ def test_an_upload_held_for_peers_and_then_rejected_is_counted_and_dead_lettered
     assert take(intake, hostile) == 0  # no peers yet: held, unjudged
     assert take(intake, chunks(envelope(unit=1, round=0, tensors=agreeing(1e-3)))) == 0
     assert take(intake, chunks(envelope(unit=2, round=0, tensors=agreeing(2e-3)))) == 0
-    assert len(intake.buffered) == 3 and reviewing.held() == 2  # the third had peers
+    # The third had peers, and waits behind the first two to be merged in order.
+    assert len(intake.buffered) == 3 and reviewing.held() == 3
     assert reviewing.settle(time.monotonic()) == []  # unit 0 disagrees: a second opinion
+    assert reviewing.held() == 1
     assert take(intake, chunks(envelope(unit=1, round=1, tensors=agreeing(3e-3)))) == 0
     assert take(intake, chunks(envelope(unit=2, round=1, tensors=agreeing(4e-3)))) == 0
     for arrival, rejected in reviewing.settle(time.monotonic()):

@@ -264,6 +264,19 @@ def test_the_first_uploads_wait_for_peers_then_a_hostile_one_is_rejected() -> No
     assert outer.held() == 0 and merged_units(outer, 4.0) == [1, 2]
 
 
+def test_the_upload_that_brings_peers_is_merged_after_those_that_waited_for_them() -> None:
+    """The outer step is applied to arrivals in the order they came, with review as without."""
+    outer, named = core(), tiny_named()
+    for unit in (2, 0, 1):
+        outer.offer(0, arrival(unit, correlated(named, unit), at=float(unit)))
+    assert outer.held() == 3  # unit 1 had peers, and waits behind them
+    assert outer.settle(2.0) == [] and outer.held() == 0
+    order = []
+    while outer.due(2.0):
+        order += [a.unit for a in outer.merge(0).arrivals]
+    assert order == [2, 0, 1]
+
+
 def test_a_doubted_units_next_disagreeing_upload_is_rejected_at_once() -> None:
     outer, named = core(), tiny_named()
     for unit in (1, 2):

@@ -345,7 +345,9 @@ class OuterCore:
                 doubted = _Held(arrival, sketch, deadline, why, peers.counts(fragment), start)
                 self._held[fragment].append(doubted)
                 return
-            if review.held:
+            if review.held or self._waiting(fragment):
+                # Behind earlier arrivals that wait for peers, so that the policy takes them
+                # all in the order they came (``settle`` judges it again).
                 self._held[fragment].append(_Held(arrival, sketch, deadline, start=start))
                 return
             arrival = _scaled(arrival, review.scale)
@@ -404,6 +406,10 @@ class OuterCore:
                 state.policy.add(_scaled(arrival, review.scale), fresh=fresh)
             self._held[fragment] = waiting
         return rejected
+
+    def _waiting(self, fragment: int) -> bool:
+        """Whether arrivals of ``fragment`` are held for want of peers."""
+        return any(h.doubt is None for h in self._held[fragment])
 
     def _doubted(self, fragment: int, unit: int) -> bool:
         """Whether an upload of ``unit`` waits for a second opinion on ``fragment``."""
