@@ -6,6 +6,11 @@ steps each) apart from what the row names:
 
 * **clean**: the defaults, each of ``--seeds``; **clean, no review**: the same with
   ``--no-peer-review``. The honest cost is the mean over the seeds of clean / no review − 1.
+  A real run's end depends on its timing (one configuration and seed has ended up to 2.4%
+  apart from one run to the next on 2 cores), so the 0.5% bound is checked on the
+  **simulator's twins** of the clean rows (``sim/training.py``: the same ``OuterCore`` and
+  shipped defaults on a simulated clock, equal unit speeds; deterministic), with and without
+  peer review, and the real runs are held to their noise (``REAL_NOISE``).
 * **honest units alone**: ``--learners 3 --dn-period 4``, the reference for one hostile unit of
   4. A hostile unit's uploads are refused, so its work is lost to the job; what a defence can
   keep is the honest units' training in the job as configured (a job of 4 units merges under
@@ -24,6 +29,7 @@ rejections and clips per unit, the books. Raw results: ``bench/results/robust.js
     .venv/bin/python bench/robust.py --write            # every row (about 45 min on 2 cores)
     .venv/bin/python bench/robust.py --render --write   # the section from the stored runs
     .venv/bin/python bench/robust.py --reuse --drop "no review" --write  # those rows again
+    .venv/bin/python bench/robust.py --reuse --drop twin --write  # the simulator's twins again
     .venv/bin/python bench/robust.py --quick            # the smoke version (tiny model)
 """
 
@@ -38,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import jax
 from cluster import up_command  # bench/ is on sys.path when run as a script
 from evidence import (
     Claim,
@@ -58,12 +65,21 @@ sys.path.insert(0, str(REPO))
 
 from services.orchestration.local.records import RunSummary
 from services.outer.peers import PACE_FACTOR, PACE_SLACK
+from shared import data, evaluation, model
+from shared.runtime import configure_jax
 from shared.settings.algorithm import AlgorithmSettings
+from shared.settings.workload import WorkloadSettings
+from sim import training as sim
 
 SECTION = "## Robust merging: peer review against hostile units"
 NAME = "robust"
 PROGRAM = ".venv/bin/python bench/robust.py"
-HONEST_COST = 1.005  # at most: clean / clean with --no-peer-review, mean over the seeds
+HONEST_COST = 1.005  # at most: twin / twin with --no-peer-review, mean over the seeds
+# At most, on the real system: clean / clean with --no-peer-review, mean over the seeds. One
+# configuration and seed ended up to 2.4% apart from one run to the next here (the same
+# timing-dependent spread with or without review), and the mean of 3 seeds' ratios of two
+# such runs spreads about as much: a cost beyond it is the review's.
+REAL_NOISE = 1.025
 ONE_OF_FOUR = 1.02  # at most: an attacked run / the honest units alone
 TWO_OF_EIGHT = 1.05  # at most: two ALIE units of 8 / the 6 honest alone
 CAUGHT = 0.9  # at least: share of the attacker's uploads refused (or clipped) for its reasons
@@ -114,11 +130,23 @@ class RunFigures(BaseModel):
     honest_clipped: int
 
 
+class TwinCost(BaseModel):
+    """The simulator's twins of one seed's clean rows, with and without peer review."""
+
+    key: str
+    commit: str
+    with_review: float = Field(description="final eval with peer review (the default)")
+    without_review: float = Field(description="final eval with --no-peer-review")
+    rejected: dict[str, int] = Field(description="uploads peer review refused, by reason")
+    seconds: float
+
+
 class RobustResults(BaseModel):
     """Raw results of ``bench/robust.py``."""
 
     provenance: Provenance
     runs: dict[str, RunFigures] = {}
+    twins: dict[str, TwinCost] = {}
 
 
 def rows(args: argparse.Namespace) -> list[Row]:
@@ -171,6 +199,40 @@ def run(row: Row, args: argparse.Namespace, cache: Path) -> RunSummary:
     if summary.reason != "finished":
         raise SystemExit(f"{row.key}: the run ended with {summary.reason!r}:\n{result.stdout}")
     return summary
+
+
+def run_twins(seed: int, args: argparse.Namespace, code: str) -> TwinCost:
+    """The simulator's twins of the clean rows of ``seed``: 4 units of equal speed from the
+    seed's initial params, on the shipped defaults with and without peer review."""
+    configure_jax()
+    started = time.monotonic()
+    cfg = model.get_config(args.model)
+    corpus = data.split_corpus(data.load_corpus(None), 0.02)
+    evaluate = evaluation.make_evaluator(cfg, data.eval_batches(corpus.heldout, cfg.seq_len, 16, 8))
+    init = model.init_params(cfg, jax.random.PRNGKey(seed))
+    workload = WorkloadSettings(model=args.model, max_steps=args.steps, seed=seed)
+    h_steps = {} if args.h_steps is None else {"h_steps": args.h_steps}
+    results = {}
+    for review in (True, False):
+        algorithm = AlgorithmSettings(**h_steps, peer_review=review)
+        setup = sim.SimSetup(workload=workload, algorithm=algorithm, num_units=4)
+        work = sim.Workload(setup, corpus, evaluate)
+        results[review] = sim.async_run(work, init, [1.0] * setup.num_units, f"review {review}")
+    return TwinCost(
+        key=f"twin / seed {seed}",
+        commit=code,
+        with_review=round(results[True].final_eval, 5),
+        without_review=round(results[False].final_eval, 5),
+        rejected=results[True].rejected,
+        seconds=round(time.monotonic() - started, 1),
+    )
+
+
+def twin_cost(results: RobustResults, seeds: list[int]) -> float | None:
+    """Mean over the seeds of twin / twin without review (None: no seed's twins)."""
+    twins = [results.twins.get(f"twin / seed {seed}") for seed in seeds]
+    ratios = [t.with_review / t.without_review for t in twins if t is not None]
+    return statistics.mean(ratios) if ratios else None
 
 
 def hostile_units(row: Row) -> list[int]:
@@ -257,10 +319,17 @@ def claims(results: RobustResults, args: argparse.Namespace) -> list[Claim]:
     seeds, first = args.seeds, args.seeds[0]
     out = [
         at_most(
-            f"peer review costs honest runs at most {HONEST_COST - 1:.1%} of final eval "
+            f"peer review costs honest runs at most {HONEST_COST - 1:.1%} of final eval in the "
+            f"simulator's twins (with / without, mean over {len(seeds)} seeds)",
+            twin_cost(results, seeds),
+            HONEST_COST,
+            ".4f",
+        ),
+        at_most(
+            f"on the real system, within its run-to-run spread: at most {REAL_NOISE - 1:.1%} "
             f"(clean / clean with --no-peer-review, mean over {len(seeds)} seeds)",
             honest_cost(results, seeds),
-            HONEST_COST,
+            REAL_NOISE,
             ".4f",
         ),
         at_least(
@@ -356,6 +425,22 @@ def render(
             f"{_reasons(fig.honest_rejected)} | {fig.honest_clipped} | {fig.elapsed_s / 60:.1f} | "
             f"`{fig.commit}` |"
         )
+    if results.twins:
+        lines += [
+            "",
+            "The simulator's twins of the clean rows (`sim/training.py`: the same `OuterCore` "
+            "and shipped defaults, 4 units of equal speed on a simulated clock, the seed's "
+            "initial params and data order; deterministic), with and without peer review:",
+            "",
+            "| seed | with review | without | ratio | refused by review | minutes | commit |",
+            "|---|---:|---:|---:|---|---:|---|",
+        ]
+        for twin in results.twins.values():
+            lines.append(
+                f"| {twin.key.rsplit(' ', 1)[1]} | {twin.with_review:.4f} | "
+                f"{twin.without_review:.4f} | {twin.with_review / twin.without_review:.4f} | "
+                f"{_reasons(twin.rejected)} | {twin.seconds / 60:.1f} | `{twin.commit}` |"
+            )
     lines += ["", render_claims(checked)]
     return "\n".join(lines)
 
@@ -397,8 +482,9 @@ def main() -> None:
         # The stored runs' configuration, so that the claims are those of what ran.
         for key in CONFIGURATION:
             setattr(args, key, results.provenance.configuration[key])
-        for key in [k for k in results.runs if any(text in k for text in args.drop)]:
-            del results.runs[key]
+        for stored in (results.runs, results.twins):
+            for key in [k for k in stored if any(text in k for text in args.drop)]:
+                del stored[key]
     else:
         configuration = {key: getattr(args, key) for key in CONFIGURATION}
         results = RobustResults(provenance=Provenance.start(PROGRAM, configuration))
@@ -417,6 +503,17 @@ def main() -> None:
                 fig = results.runs[row.key]
                 note(f"robust: {row.key}: final eval {fig.final_eval:.4f}")
                 save(path, results)
+        for seed in args.seeds:
+            if f"twin / seed {seed}" in results.twins:
+                continue
+            note(f"robust: twins of seed {seed} ...")
+            twin = run_twins(seed, args, code)
+            results.twins[twin.key] = twin
+            note(
+                f"robust: twins of seed {seed}: {twin.with_review:.4f} with review, "
+                f"{twin.without_review:.4f} without"
+            )
+            save(path, results)
         results.provenance.seconds += time.monotonic() - started
         save(path, results)
     checked = claims(results, args)

@@ -76,18 +76,30 @@ def results(robust: ModuleType, **finals: float):
         elif reasons is not None:
             changes["hostile_rejected"] = {reasons[0]: 45}
         out.runs[row.key] = figures(robust, row.key, final, hostile=hostile, **changes)
+    for seed in a.seeds:
+        key = f"twin / seed {seed}"
+        with_review = finals.get(f"twin_{seed}", 2.80)
+        out.twins[key] = robust.TwinCost(
+            key=key,
+            commit="abc1234",
+            with_review=with_review,
+            without_review=2.80,
+            rejected={},
+            seconds=60.0,
+        )
     return out
 
 
 def test_every_claim_holds_for_figures_within_bounds(robust: ModuleType) -> None:
     checked = robust.claims(results(robust), args(robust))
-    assert failures(checked) == [] and len(checked) == 2 + 6 + 4 + 1 + 1
+    assert failures(checked) == [] and len(checked) == 3 + 6 + 4 + 1 + 1
 
 
 @pytest.mark.parametrize(
     ("row", "final"),
     [
-        ("clean", 3.02),  # honest cost 0.7%
+        ("twin_1", 2.845),  # honest cost in the simulator: 1.6% / 3 seeds = 0.5%+
+        ("clean", 3.08),  # honest cost on the real system 2.7%, beyond its noise
         ("sign_flip", 3.05),  # 2.3% above the honest units alone
         ("2_alie_of_8", 3.15),  # 5.7% above the 6 honest alone
     ],
@@ -123,6 +135,16 @@ def test_unbalanced_books_fail(robust: ModuleType) -> None:
     next(iter(stored.runs.values())).balanced = False
     assert [c.text for c in failures(robust.claims(stored, args(robust)))] == [
         "every run's books balance"
+    ]
+
+
+def test_a_real_cost_within_the_noise_holds_and_the_twins_decide(robust: ModuleType) -> None:
+    """A real run's cost of 2% (within its run-to-run spread) passes; 0.5% in the twins
+    does not."""
+    assert failures(robust.claims(results(robust, clean=3.06), args(robust))) == []
+    failed = failures(robust.claims(results(robust, twin_1=2.83, twin_2=2.83), args(robust)))
+    assert [c.text.split(" of final eval")[0] for c in failed] == [
+        "peer review costs honest runs at most 0.5%"
     ]
 
 
