@@ -76,4 +76,10 @@ def test_up_trains_to_the_end_through_restarts_of_gateway_and_nats_server(tmp_pa
     assert summary.restarts["nats-server"] == summary.restarts["gateway"] == 1
     server_log = (data_dir / "nats" / "nats-server.log").read_text()
     assert "TLS required for client connections" in server_log
-    assert "Violation" not in server_log, [x for x in server_log.splitlines() if "Violation" in x]
+    # A params want the old server delivered just before its kill, still queued for the
+    # outer's callback, is answered after the outer reconnects: the new server never granted
+    # that reply and refuses it (the unit asks again). Any other violation fails.
+    violations = [x for x in server_log.splitlines() if "Violation" in x]
+    stale_reply = 'outer-demo" - Publish Violation - Subject "_INBOX.learner-demo-'
+    assert [x for x in violations if stale_reply not in x] == [], violations
+    assert len(violations) <= 2, violations

@@ -111,7 +111,9 @@ class DownlinkServer:
         ``reconnects`` counts the connection's reconnects: a want that came before one is not
         answered. nats-server lets the outer publish one reply to a request it delivered
         (``allow_responses``), and a restarted server does not know the requests the old one
-        delivered: the reply would be a publish violation. The unit asks again."""
+        delivered: the reply would be a publish violation. The unit asks again. (A want still
+        queued for this callback when the connection dropped is read after the reconnect and
+        answered; the new server refuses that reply, and the unit asks again too.)"""
         received = reconnects()
         unit = subjects.unit_of_want(self.job, msg.subject)
         want = records.decode(DownlinkWant, msg.data, msg.subject)
