@@ -8,12 +8,16 @@ their reasons, at most one honest upload refused, and the attacked job must trai
 honest units alone in the job as configured (``--learners 3 --dn-period 4``, same seed, steps
 and pacing): what a defence can keep when the attacker's work is refused.
 
-The quality bound here is +``WITHIN`` − 1, one-sided: on ``tiny`` over 40 steps a run ends far
-better when its units stay in step (on an idle machine they start together and their uploads
-of a fragment merge as synchronous DiLoCo's would: about 3.4–3.8 nats/byte) than when the
-machine's load makes them drift apart (about 4.7–4.8, where the honest units alone have ended
-in every run of the suite so far: they run first, beside another test). The +2% claim is the
-benchmark's:
+The quality bound here is +``WITHIN`` − 1, one-sided, and wide: on ``tiny`` over 40 steps a
+run's end depends on its units' timing. It ends far better when its units stay in step (on an
+idle machine they start together and their uploads of a fragment merge as synchronous
+DiLoCo's would: about 3.4–3.8 nats/byte) than when the machine's load makes them drift apart
+(about 4.2–4.8, where the honest units alone have ended in every run of the suite so far: they
+run first, beside another test). Even there, runs of one configuration, two side by side,
+spread 6% (the honest units alone ended at 4.18–4.45 over three runs, a sign_flip job at
+4.34–4.52), and one CI run had three attacked jobs 5.5–7.7% above the honest units alone; an
+undefended sign flip (``--no-peer-review``) ended at 5.06, 14% above the worst of the honest
+units alone. The +2% claim is the benchmark's:
 ``bench/robust.py`` runs the same attacks on ``small`` over 240 steps (BENCHMARKS.md, "Robust
 merging"), with 3 seeds of clean runs and 2 hostile units of 8.
 """
@@ -40,7 +44,7 @@ pytestmark = pytest.mark.slow  # real processes and nats-server (run by make tes
 BUDGET = ("--max-steps", "40", "--h-steps", "10", "--seed", "1", "--no-dynamic-h")
 PACED = "3"
 FRAGMENTS = AlgorithmSettings().fragments  # the shipped default, which every run has
-WITHIN = 1.05  # the attacked run's final eval over the honest units' alone, at most
+WITHIN = 1.10  # the attacked run's final eval over the honest units' alone, at most
 CAUGHT = 0.9  # at least: the share of the attacker's uploads counted under its reasons
 
 
