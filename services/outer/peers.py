@@ -33,21 +33,22 @@ the honest ones an honest upload is judged by):
   per √ of the inner steps behind them (noise adds up as √k, drift as k: within the factor for
   units whose H differ up to 4×, as DyLU's do), and the steps an upload may claim are bounded
   by the job's H (``validation.py``);
-* **work**: its norm must be at least ``WORK_FLOOR`` × the lower median of the peers' norms,
-  each scaled by r, the inner learning rate summed over the steps the upload claims over that
-  summed over the peer's (:func:`learning_rate_sum`), where r < 1, and by √r where r > 1 (a
-  drift grows as r, the fastest a norm grows, noise as √r, the slowest: an honest upload of
-  few steps, at the end of a run or after a pause, is never below it, nor one of many steps
-  judged by a peer's few), else ``implausible_work``: an upload of a few steps that claims
-  a whole period would take a merge's share of an honest one (an outer step averages the
-  arrivals of its momentum period) and dilute the honest units' progress (a unit uploading
-  every H/8 steps, claiming H, left a ``tiny`` run 7% behind a clean one with the pace limit
-  alone). An upload's steps are placed in the unit's schedule by the steps its uploads of the
-  fragment claimed before it: in the learning rate's warm-up a unit that is behind its peers
-  (a slower one, one that joined late) makes smaller updates for its steps than they do, and
-  is judged by the learning rate it had (counting steps alone refused 13 uploads of an honest
-  unit behind its peers in a ``tiny`` run, all in warm-up). A unit that claims more steps
-  than it trained only moves itself further up the warm-up, where more is expected of it.
+* **work**: its norm must be at least ``WORK_FLOOR`` × the lower median of the peers' norms, each
+  scaled by r, the inner learning rate summed over the steps the upload claims over that summed over
+  the peer's (:func:`learning_rate_sum`), where r < 1, and by √r where r > 1 (a drift grows as r,
+  the fastest a norm grows, noise as √r, the slowest: an honest upload of few steps, at the end of a
+  run or after a pause, is not below it, nor one of many steps judged by a peer's few, except where
+  the learning rate's decay, which r leaves out, has shrunk its steps: see
+  :func:`learning_rate_sum`), else ``implausible_work``: an upload of a few steps that claims a
+  whole period would take a merge's share of an honest one (an outer step averages the arrivals of
+  its momentum period) and dilute the honest units' progress (a unit uploading every H/8 steps,
+  claiming H, left a ``tiny`` run 7% behind a clean one with the pace limit alone). An upload's
+  steps are placed in the unit's schedule by the steps its uploads of the fragment claimed before
+  it: in the learning rate's warm-up a unit that is behind its peers (a slower one, one that joined
+  late) makes smaller updates for its steps than they do, and is judged by the learning rate it had
+  (counting steps alone refused 13 uploads of an honest unit behind its peers in a ``tiny`` run, all
+  in warm-up). A unit that claims more steps than it trained only moves itself further up the
+  warm-up, where more is expected of it.
 
 The size and the work are judged by the median on the side a hostile peer cannot push: the
 upper median for the clip (a hostile peer's tiny upload cannot get honest ones clipped), the
