@@ -159,6 +159,31 @@ def test_a_unit_whose_upload_was_refused_is_no_peer_until_one_passes() -> None:
     assert len(review.peers(0, 0, 0)) == 3
 
 
+def test_a_unit_set_aside_judges_no_pace_until_it_sends_again() -> None:
+    """With units 0 and 2 of 3 stopped by the operator, unit 1's uploads are not held to the
+    pace of the two counts that stopped growing (they were refused as too_frequent)."""
+
+    def send(review: PeerReview, unit: int) -> None:
+        review.check_pace(0, unit, 0)
+        review.record(0, unit, f"u{unit}", review.sketch(0, honest(unit)), 1.0, 10, 0)
+
+    stalled, set_aside = PeerReview([SIZE], 3), PeerReview([SIZE], 3)
+    for review in (stalled, set_aside):
+        for unit in (0, 1, 2, 0, 1):
+            send(review, unit)
+    with pytest.raises(Rejected, match="too_frequent|median of 1.5"):
+        for _ in range(4):
+            send(stalled, 1)
+    set_aside.set_aside(0)
+    set_aside.set_aside(2)
+    set_aside.set_aside(3)  # a unit without uploads: nothing to set aside
+    for _ in range(10):
+        send(set_aside, 1)
+    assert not set_aside.peers(0, 1, 0)
+    send(set_aside, 2)  # it sends again: a peer again
+    assert [p.upload for p in set_aside.peers(0, 1, 0)] == ["u2"]
+
+
 def test_a_minority_of_hostile_peers_does_not_move_an_honest_units_verdict() -> None:
     review = reviewed()
     flipped = {"w": -honest(3)["w"]}

@@ -75,6 +75,9 @@ def test_a_unit_quarantined_through_the_gateway_is_shut_out_of_the_run(tmp_path,
             return next((u["published"] for u in view.get("units", []) if u["unit"] == unit), 0)
 
         wait_for(lambda: published(0) >= 1, 240, "unit 0 to publish")
+        # Unit 2 waits, paused, until the forged upload below is judged: the job cannot end
+        # (and its gateway go) before that, however loaded the machine.
+        assert client.post(f"/jobs/{JOB}/units/2/pause").status_code == 200
         kept = tmp_path / "unit-0.json"
         own = data_dir / "credentials" / f"learner-{JOB}-0.json"
         shutil.copy(own, kept)
@@ -94,11 +97,17 @@ def test_a_unit_quarantined_through_the_gateway_is_shut_out_of_the_run(tmp_path,
             return view.get("rejected", {}).get("quarantined", 0) >= 1
 
         wait_for(refused, 60, "the forged upload to be refused as quarantined")
+        assert client.post(f"/jobs/{JOB}/units/2/resume").status_code == 200
         assert process.wait(timeout=300) == 0, out_path.read_text()
     finally:
         if process.poll() is None:
             process.kill()
     summary = RunSummary.model_validate_json((data_dir / "summary.json").read_text())
     assert summary.reason == "finished" and summary.ledger.balanced, summary.ledger
+    # Only unit 0's uploads were refused: units 1 and 2 did not judge each other by unit 0's
+    # (nor unit 1 by unit 2's while it was paused).
+    assert summary.outer is not None
+    assert set(summary.outer.rejected) == {"quarantined"}, summary.outer.rejected
     assert summary.restarts["learner-0"] == 0
-    assert summary.units[0].step < 240 and summary.units[1].step == 240
+    assert summary.units[0].step < 240
+    assert summary.units[1].step == summary.units[2].step == 240

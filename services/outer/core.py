@@ -407,6 +407,12 @@ class OuterCore:
             self._held[fragment] = waiting
         return rejected
 
+    def set_aside(self, unit: int) -> None:
+        """Judge no upload by ``unit``'s until it sends one again (:meth:`PeerReview.set_aside`):
+        the operator paused, stopped or quarantined it."""
+        if self.peers is not None:
+            self.peers.set_aside(unit)
+
     def _waiting(self, fragment: int) -> bool:
         """Whether arrivals of ``fragment`` are held for want of peers."""
         return any(h.doubt is None for h in self._held[fragment])

@@ -113,7 +113,7 @@ class Latest:
     version: int  # the fragment's version when it came
     count: int = 0  # uploads kept to its pace
     claimed: int = 0  # the inner steps those claimed (the latest began at claimed - steps)
-    refused: bool = False  # the latest upload was refused (no peer until one passes)
+    refused: bool = False  # refused or set aside: no peer until its next upload passes
 
 
 @dataclass(frozen=True)
@@ -243,6 +243,18 @@ class PeerReview:
         latest = self._latest[fragment].get(unit)
         if latest is not None and latest.upload == upload:
             latest.refused = True
+
+    def set_aside(self, unit: int) -> None:
+        """Make ``unit`` no peer of any fragment until its next upload is recorded: the
+        operator paused, stopped or quarantined it. A unit that trains no more would otherwise
+        judge the others by its latest upload until that aged out (``MAX_AGE``), and by its
+        count their pace: with one unit of three quarantined and one paused, the third's
+        uploads were refused as ``too_frequent`` against the median of the two counts that had
+        stopped growing."""
+        for latest in self._latest:
+            kept = latest.get(unit)
+            if kept is not None:
+                kept.refused = True
 
     def history(self) -> list[dict[int, Latest]]:
         """Per fragment and unit, what the review keeps, for a checkpoint."""

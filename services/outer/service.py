@@ -63,7 +63,7 @@ from shared.transport.streams import prepare_streams
 log = logging.getLogger(__name__)
 
 ACK_WAIT_S = 300.0
-QUARANTINE_POLL_S = 2.0  # seconds between reads of the units' desired states
+DESIRED_POLL_S = 2.0  # seconds between reads of the units' desired states
 
 
 class OuterService:
@@ -87,6 +87,7 @@ class OuterService:
         self.downlink: DownlinkServer | None = None  # with --params-downlink delta, when leading
         self._nc: Any = None
         self._checkpoint_seq = 0
+        self.idle_units: set[int] = set()  # paused, stopped or quarantined (desired states)
         self._dirty = False
 
     # ---- set-up ----------------------------------------------------------------------------
@@ -207,7 +208,7 @@ class OuterService:
         self.lease = lease
         tasks = [
             asyncio.create_task(self._heartbeat(status_kv)),
-            asyncio.create_task(self._watch_quarantine(js)),
+            asyncio.create_task(self._watch_desired(js)),
         ]
         try:
             if await lease.acquire(self.stop.is_set, self._on_standby):
@@ -332,6 +333,8 @@ class OuterService:
             )
         except nats.errors.Error:
             return None
+        for unit in self.idle_units:  # before its last uploads are taken, and after
+            self.core.set_aside(unit)
         if await self.intake.take(msgs):
             self._dirty = True  # rejections are committed before they are dead-lettered
         for arrival, rejected in self.core.settle(time.monotonic()):
@@ -508,9 +511,11 @@ class OuterService:
     def _status_key(self) -> str:
         return status_key(self.settings.job, self.state, self.holder)
 
-    async def _watch_quarantine(self, js: Any) -> None:
-        """Every ``QUARANTINE_POLL_S``, read the job's units' desired states: the uploads of a
-        unit quarantined through the REST API are refused from then on (``quarantined``)."""
+    async def _watch_desired(self, js: Any) -> None:
+        """Every ``DESIRED_POLL_S``, read the job's units' desired states: the uploads of a
+        unit quarantined through the REST API are refused from then on (``quarantined``), and
+        a unit paused, stopped or quarantined is set aside as a peer (``OuterCore.set_aside``,
+        applied by the fetch loop) until it is wanted running again."""
         desired_kv = None
         while True:
             raise_if_cancelling()
@@ -518,16 +523,22 @@ class OuterService:
                 if desired_kv is None:
                     desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
                 seen = max(self.ledger.units, default=-1) + 1
+                idle = set()
                 for unit in range(max(self.settings.num_units, seen)):
                     key = subjects.desired_key(self.settings.job, unit)
                     record = await kv.get(desired_kv, key, DesiredRecord)
-                    if record is not None and record.state == "quarantined":
+                    if record is None:
+                        continue
+                    if record.state in ("paused", "stopped", "quarantined"):
+                        idle.add(unit)
+                    if record.state == "quarantined":
                         if unit not in self.intake.quarantined:
                             log.warning("unit %d is quarantined: its uploads are refused", unit)
                         self.intake.quarantined.add(unit)
+                self.idle_units = idle
             except NATS_ERRORS as err:
                 log.info("reading the units' desired states: %r", err)
-            await asyncio.sleep(QUARANTINE_POLL_S)
+            await asyncio.sleep(DESIRED_POLL_S)
 
     async def _heartbeat(self, status_kv: Any) -> None:
         while True:
