@@ -297,7 +297,8 @@ def async_run(
     share = [v / sum(speeds) for v in speeds]
     total_steps = s.num_units * s.steps_per_unit
     named = pytree.flatten_named(params)
-    outer = OuterCore(named, algorithm.outer_algorithm(s.num_units))
+    unit_steps = tuple(max(1, round(total_steps * share[u])) for u in range(s.num_units))
+    outer = OuterCore(named, algorithm.outer_algorithm(s.num_units, unit_steps))
     rates = {u: speeds[u] for u in range(s.num_units)}
     # With DyLU each unit's H follows its speed from the first round on (speeds are known here).
     unit_h = [
@@ -306,7 +307,7 @@ def async_run(
     ]
     cores = [
         LearnerCore(
-            work.trainer(max(1, round(total_steps * share[u])), algorithm),
+            work.trainer(unit_steps[u], algorithm),
             params,
             algorithm.sync_schedule(fragments, unit_h[u]),
             s.tokens_per_step,

@@ -46,12 +46,10 @@ PACED = "3"
 FRAGMENTS = AlgorithmSettings().fragments  # the shipped default, which every run has
 WITHIN = 1.10  # the attacked run's final eval over the honest units' alone, at most
 CAUGHT = 0.9  # at least: the share of the attacker's uploads counted under its reasons
-# At most, of the honest units' uploads. Two, not none: the work floor places an upload in the
-# learning rate's warm-up but not in its cosine decay (``services/outer/peers.py``), and over
-# 40 steps the decay is steep: an honest unit's last uploads of a few steps, at the lowest
-# rate, can fall under the floor its peers' earlier uploads set (one CI run: 2
-# implausible_work refusals of one honest unit, steps 30-32 and 36-40). A known false
-# positive, not yet fixed.
+# At most, of the honest units' uploads. Two, not none: one CI run refused 2 short uploads of
+# one honest unit as implausible_work (steps 30-32 and 36-40). Not the learning rate's decay,
+# which the outer now follows (``--learner-steps``): in a 40-step run the learners' warm-up
+# spans the whole run. The cause is not known; 12 runs of every attack since refused none.
 HONEST_REFUSED = 2
 
 

@@ -110,6 +110,88 @@ def test_the_learning_rate_sum_follows_the_learners_warm_up() -> None:
     assert peer_rules.learning_rate_sum(7, 10, 0) == 10.0  # no warm-up: the steps
 
 
+@pytest.mark.parametrize("warmup, horizon", [(50, 300), (50, 40), (0, 120), (10, 11), (5, 1)])
+def test_the_learning_rate_sum_follows_the_learners_schedule(warmup: int, horizon: int) -> None:
+    """Warm-up and cosine decay over the steps a unit trains in all, summed as the learners'
+    own optimizer runs them: with a constant gradient of 1 (under its clip), each AdamW step
+    moves a parameter by the learning rate of that step."""
+    import jax.numpy as jnp
+
+    from services.learner.trainer import inner_optimizer
+
+    optimizer = inner_optimizer(1.0, warmup, horizon, 0.0)
+    params, grads = {"w": jnp.zeros(())}, {"w": jnp.ones(())}
+    state, rates = optimizer.init(params), []
+    for _ in range(horizon + 20):  # and past the end, where the rate stays at its least
+        updates, state = optimizer.update(grads, state, params)
+        rates.append(-float(updates["w"]))
+    windows = [(0, 1), (0, horizon), (horizon // 2, 7), (max(0, horizon - 3), 3), (horizon, 10)]
+    for start, steps in windows:
+        expected = sum(rates[start : start + steps])
+        got = peer_rules.learning_rate_sum(start, steps, warmup, horizon)
+        assert got == pytest.approx(expected, rel=1e-4, abs=1e-6), (start, steps)
+
+
+def test_at_a_runs_end_an_upload_at_the_decayed_rate_is_not_implausible() -> None:
+    """The last uploads of a run are made at the cosine decay's lowest learning rates; judged
+    against their peers' earlier ones by the warm-up alone they fell under the floor."""
+    horizon, warmup = 300, 50
+
+    def rate(start: int, steps: int) -> float:
+        return peer_rules.learning_rate_sum(start, steps, warmup, horizon)
+
+    def review(horizons: tuple[int, ...]) -> PeerReview:
+        """Units 1-3 at steps [240, 270) (norms as their learning rate), unit 0 at 295."""
+        review = PeerReview([SIZE], 4, warmup_steps=warmup, horizons=horizons)
+        for unit in (1, 2, 3):
+            for k in range(9):
+                update = honest(unit, scale=rate(30 * k, 30))
+                review.record(
+                    0, unit, f"u{unit}-{k}", review.sketch(0, update), norm(update), 30, 0
+                )
+        review.record(0, 0, "u0-a", review.sketch(0, honest(10)), 1.0, 295, 0)
+        return review
+
+    knowing, not_knowing = review((horizon,)), review(())
+    last = honest(10, scale=0.35 * rate(295, 5) / norm(honest(10)) * norm(honest(1)))
+    sketch = knowing.sketch(0, last)
+    assert knowing.judge(0, 0, sketch, norm(last), 5, 0, start=295).scale == 1.0
+    with pytest.raises(Rejected, match="implausible_work"):
+        not_knowing.judge(0, 0, sketch, norm(last), 5, 0, start=295)
+    lazy = {"w": last["w"] / 4}  # a quarter of it: less work than it claims
+    with pytest.raises(Rejected, match="implausible_work"):
+        knowing.judge(0, 0, sketch, norm(lazy), 5, 0, start=295)
+
+
+def test_claiming_more_steps_than_its_peers_does_not_move_a_unit_down_the_decay() -> None:
+    """A unit that claims a whole period every eighth of one (the too_frequent attack) is
+    placed no further along than its peers have trained, where more is expected of it than at
+    the decay's end it claims to have reached."""
+    review = PeerReview([SIZE], 4, warmup_steps=5, horizons=(100,))
+    for unit in (1, 2, 3):
+        for k in range(3):  # [0, 30): the peers' latest [20, 30)
+            update = honest(unit)
+            review.record(0, unit, f"u{unit}-{k}", review.sketch(0, update), norm(update), 10, 0)
+    small = honest(10, scale=0.2 * 10 / 30)  # an eighth of a period's work, claiming 10 steps
+    sketch = review.sketch(0, small)
+    with pytest.raises(Rejected, match="from step 30"):
+        review.judge(0, 0, sketch, norm(small), 10, 0, start=200)
+
+
+def test_learner_steps_are_one_for_all_or_one_per_unit() -> None:
+    from services.outer.settings import OuterSettings
+
+    assert OuterSettings(num_units=3).outer_algorithm().inner.horizons == ()
+    assert OuterSettings(num_units=3, learner_steps="300").learner_horizons() == (300,)
+    assert OuterSettings(num_units=3, learner_steps="90,60,30").learner_horizons() == (90, 60, 30)
+    for bad in ("90,60", "0", "x", "300,"):
+        with pytest.raises(ValueError, match="learner-steps"):
+            OuterSettings(num_units=3, learner_steps=bad)
+    review = PeerReview([SIZE], 3, horizons=(90, 60, 30))
+    assert [review.horizon(u) for u in range(4)] == [90, 60, 30, None]
+    assert PeerReview([SIZE], 3, horizons=(50,)).horizon(7) == 50
+
+
 def test_in_warm_up_a_unit_behind_its_peers_is_judged_by_the_learning_rate_it_had() -> None:
     """Early in the learning rate's warm-up, a unit behind its peers (slower, or with a smaller
     H) makes smaller updates for its steps than they do: judged by the steps alone, an honest

@@ -123,3 +123,22 @@ def test_the_delta_codec_follows_the_upload_codec_to_the_outer(upload, delta):
     # A REST job's stored spec keeps it; a codec set by hand wins.
     assert JobSpec.model_validate_json(spec.model_dump_json()).params_delta_codec == delta
     assert CodecSettings(codec=upload, params_delta_codec="int8").params_delta_codec == "int8"
+
+
+def test_the_outer_is_told_the_steps_its_learners_train():
+    """Peer review follows the learners' learning rate, whose cosine decay spans their
+    ``--max-steps``: each launcher passes those to the outer as ``--learner-steps``."""
+    up = UpSettings(learners=3, max_steps=90, slowdowns="1,1,2")
+    outer = service_settings(OuterSettings, commands.outer_args(up, NATS_URL))
+    learners = [
+        service_settings(LearnerSettings, commands.learner_args(up, NATS_URL, unit))
+        for unit in range(3)
+    ]
+    assert outer.learner_horizons() == tuple(learner.max_steps for learner in learners)
+    spec = JobSpec(job="j", units=3, max_steps=70)
+    record = JobRecord(spec=spec, state="running", units=3, created=0.0, updated=0.0)
+    outer = service_settings(OuterSettings, reconcile.outer_args(record))
+    learner = service_settings(
+        LearnerSettings, [*reconcile.learner_args(record, 2, "/tmp/u"), "--nats-url", NATS_URL]
+    )
+    assert outer.learner_horizons() == (learner.max_steps,) == (70,)

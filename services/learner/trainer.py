@@ -13,7 +13,7 @@ import jax
 import optax
 
 from shared.model import ModelConfig, loss_fn
-from shared.settings.algorithm import INNER_B1, INNER_B2
+from shared.settings.algorithm import END_LR, INNER_B1, INNER_B2
 
 
 class InnerState(NamedTuple):
@@ -27,13 +27,14 @@ class InnerState(NamedTuple):
 def inner_optimizer(
     peak_lr: float, warmup_steps: int, total_steps: int, weight_decay: float
 ) -> optax.GradientTransformation:
-    """AdamW with linear warm-up and cosine decay to 10% of the peak, plus gradient clipping."""
+    """AdamW with linear warm-up and cosine decay to ``END_LR`` of the peak, plus gradient
+    clipping (``services/outer/peers.py`` sums the same schedule)."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=peak_lr,
         warmup_steps=min(warmup_steps, max(total_steps - 1, 0)),
         decay_steps=max(total_steps, warmup_steps + 1),
-        end_value=peak_lr * 0.1,
+        end_value=peak_lr * END_LR,
     )
     return optax.chain(
         optax.clip_by_global_norm(1.0),

@@ -21,7 +21,7 @@ from shared.settings.cli import flags_for
 LEARNER_OWN = frozenset(
     {"unit", "num_units", "max_steps", "slowdown", "checkpoint_dir", "adversary"}
 )
-OUTER_OWN = frozenset({"num_units"})
+OUTER_OWN = frozenset({"num_units", "learner_steps"})
 
 JAX_CACHE_DIR = "jax-cache"
 UNITS_DIR = "units"
@@ -67,6 +67,8 @@ def outer_args(settings: UpSettings, nats_url: str) -> list[str]:
         *flags_for(settings, OuterSettings, OUTER_OWN),
         "--num-units",
         str(settings.learners),
+        "--learner-steps",
+        ",".join(str(steps) for steps in settings.unit_steps()),
     ]
 
 

@@ -23,7 +23,8 @@ algorithm, codec; ``shared.settings``), so every option of a service that the sp
 passed on as it is (``shared.settings.cli.flags_for``), plus, per process:
 
 * to learners: ``--unit <u>``, ``--num-units <units>``, ``--max-steps`` and
-  ``--checkpoint-dir <data-dir>/units``; to the outer: ``--num-units <units>``;
+  ``--checkpoint-dir <data-dir>/units``; to the outer: ``--num-units <units>`` and
+  ``--learner-steps``, the learners' ``--max-steps`` (peer review follows their learning rate);
 * ``units`` is the job's *current* unit count when the process starts (a running outer keeps the
   count it started with; it only weights participation and the Delayed Nesterov period);
 * ``max_steps`` goes to learners as it is; ``token_budget`` becomes
@@ -104,6 +105,8 @@ def outer_args(record: JobRecord) -> list[str]:
         *flags_for(record.spec, OuterSettings, OUTER_OWN),
         "--num-units",
         str(record.units),
+        "--learner-steps",
+        str(unit_max_steps(record.spec, record.units)),
     ]
 
 

@@ -160,9 +160,16 @@ class OuterCore:
         sizes = self.plan.sizes()
         # A job of fewer than MIN_PEERS + 1 units has no majority to judge an upload by.
         reviewed = algorithm.peer_review and algorithm.num_units > MIN_PEERS
-        warmup = algorithm.inner.warmup_steps if algorithm.inner is not None else 0
+        inner = algorithm.inner
         self.peers = (
-            PeerReview(sizes, algorithm.num_units, warmup_steps=warmup) if reviewed else None
+            PeerReview(
+                sizes,
+                algorithm.num_units,
+                warmup_steps=inner.warmup_steps if inner is not None else 0,
+                horizons=inner.horizons if inner is not None else (),
+            )
+            if reviewed
+            else None
         )
         # Per fragment, the arrivals peer review has not decided on yet (settle).
         self._held: list[list[_Held]] = [[] for _ in sizes]

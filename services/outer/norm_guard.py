@@ -85,12 +85,14 @@ def prior_bound(steps: int, lr: float, weight_decay: float, size: int, params_no
 @dataclass(frozen=True)
 class InnerBound:
     """What the outer knows of the learners' inner optimizer: the peak learning rate, the
-    weight decay and the linear warm-up (the job's ``--inner-lr``, ``--weight-decay`` and
-    ``--warmup-steps``)."""
+    weight decay, the linear warm-up and each unit's inner steps, the horizon of its learning
+    rate's cosine decay (the job's ``--inner-lr``, ``--weight-decay``, ``--warmup-steps`` and
+    the outer's ``--learner-steps``)."""
 
     lr: float
     weight_decay: float
     warmup_steps: int = 0
+    horizons: tuple[int, ...] = ()  # one for every unit, or one per unit; () unknown
 
 
 def update_norm(pseudo_grad: Mapping[str, np.ndarray]) -> float:

@@ -37,18 +37,23 @@ the honest ones an honest upload is judged by):
   scaled by r, the inner learning rate summed over the steps the upload claims over that summed over
   the peer's (:func:`learning_rate_sum`), where r < 1, and by √r where r > 1 (a drift grows as r,
   the fastest a norm grows, noise as √r, the slowest: an honest upload of few steps, at the end of a
-  run or after a pause, is not below it, nor one of many steps judged by a peer's few, except where
-  the learning rate's decay, which r leaves out, has shrunk its steps: see
-  :func:`learning_rate_sum`), else ``implausible_work``: an upload of a few steps that claims a
-  whole period would take a merge's share of an honest one (an outer step averages the arrivals of
-  its momentum period) and dilute the honest units' progress (a unit uploading every H/8 steps,
-  claiming H, left a ``tiny`` run 7% behind a clean one with the pace limit alone). An upload's
-  steps are placed in the unit's schedule by the steps its uploads of the fragment claimed before
-  it: in the learning rate's warm-up a unit that is behind its peers (a slower one, one that joined
-  late) makes smaller updates for its steps than they do, and is judged by the learning rate it had
-  (counting steps alone refused 13 uploads of an honest unit behind its peers in a ``tiny`` run, all
-  in warm-up). A unit that claims more steps than it trained only moves itself further up the
-  warm-up, where more is expected of it.
+  run or after a pause, is not below it, nor one of many steps judged by a peer's few), else
+  ``implausible_work``: an upload of a few steps that claims a whole period would take a merge's
+  share of an honest one (an outer step averages the arrivals of its momentum period) and dilute
+  the honest units' progress (a unit uploading every H/8 steps, claiming H, left a ``tiny`` run 7%
+  behind a clean one with the pace limit alone). An upload's steps are placed in the unit's
+  schedule (warm-up, then cosine decay over the steps it trains in all, ``--learner-steps``) by
+  the steps its uploads of the fragment claimed before it: in the warm-up a unit that is behind
+  its peers (a slower one, one that joined late) makes smaller updates for its steps than they
+  do, and is judged by the learning rate it had (counting steps alone refused 13 uploads of an
+  honest unit behind its peers in a ``tiny`` run, all in warm-up); at a run's end its last
+  uploads, at the decayed rate, are judged against its peers' earlier ones at a higher rate. An
+  upload is placed no further along than the upper median of its peers' claimed steps (an
+  honest unit ahead of its peers is judged at their rate, higher in the decay, by the floor's
+  margin): a unit that claims more steps than it trains (the ``too_frequent`` attack claims a
+  whole period every eighth of one) would otherwise move itself down the decay, where less is
+  expected of it (in a ``tiny`` run of 40 steps it moved past the decay's end, where a tenth of
+  the peak is expected, and its uploads passed the floor).
 
 The size and the work are judged by the median on the side a hostile peer cannot push: the
 upper median for the clip (a hostile peer's tiny upload cannot get honest ones clipped), the
@@ -89,6 +94,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.outer.errors import Rejected
+from shared.settings.algorithm import END_LR
 
 SKETCH_SIZE = 1 << 15  # coordinates of a fragment whose cosine stands for the whole upload's
 MIN_PEERS = 2  # peers an upload needs before it is judged (else held)
@@ -128,16 +134,24 @@ class PeerReview:
     """Per fragment and unit, the latest upload's sketch, norm and pace; reviews a new one."""
 
     def __init__(
-        self, sizes: Sequence[int], num_units: int, seed: int = 0, warmup_steps: int = 0
+        self,
+        sizes: Sequence[int],
+        num_units: int,
+        seed: int = 0,
+        warmup_steps: int = 0,
+        horizons: Sequence[int] = (),
     ) -> None:
         """Args:
         sizes: Values per fragment.
         num_units: Units of the job (a round of merges is that many versions).
         seed: Fixes the sampled coordinates.
         warmup_steps: The learners' linear warm-up of the inner learning rate.
+        horizons: The inner steps the units train in all (their learning rate's cosine
+            decay): one for every unit, or one per unit; () leaves the decay out.
         """
         self.num_units = num_units
         self.warmup_steps = warmup_steps
+        self.horizons = tuple(horizons)
         self._sizes = list(sizes)
         rng = np.random.default_rng(seed)
         self._positions = [
@@ -184,15 +198,26 @@ class PeerReview:
     ) -> list[Latest]:
         """The other units whose latest upload of ``fragment`` is recent enough to judge by
         (with ``newer_than``, unit: uploads counted before, only those that sent since)."""
+        return list(self._peers(fragment, unit, version, newer_than).values())
+
+    def _peers(
+        self, fragment: int, unit: int, version: int, newer_than: Mapping[int, int] | None
+    ) -> dict[int, Latest]:
         oldest = version - MAX_AGE * self.num_units
-        return [
-            latest
+        return {
+            other: latest
             for other, latest in self._latest[fragment].items()
             if other != unit
             and latest.version >= oldest
             and not latest.refused
             and (newer_than is None or latest.count > newer_than.get(other, 0))
-        ]
+        }
+
+    def horizon(self, unit: int) -> int | None:
+        """The inner steps ``unit`` trains in all (None where not known)."""
+        if len(self.horizons) == 1:
+            return self.horizons[0]
+        return self.horizons[unit] if 0 <= unit < len(self.horizons) else None
 
     def quorate(self, fragment: int) -> bool:
         """Whether ``fragment`` has had uploads from ``MIN_PEERS`` + 1 units: the job's start is
@@ -285,12 +310,14 @@ class PeerReview:
             for latest in history
         ]
 
-    def _least_growth(self, rate: float, peer: Latest) -> float:
-        """The least an upload's norm can be over ``peer``'s, by the learning rate summed over
-        its steps (``rate``) against the peer's: their ratio r where the upload did less (a
-        drift shrinks as r, the fastest a norm does), √r where it did more (noise grows as
-        √r, the slowest), so that the floor never asks more of an honest upload than either."""
-        peer_rate = learning_rate_sum(peer.claimed - peer.steps, peer.steps, self.warmup_steps)
+    def _least_growth(self, rate: float, unit: int, peer: Latest) -> float:
+        """The least an upload's norm can be over ``peer``'s (``unit``'s latest), by the
+        learning rate summed over its steps (``rate``) against the peer's: their ratio r where
+        the upload did less (a drift shrinks as r, the fastest a norm does), √r where it did
+        more (noise grows as √r, the slowest), so that the floor never asks more of an honest
+        upload than either."""
+        start = peer.claimed - peer.steps
+        peer_rate = learning_rate_sum(start, peer.steps, self.warmup_steps, self.horizon(unit))
         if peer_rate <= 0:
             return 0.0
         ratio = rate / peer_rate
@@ -335,7 +362,8 @@ class PeerReview:
             Rejected: ``direction_outlier``, with the median cosine; ``implausible_work``, an
                 upload far smaller than its peers' for the steps it claims.
         """
-        peers = self.peers(fragment, unit, version, newer_than)
+        by_unit = self._peers(fragment, unit, version, newer_than)
+        peers = list(by_unit.values())
         if len(peers) < MIN_PEERS:
             if newer_than is None and self.quorate(fragment):
                 return Review()  # merged on the norm guard's word
@@ -351,11 +379,14 @@ class PeerReview:
                     f"units < {DIRECTION_FLOOR:g}",
                 )
         steps = max(1, steps)
+        # No further along than its peers have trained (the upper median of their claims): a
+        # unit that claims more steps than it trains cannot move itself down the decay.
+        start = min(start, sorted(peer.claimed for peer in peers)[len(peers) // 2])
         # The lower median of the peers' norms scaled to the learning rate over these steps.
-        rate = learning_rate_sum(start, steps, self.warmup_steps)
-        least = sorted(peer.norm * self._least_growth(rate, peer) for peer in peers)[
-            (len(peers) - 1) // 2
-        ]
+        rate = learning_rate_sum(start, steps, self.warmup_steps, self.horizon(unit))
+        least = sorted(
+            peer.norm * self._least_growth(rate, other, peer) for other, peer in by_unit.items()
+        )[(len(peers) - 1) // 2]
         if norm < WORK_FLOOR * least:
             raise Rejected(
                 "implausible_work",
@@ -369,19 +400,27 @@ class PeerReview:
         return Review(scale=bound / norm if norm > bound > 0 else 1.0)
 
 
-def learning_rate_sum(start: int, steps: int, warmup_steps: int) -> float:
+def learning_rate_sum(
+    start: int, steps: int, warmup_steps: int, horizon: int | None = None
+) -> float:
     """The inner learning rate summed over the steps ``[start, start + steps)``, in units of
-    its peak: a linear warm-up from 0 over ``warmup_steps`` (optax's
-    ``warmup_cosine_decay_schedule``, as the learners run it), then the peak. The cosine
-    decay after it is left out: units decay together, and one that is behind has the higher
-    learning rate. Not covered: at the end of a short run, an upload of a few steps at the
-    decayed rate judged by a peer's earlier upload at a higher one can fall under the floor
-    (a known false positive, seen in a 40-step ``tiny`` run: ``tests/test_attacks.py``)."""
-    if warmup_steps <= 0:
-        return float(steps)
-    end = start + steps
-    ramp_end = min(end, warmup_steps)
-    total = 0.0
-    if start < ramp_end:  # sum of t / warmup_steps for t in [start, ramp_end)
-        total += (start + ramp_end - 1) * (ramp_end - start) / 2 / warmup_steps
-    return total + max(0, end - max(start, warmup_steps))
+    its peak, as the learners run it (``services/learner/trainer.py``: optax's
+    ``warmup_cosine_decay_schedule`` over ``horizon`` steps, from 0 up to the peak in a linear
+    warm-up, then down to ``END_LR`` of it in a cosine decay). With ``horizon`` None (the
+    learners' steps not known) the decay is left out: then an honest upload of a few steps at
+    a run's end, at the decayed rate, judged by a peer's earlier upload at a higher one, can
+    fall under the floor."""
+    if horizon is None:
+        warmup, decay = warmup_steps, None
+    else:  # as trainer.inner_optimizer clamps them
+        warmup = min(warmup_steps, max(horizon - 1, 0))
+        decay = max(horizon, warmup_steps + 1) - warmup
+    t = np.arange(start, start + steps, dtype=np.float64)
+    rate = np.ones_like(t)
+    if warmup > 0:
+        rate = np.where(t < warmup, t / warmup, rate)
+    if decay is not None:
+        done = np.clip(t - warmup, 0, decay) / decay
+        cosine = END_LR + (1 - END_LR) * 0.5 * (1 + np.cos(np.pi * done))
+        rate = np.where(t >= warmup, cosine, rate)
+    return float(rate.sum())

@@ -6,12 +6,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.records import MAX_BATCH_SIZE, MAX_STEPS_PER_UPLOAD
+from shared.records import MAX_BATCH_SIZE, MAX_OUTER_UNITS, MAX_STEPS_PER_UPLOAD
 from shared.settings.algorithm import InnerAlgorithmSettings, OuterAlgorithmSettings, SyncSettings
 from shared.settings.codec import ParamsCodecSettings
 from shared.settings.nats import ServiceSettings
 from shared.settings.resources import OuterResources
-from shared.settings.workload import DataSettings, UnitsSettings, WorkloadSettings
+from shared.settings.workload import MAX_STEPS, DataSettings, UnitsSettings, WorkloadSettings
 
 if TYPE_CHECKING:
     from services.outer.core import OuterAlgorithm
@@ -63,6 +63,14 @@ class WorkBoundsSettings(BaseModel):
         description="the learners' linear warm-up of the inner learning rate: peer review "
         "expects an upload's size from the learning rate over the steps it claims",
     )
+    learner_steps: str = Field(
+        "",
+        max_length=MAX_OUTER_UNITS * 10,
+        description="the inner steps the learners train in all, the horizon of their learning "
+        "rate's cosine decay: one number for every unit, or one per unit, comma-separated "
+        "(diloco up passes its units'); peer review expects an upload's size from the learning "
+        "rate over the steps it claims, and without it leaves the decay out",
+    )
     batch_size: int = Field(
         WorkloadSettings.model_fields["batch_size"].default,
         ge=1,
@@ -102,11 +110,36 @@ class OuterSettings(
 
     def outer_algorithm(self) -> OuterAlgorithm:
         """The algorithm the outer core runs for this job (its mode and units included)."""
-        inner = (self.inner_lr, self.weight_decay, self.warmup_steps)
+        from services.outer.norm_guard import InnerBound
+
+        inner = InnerBound(
+            self.inner_lr, self.weight_decay, self.warmup_steps, self.learner_horizons()
+        )
         return self.algorithm(self.num_units, self, inner)
+
+    def learner_horizons(self) -> tuple[int, ...]:
+        """``--learner-steps`` as numbers (() when not given)."""
+        return tuple(int(x) for x in self.learner_steps.split(",")) if self.learner_steps else ()
 
     @model_validator(mode="after")
     def _check_quorum(self) -> OuterSettings:
         if self.min_quorum > self.num_units:
             raise ValueError(f"min-quorum {self.min_quorum} > num-units {self.num_units}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_learner_steps(self) -> OuterSettings:
+        try:
+            horizons = self.learner_horizons()
+        except ValueError:
+            raise ValueError(
+                f"learner-steps must be numbers like 300 or 300,150, got {self.learner_steps!r}"
+            ) from None
+        if len(horizons) not in (0, 1, self.num_units) or any(
+            not 1 <= h <= MAX_STEPS for h in horizons
+        ):
+            raise ValueError(
+                f"learner-steps needs one number in [1, {MAX_STEPS}], or one per unit "
+                f"({self.num_units}), got {self.learner_steps!r}"
+            )
         return self

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from services.learner.core import SyncSchedule
     from services.outer.core import OuterAlgorithm
+    from services.outer.norm_guard import InnerBound
 
 #: How the units of a job sync (``--mode``).
 SyncMode = Literal["decoupled", "sync"]
@@ -38,6 +39,8 @@ MAX_FRAGMENTS = 64
 # AdamW's moment decay rates in the inner optimizer (services/learner/trainer.py); the outer's
 # norm guard derives its bound from them (services/outer/norm_guard.py).
 INNER_B1, INNER_B2 = 0.9, 0.95
+#: The inner learning rate's cosine decay ends at this share of its peak.
+END_LR = 0.1
 MAX_DN_PERIOD = 1024
 
 
@@ -121,6 +124,14 @@ class InnerAlgorithmSettings(BaseModel):
             self.mix_alpha,
             staggered=self.stagger == "always",
         )
+
+    def inner_bound(self, horizons: tuple[int, ...] = ()) -> InnerBound:
+        """What the outer knows of this inner optimizer (the norm guard's prior bound, the
+        learning rate peer review expects behind an upload), for units that train
+        ``horizons`` inner steps (one for all, or one per unit; () where not known)."""
+        from services.outer.norm_guard import InnerBound
+
+        return InnerBound(self.inner_lr, self.weight_decay, self.warmup_steps, horizons)
 
     def optimizer(self, total_steps: int) -> optax.GradientTransformation:
         """The inner AdamW whose warm-up and cosine decay span ``total_steps``."""
@@ -215,12 +226,12 @@ class OuterAlgorithmSettings(BaseModel):
         return self
 
     def algorithm(
-        self, num_units: int, sync: SyncSettings, inner: tuple[float, float, int] | None = None
+        self, num_units: int, sync: SyncSettings, inner: InnerBound | None = None
     ) -> OuterAlgorithm:
         """The algorithm the outer core runs for a job of ``num_units`` units (imports the
-        outer's JAX code). ``inner``: the learners' peak learning rate, weight decay and
-        warm-up steps, which give the norm guard its bound from the first merge on (None: no
-        such bound) and peer review the learning rate behind an upload's steps.
+        outer's JAX code). ``inner``: the learners' inner optimizer, which gives the norm
+        guard its bound from the first merge on (None: no such bound) and peer review the
+        learning rate behind an upload's steps.
 
         With ``--mode sync`` a round is merged once every active unit is in (every unit of the
         job in the first round), or ``--sync-timeout-s`` after its first upload without the
@@ -228,7 +239,6 @@ class OuterAlgorithmSettings(BaseModel):
         current version.
         """
         from services.outer.core import OuterAlgorithm
-        from services.outer.norm_guard import InnerBound
         from services.outer.staleness import StalenessRule
 
         algorithm = OuterAlgorithm(
@@ -253,7 +263,7 @@ class OuterAlgorithmSettings(BaseModel):
             norm_guard=self.norm_guard,
             norm_guard_factor=self.norm_guard_factor,
             momentum_max_age=self.momentum_max_age,
-            inner=InnerBound(*inner) if inner is not None else None,
+            inner=inner,
             peer_review=self.peer_review,
             peer_hold_s=self.peer_hold_s,
         )
@@ -291,8 +301,7 @@ class AlgorithmSettings(SyncSettings, InnerAlgorithmSettings, OuterAlgorithmSett
         check_sync_overlap(self.mode, self.overlap_tau)
         return self
 
-    def outer_algorithm(self, num_units: int) -> OuterAlgorithm:
-        """The outer core's algorithm for a job of ``num_units`` units."""
-        return self.algorithm(
-            num_units, self, (self.inner_lr, self.weight_decay, self.warmup_steps)
-        )
+    def outer_algorithm(self, num_units: int, horizons: tuple[int, ...] = ()) -> OuterAlgorithm:
+        """The outer core's algorithm for a job of ``num_units`` units that train
+        ``horizons`` inner steps (one for all, or one per unit; () where not known)."""
+        return self.algorithm(num_units, self, self.inner_bound(horizons))
