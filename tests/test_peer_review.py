@@ -418,6 +418,16 @@ def test_an_upload_that_finds_no_peers_is_merged_after_peer_hold_s() -> None:
     assert outer.settle(30.0) == [] and outer.due(30.0) == [0]
 
 
+def test_a_quarantined_units_held_uploads_are_withdrawn_unmerged() -> None:
+    outer, named = core(), tiny_named()
+    outer.offer(0, arrival(0, correlated(named, 0), at=0.0))
+    outer.offer(0, arrival(1, correlated(named, 1), at=0.0))
+    assert outer.held() == 2
+    assert [a.unit for a in outer.withdraw(0)] == [0] and outer.withdraw(0) == []
+    assert outer.held() == 1
+    assert outer.settle(30.0) == [] and merged_units(outer, 30.0) == [1]
+
+
 def test_after_the_start_an_upload_whose_peers_are_gone_is_merged_at_once() -> None:
     """Once 3 units have sent uploads of the fragment, an upload left with fewer than 2 peers
     (one unit of 3 stopped, and its latest upload aged out) is merged on the norm guard's word

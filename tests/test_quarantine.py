@@ -22,6 +22,7 @@ from tests.helpers import start_up, up_gateway, upload_blob, wait_for
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
 JOB = "demo"
+FORGED = 10_000  # the round of the forged upload
 
 
 def connects(url: str, credentials: str) -> bool:
@@ -74,7 +75,8 @@ def test_a_unit_quarantined_through_the_gateway_is_shut_out_of_the_run(tmp_path,
             view = client.get(f"/jobs/{JOB}").json()
             return next((u["published"] for u in view.get("units", []) if u["unit"] == unit), 0)
 
-        wait_for(lambda: published(0) >= 1, 240, "unit 0 to publish")
+        # Units 0 and 2 first publish: three units have sent, peer review's start is over.
+        wait_for(lambda: published(0) >= 1 and published(2) >= 1, 240, "units 0 and 2 to publish")
         # Unit 2 waits, paused, until the forged upload below is judged: the job cannot end
         # (and its gateway go) before that, however loaded the machine.
         assert client.post(f"/jobs/{JOB}/units/2/pause").status_code == 200
@@ -89,8 +91,11 @@ def test_a_unit_quarantined_through_the_gateway_is_shut_out_of_the_run(tmp_path,
         assert not own.exists() and not connects(record.nats_url, str(kept))
         # Final: no action brings it back.
         assert client.post(f"/jobs/{JOB}/units/0/resume").status_code == 409
-        # An upload in its name (here sent by the admin) is refused and counted.
-        publish_as(record.nats_url, record.nats_credentials, 0, 10_000)
+        # An upload in its name (here sent by the admin), once the outer knows, is refused and
+        # counted (one sent before the outer read the quarantine could be merged already).
+        outer_log = data_dir / "logs" / "outer.log"
+        wait_for(lambda: "unit 0 is quarantined" in outer_log.read_text(), 30, "the outer to know")
+        publish_as(record.nats_url, record.nats_credentials, 0, FORGED)
 
         def refused() -> bool:
             view = client.get(f"/jobs/{JOB}/units/0").json()
@@ -108,6 +113,12 @@ def test_a_unit_quarantined_through_the_gateway_is_shut_out_of_the_run(tmp_path,
     # (nor unit 1 by unit 2's while it was paused).
     assert summary.outer is not None
     assert set(summary.outer.rejected) == {"quarantined"}, summary.outer.rejected
+    rejected, applied = (
+        rounds.get(0, [])
+        for rounds in (summary.outer.rejected_rounds, summary.outer.applied_rounds)
+    )
+    assert any(first <= FORGED <= last for first, last in rejected), rejected
+    assert not any(first <= FORGED <= last for first, last in applied), applied
     assert summary.restarts["learner-0"] == 0
     assert summary.units[0].step < 240
     assert summary.units[1].step == summary.units[2].step == 240

@@ -414,6 +414,16 @@ class OuterCore:
             self._held[fragment] = waiting
         return rejected
 
+    def withdraw(self, unit: int) -> list[Arrival]:
+        """Take ``unit``'s held arrivals out, unmerged (the operator quarantined it: an upload
+        that came before the outer knew of it must not be merged after); the caller rejects
+        them."""
+        taken: list[Arrival] = []
+        for fragment, held in enumerate(self._held):
+            taken += [entry.arrival for entry in held if entry.arrival.unit == unit]
+            self._held[fragment] = [entry for entry in held if entry.arrival.unit != unit]
+        return taken
+
     def set_aside(self, unit: int) -> None:
         """Judge no upload by ``unit``'s until it sends one again (:meth:`PeerReview.set_aside`):
         the operator paused, stopped or quarantined it."""

@@ -127,6 +127,16 @@ class Intake:
         self.buffered.discard(arrival.upload)
         self._reject(list(arrival.messages), rejected, arrival.upload)
 
+    def withdraw_quarantined(self) -> bool:
+        """Reject the uploads of quarantined units that the core holds for peers (they came
+        before the outer knew of the quarantine); whether there were any."""
+        withdrawn = False
+        for unit in sorted(self.quarantined):
+            for arrival in self.core.withdraw(unit):
+                self.reject_held(arrival, Rejected("quarantined", f"unit {unit} is quarantined"))
+                withdrawn = True
+        return withdrawn
+
     def _reject(self, messages: list[Any], rejected: Rejected, upload: str | None) -> None:
         """Count a bad upload (or chunk) by reason and queue its messages for dead-lettering."""
         log.warning("rejected upload: %s", rejected)

@@ -333,8 +333,11 @@ class OuterService:
             )
         except nats.errors.Error:
             return None
-        for unit in self.idle_units:  # before its last uploads are taken, and after
+        # Every pass: an upload that came after the pause made the unit a peer again.
+        for unit in self.idle_units:
             self.core.set_aside(unit)
+        if self.intake.withdraw_quarantined():
+            self._dirty = True
         if await self.intake.take(msgs):
             self._dirty = True  # rejections are committed before they are dead-lettered
         for arrival, rejected in self.core.settle(time.monotonic()):
