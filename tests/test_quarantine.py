@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow  # real processes and nats-server (run by make tes
 
 JOB = "demo"
 FORGED = 10_000  # the round of the forged upload
+STEPS = 120  # each unit's
 
 
 def connects(url: str, credentials: str) -> bool:
@@ -63,7 +64,7 @@ def test_a_unit_quarantined_through_the_gateway_is_shut_out_of_the_run(tmp_path,
     process, data_dir, out_path = start_up(
         tmp_path,
         jax_cache,
-        *("--learners", "3", "--max-steps", "240", "--h-steps", "10", "--slowdowns", "3,3,3"),
+        *("--learners", "3", "--max-steps", str(STEPS), "--h-steps", "10", "--slowdowns", "3,3,3"),
         *("--fragments", "1"),  # the forged upload below carries the whole model
     )
     try:
@@ -120,5 +121,5 @@ def test_a_unit_quarantined_through_the_gateway_is_shut_out_of_the_run(tmp_path,
     assert any(first <= FORGED <= last for first, last in rejected), rejected
     assert not any(first <= FORGED <= last for first, last in applied), applied
     assert summary.restarts["learner-0"] == 0
-    assert summary.units[0].step < 240
-    assert summary.units[1].step == summary.units[2].step == 240
+    assert summary.units[0].step < STEPS
+    assert summary.units[1].step == summary.units[2].step == STEPS
