@@ -266,6 +266,19 @@ def test_a_unit_set_aside_judges_no_pace_until_it_sends_again() -> None:
     assert [p.upload for p in set_aside.peers(0, 1, 0)] == ["u2"]
 
 
+def test_a_unit_is_set_aside_when_it_turns_idle_after_uploading_not_at_the_jobs_start() -> None:
+    from services.outer.service import units_set_aside
+
+    # The start: every unit paused, none has uploaded; then they run, and the outer's last read
+    # still says paused while their first uploads are recorded: none is set aside.
+    assert units_set_aside({0, 1, 2}, set(), set(), set()) == set()
+    assert units_set_aside({0, 1, 2}, {0, 1, 2}, set(), {0, 1, 2}) == set()
+    # Unit 2 paused after uploading: set aside while it stays paused, not after.
+    aside = units_set_aside({2}, set(), set(), {0, 1, 2})
+    assert aside == {2} and units_set_aside({2}, {2}, aside, {0, 1, 2}) == {2}
+    assert units_set_aside(set(), {2}, aside, {0, 1, 2}) == set()
+
+
 def test_a_minority_of_hostile_peers_does_not_move_an_honest_units_verdict() -> None:
     review = reviewed()
     flipped = {"w": -honest(3)["w"]}

@@ -424,6 +424,10 @@ class OuterCore:
             self._held[fragment] = [entry for entry in held if entry.arrival.unit != unit]
         return taken
 
+    def reviewed_units(self) -> set[int]:
+        """The units peer review has an upload of (none without peer review)."""
+        return self.peers.units() if self.peers is not None else set()
+
     def set_aside(self, unit: int) -> None:
         """Judge no upload by ``unit``'s until it sends one again (:meth:`PeerReview.set_aside`):
         the operator paused, stopped or quarantined it."""

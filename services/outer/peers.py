@@ -225,6 +225,10 @@ class PeerReview:
         or were shut out) rather than not yet."""
         return len(self._latest[fragment]) > MIN_PEERS
 
+    def units(self) -> set[int]:
+        """The units with an upload recorded, of any fragment."""
+        return {unit for latest in self._latest for unit in latest}
+
     def counts(self, fragment: int) -> dict[int, int]:
         """Per unit, the uploads of ``fragment`` recorded so far."""
         return {unit: latest.count for unit, latest in self._latest[fragment].items()}

@@ -88,6 +88,7 @@ class OuterService:
         self._nc: Any = None
         self._checkpoint_seq = 0
         self.idle_units: set[int] = set()  # paused, stopped or quarantined (desired states)
+        self.set_aside: set[int] = set()  # of those, the units peer review sets aside
         self._dirty = False
 
     # ---- set-up ----------------------------------------------------------------------------
@@ -334,7 +335,7 @@ class OuterService:
         except nats.errors.Error:
             return None
         # Every pass: an upload that came after the pause made the unit a peer again.
-        for unit in self.idle_units:
+        for unit in self.set_aside:
             self.core.set_aside(unit)
         if self.intake.withdraw_quarantined():
             self._dirty = True
@@ -517,8 +518,9 @@ class OuterService:
     async def _watch_desired(self, js: Any) -> None:
         """Every ``DESIRED_POLL_S``, read the job's units' desired states: the uploads of a
         unit quarantined through the REST API are refused from then on (``quarantined``), and
-        a unit paused, stopped or quarantined is set aside as a peer (``OuterCore.set_aside``,
-        applied by the fetch loop) until it is wanted running again."""
+        a unit paused, stopped or quarantined after it had uploaded is set aside as a peer
+        (:func:`units_set_aside`; ``OuterCore.set_aside``, applied by the fetch loop) until it
+        is wanted running again."""
         desired_kv = None
         while True:
             raise_if_cancelling()
@@ -538,6 +540,9 @@ class OuterService:
                         if unit not in self.intake.quarantined:
                             log.warning("unit %d is quarantined: its uploads are refused", unit)
                         self.intake.quarantined.add(unit)
+                self.set_aside = units_set_aside(
+                    idle, self.idle_units, self.set_aside, self.core.reviewed_units()
+                )
                 self.idle_units = idle
             except NATS_ERRORS as err:
                 log.info("reading the units' desired states: %r", err)
@@ -552,3 +557,18 @@ class OuterService:
                 log.info("heartbeat: %r", err)
             liveness.mark(self.settings.liveness_file)
             await asyncio.sleep(self.settings.status_interval_s)
+
+
+def units_set_aside(
+    idle: set[int], idle_before: set[int], set_aside: set[int], uploaded: set[int]
+) -> set[int]:
+    """The units peer review sets aside, from this read of the desired states (``idle``:
+    paused, stopped or quarantined), the last read's (``idle_before``) and what it set aside
+    then: a unit that turned idle after peer review recorded an upload of it (``uploaded``),
+    for as long as it stays idle. Not one idle since before its first upload: a job's units
+    wait paused until they start together, and for up to a poll after the start the outer
+    still reads them paused while their first uploads come (set aside then, every upload had
+    no peers and was merged unjudged)."""
+    return {
+        unit for unit in idle if unit in set_aside or (unit not in idle_before and unit in uploaded)
+    }
