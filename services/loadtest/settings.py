@@ -42,7 +42,7 @@ class LoadtestSettings(BaseSettings, CodecSettings):
         None,
         ge=0,
         description="seconds between the units' start and the measurement (default: two "
-        "upload intervals)",
+        "upload intervals), and then until the outer has applied an upload (up to --drain-s)",
     )
     drain_s: float = Field(
         300.0, gt=0, description="longest wait, after a stage, for the outer to apply the rest"

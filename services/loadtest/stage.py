@@ -202,7 +202,13 @@ class Stage:
 
     async def _measure(self, tasks: list[asyncio.Task[None]]) -> LoadtestStage:
         s = self.settings
+        before = await self._outer_status()
+        applied = before.applied if before is not None else 0
         await self._sleep(s.warmup(), tasks)
+        # And until the outer has applied an upload of this stage: its first merges compile
+        # (a new number of units per merge compiles its combine), which took a loaded 2-core
+        # machine longer than a short warm-up, and the window then measured the compiler.
+        await self._until(lambda outer: outer.applied > applied, s.drain_s, tasks)
         start = await self._snapshot()
         await self._sleep(s.stage_s, tasks)
         end = await self._snapshot()
