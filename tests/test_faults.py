@@ -272,18 +272,32 @@ def test_outer_killed_at_random_moments_loses_and_duplicates_nothing(
 # --------------------------------------------------------------------------- replay
 
 
-def _final_params(url: str, job: str) -> dict[str, np.ndarray]:
-    async def read() -> dict[str, np.ndarray]:
+def _final_params(url: str, job: str, version: int) -> dict[str, np.ndarray]:
+    """The params of ``version``, once published (the status reports a merge at once; its
+    params go out after the commit that covers it)."""
+
+    async def read() -> dict[str, np.ndarray] | None:
         nc = await connect(NatsSettings(nats_url=url), "replay-reader")
         try:
             fetched = await read_latest_params(nc.jetstream(), job, 0, 1 << 30)
-            assert fetched is not None
+            if fetched is None or fetched[0].version < version:
+                return None
+            assert fetched[0].version == version
             envelope = unpack_envelope(fetched[1], max_size=1 << 30)
             return codec.decode_tensors(envelope.payload, envelope.codec)
         finally:
             await nc.close()
 
-    return asyncio.run(read())
+    params: dict[str, np.ndarray] | None = None
+
+    def published() -> bool:
+        nonlocal params
+        params = asyncio.run(read())
+        return params is not None
+
+    wait_for(published, 30, f"{job}: version {version} published")
+    assert params is not None
+    return params
 
 
 @pytest.mark.timeout(400)
@@ -330,9 +344,80 @@ def test_replay_with_and_without_an_outer_crash_gives_bit_identical_params(
         assert status.rejected_rounds == {k % 3: [(k // 3, k // 3)] for k in hostile}
         if crash:
             assert status.restored_from.kind == "checkpoint"
-        results[job] = _final_params(nats_server.url, job)
+        results[job] = _final_params(nats_server.url, job, count - len(hostile))
         kill9(outer)
     a, b = results["replaya"], results["replayb"]
+    assert sorted(a) == sorted(b)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def _unacknowledged(url: str, job: str) -> int:
+    """Uploads' chunk messages the outer's consumer has not had acknowledged (pending or
+    delivered and waiting for an ack)."""
+
+    async def read() -> int:
+        nc = await connect(NatsSettings(nats_url=url), "consumer-reader")
+        try:
+            info = await nc.jetstream().consumer_info(
+                subjects.GRADS_STREAM, subjects.outer_consumer(job)
+            )
+            return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+@pytest.mark.timeout(300)
+def test_waiting_uploads_share_one_commit_and_merge_as_they_would_one_by_one(
+    nats_server, services
+) -> None:
+    """The same stored uploads, one message per fetch so that more are always waiting: an outer
+    that commits after every fetch (``--commit-every-s 0``) and one whose commit budget outlasts
+    them (60 s: it commits once nothing more is waiting) end at the same params bit for bit;
+    the second committed a handful of checkpoints, not one per upload, and acknowledged every
+    message after its commit."""
+    count = 24
+    results, commits = {}, {}
+    for job, every in (("commiteach", "0"), ("commitbatch", "60")):
+        publish_uploads(nats_server.url, job, count)
+        outer = start_outer(
+            services,
+            nats_server.url,
+            job,
+            f"outer-{job}",
+            3,
+            "--fetch-batch",
+            "1",
+            "--params-codec",
+            "fp32",
+            "--commit-every-s",
+            every,
+        )
+
+        def committed(j: str = job) -> bool:
+            status = outer_status(nats_server.url, j)
+            last = status.last_checkpoint if status is not None else None
+            return last is not None and last.versions == [count]
+
+        wait_for(committed, 180, f"{job}: every upload applied and committed")
+        wait_for(
+            lambda j=job: _unacknowledged(nats_server.url, j) == 0,
+            30,
+            f"{job}: every message acknowledged",
+        )
+        status = outer_status(nats_server.url, job)
+        assert status is not None and status.applied == count and not status.rejected
+        commits[job] = status.checkpoints
+        results[job] = _final_params(nats_server.url, job, count)
+        kill9(outer)
+    # About one commit per fetched upload (peer review holds the first few until their peers
+    # come, and merges them in one pass), against the first commit, the one once nothing more
+    # was waiting and those of the evaluations between.
+    assert commits["commiteach"] >= count - 4, commits
+    assert commits["commitbatch"] <= count // 4, commits
+    a, b = results["commiteach"], results["commitbatch"]
     assert sorted(a) == sorted(b)
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)

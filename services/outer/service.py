@@ -7,10 +7,13 @@ Protocol per fetched batch of chunk messages (docs/ARCHITECTURE.md, "life of a p
    by reason in the books (``ledger.py``);
 2. offer each good one to ``OuterCore``, whose merge policy decides when a fragment is merged
    (every arrival alone, or a quorum plus an adaptive grace window);
-3. commit a checkpoint of the whole outer state (``checkpoint.py``; fenced by the leader lease,
-   ``lease.py``), then publish the new global params of every merged fragment, then ack the
-   chunks of every upload that went into a merge and terminate (after copying them to the
-   dead-letter subject) those of every rejected upload (``publishing.py``).
+3. when nothing more is waiting (the fetch came back short), or the last commit is
+   ``--commit-every-s`` old: commit a checkpoint of the whole outer state (``checkpoint.py``;
+   fenced by the leader lease, ``lease.py``), then publish the new global params of every
+   fragment merged since the last commit, then ack the chunks of every upload that went into
+   those merges and terminate (after copying them to the dead-letter subject) those of every
+   rejected upload (``publishing.py``). While uploads keep coming, many merges thus share one
+   commit and one publish of the params: the merges are the same, in the same order.
 
 So a message is acknowledged only once what it changed is durable, and a restarted outer
 resumes from the last commit: uploads applied before it are recognised by (unit, round) and
@@ -89,7 +92,9 @@ class OuterService:
         self._checkpoint_seq = 0
         self.idle_units: set[int] = set()  # paused, stopped or quarantined (desired states)
         self.set_aside: set[int] = set()  # of those, the units peer review sets aside
-        self._dirty = False
+        self._dirty = False  # the state changed since the last commit
+        self._committed_at = 0.0  # time.monotonic() of the last commit
+        self._uncommitted: list[MergeResult] = []  # merges since the last commit
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -303,7 +308,7 @@ class OuterService:
                     last_eval = time.monotonic()
                 idle = await self._serve_once(js, sub, store)
                 if idle is None:
-                    return
+                    break
                 last = self.progress.evaluation.last
                 due = time.monotonic() - last_eval >= self.settings.eval_every_s
                 if (
@@ -316,12 +321,16 @@ class OuterService:
             if evaluation is not None:
                 evaluation.cancel()
                 await asyncio.gather(evaluation, return_exceptions=True)
+        if self.lost is None and self._dirty:
+            # Stopping: commit what was merged, so that the next leader need not merge it again.
+            await self._settle_up(js, store)
 
     async def _serve_once(
         self, js: Any, sub: Any, store: checkpoint.CheckpointStore
     ) -> bool | None:
-        """Fetch, take, merge, commit, publish and acknowledge once. Returns whether nothing
-        came (idle), or None when stopping."""
+        """Fetch, take and merge once; commit, publish and acknowledge when nothing more is
+        waiting or the last commit is ``--commit-every-s`` old. Returns whether nothing came
+        (idle), or None when stopping."""
         deadline = self.core.next_deadline()
         wait_s = 1.0 if deadline is None else min(1.0, max(0.05, deadline - time.monotonic()))
         try:
@@ -344,19 +353,32 @@ class OuterService:
         for arrival, rejected in self.core.settle(time.monotonic()):
             self.intake.reject_held(arrival, rejected)
             self._dirty = True
-        results = await self.merge_due(time.monotonic())
-        if self._dirty and not await self._commit(store):
-            return None  # stopping: nothing acknowledged, JetStream redelivers
+        self._uncommitted += await self.merge_due(time.monotonic())
+        # More may be waiting when the fetch came back full: go on taking and merging, and
+        # commit once for all of them, unless the last commit is older than the budget.
+        more_waiting = len(msgs) >= self.settings.fetch_batch
+        due = time.monotonic() - self._committed_at >= self.settings.commit_every_s
+        if self._dirty and (due or not more_waiting) and not await self._settle_up(js, store):
+            return None
+        return not msgs
+
+    async def _settle_up(self, js: Any, store: checkpoint.CheckpointStore) -> bool:
+        """Commit, then publish every fragment merged since the last commit, acknowledge the
+        uploads those merges used and dead-letter the rejected ones; False if stopping first
+        (nothing acknowledged: JetStream redelivers it to the next leader)."""
+        if not await self._commit(store):
+            return False
+        results, self._uncommitted = self._uncommitted, []
         for fragment in sorted({r.fragment for r in results}):
             if not await self._publish(js, fragment):
-                return None
+                return False
         for result in results:
             for arrival in result.arrivals:
                 for msg in arrival.messages:
                     with contextlib.suppress(nats.errors.Error):
                         await msg.ack()
         await self.dead_letters.flush(js)
-        return not msgs
+        return True
 
     async def _fetch(self, sub: Any, wait_s: float) -> list[Any]:
         """The next batch of chunk messages; none if nothing came within ``wait_s``."""
@@ -434,7 +456,12 @@ class OuterService:
         lease = self.lease
         assert lease is not None
         started = time.monotonic()
-        blob = checkpoint.dumps(self.snapshot())
+        # Serialised on a worker thread (hundreds of MB for a large model), so that the lease
+        # and the heartbeat go on meanwhile; nothing changes the state this snapshot reads
+        # until the commit is done (the fetch loop waits for it; an evaluation replaces its
+        # record rather than changing it).
+        snapshot = self.snapshot()
+        blob = await asyncio.get_running_loop().run_in_executor(None, checkpoint.dumps, snapshot)
         previous = lease.pointer
         # Never overwrite the committed checkpoint: alternate slots within an epoch.
         slot = 1 - previous.slot if previous is not None and previous.epoch == lease.epoch else 0
@@ -456,6 +483,7 @@ class OuterService:
             self._on_lease_lost(lost)
             raise
         self._dirty = False
+        self._committed_at = time.monotonic()
         self.progress.checkpoints += 1
         self.progress.last_checkpoint = CheckpointInfo(
             id=pointer.id,

@@ -94,6 +94,14 @@ class OuterSettings(
     """The outer optimizer of one job: how it merges pseudo-gradients and reports progress."""
 
     fetch_batch: int = Field(32, ge=1, le=1024, description="messages fetched per pull")
+    commit_every_s: float = Field(
+        2.0,
+        ge=0,
+        le=60,  # well inside the consumer's ack wait (services/outer/service.py ACK_WAIT_S)
+        description="while uploads keep coming, seconds of merging between two checkpoint "
+        "commits (each followed by a params publish and the uploads' acknowledgements); the "
+        "outer commits at once whenever nothing more is waiting. 0: after every fetch",
+    )
     max_upload_bytes: int = Field(
         1 << 30, gt=0, description="largest pseudo-gradient message accepted"
     )
