@@ -64,6 +64,10 @@ DOCUMENTED_KEPT = 16
 DOCUMENTED_SATURATED = 64
 # docs/NETWORK.md: saturated stages applied "2.45–2.88 uploads/s"; ± about 0.1.
 SATURATED_RATE = (2.4, 3.0)
+# docs/NETWORK.md: with batched commits a saturated outer commits once per this many uploads
+# or more, and that costs it at least this many times less CPU per applied MB.
+MIN_UPLOADS_PER_COMMIT = 2.0
+CPU_GAIN = 1.2
 # docs/NETWORK.md: "at 32 units and above the outer, nats-server and the generator together
 # used 1.9 of the machine's two cores": at least this share of the cores.
 CORES_SHARE = 0.9
@@ -73,15 +77,17 @@ class LoadtestRun(BaseModel):
     """One ``diloco loadtest`` invocation: its unit counts, seed and exit code, and its report
     (the stages it finished; None when it wrote none)."""
 
-    role: Literal["sweep", "repeat"]
+    role: Literal["sweep", "repeat", "commit_each"]
     units: str
     seed: int
     returncode: int
     report: LoadtestReport | None = None
 
     def label(self, index: int = 0) -> str:
-        """``sweep (seed 0)`` or ``repeat 2 (seed 2)``."""
-        name = "sweep" if self.role == "sweep" else f"repeat {index}"
+        """``sweep (seed 0)``, ``repeat 2 (seed 2)`` or ``commit each 2 (seed 2)``."""
+        name = {"sweep": "sweep", "repeat": f"repeat {index}"}.get(
+            self.role, f"commit each {index}"
+        )
         return f"{name} (seed {self.seed})"
 
 
@@ -91,6 +97,7 @@ class LoadtestResults(BaseModel):
     provenance: Provenance
     sweep: LoadtestRun | None = None
     repeats: list[LoadtestRun] = []
+    commit_each: list[LoadtestRun] = []  # repeat i's saturated stage with a commit per fetch
 
 
 @dataclass(frozen=True)
@@ -255,6 +262,7 @@ def claims(results: LoadtestResults) -> list[Claim]:
     """
     out: list[Claim] = []
     done = runs(results)
+    done += [(run.label(i), run) for i, run in enumerate(results.commit_each, start=1)]
     failed = [f"{label} exited {run.returncode}" for label, run in done if run.returncode]
     out.append(
         Claim(
@@ -277,7 +285,102 @@ def claims(results: LoadtestResults) -> list[Claim]:
     out.append(keep_up_claim(results, decision))
     out.append(saturated_claim(results, decision))
     out.extend(saturated_figures_claims(results, decision))
+    out.extend(commit_claims(results))
     return out
+
+
+@dataclass(frozen=True)
+class Pair:
+    """The saturated stage measured with batched commits (the default: a repeat) and with a
+    commit after every fetch, on the same seed."""
+
+    seed: int
+    batched: LoadtestStage
+    each: LoadtestStage
+
+
+def pairs(results: LoadtestResults) -> list[Pair]:
+    """Each commit-each run's stage with the default run's stage of the same units and seed."""
+    out = []
+    for run in results.commit_each:
+        stage = run.report.stages[0] if run.report is not None and run.report.stages else None
+        if stage is None:
+            continue
+        for repeat in results.repeats:
+            if repeat.seed != run.seed or repeat.report is None:
+                continue
+            match = [s for s in repeat.report.stages if s.units == stage.units]
+            if match:
+                out.append(Pair(run.seed, match[0], stage))
+    return out
+
+
+def commit_claims(results: LoadtestResults) -> list[Claim]:
+    """What docs/NETWORK.md says of batched commits: several uploads share a commit when the
+    outer is saturated, and that costs it less CPU per applied MB than a commit per fetch."""
+    found = pairs(results)
+    per_commit_text = (
+        f"a saturated outer commits once per ≥ {MIN_UPLOADS_PER_COMMIT:g} uploads (every "
+        "measurement of the saturated stage; docs/NETWORK.md)"
+    )
+    cpu_text = (
+        f"batched commits cost the outer ≥ {CPU_GAIN:g}× less CPU per applied MB than a commit "
+        "after every fetch, in the median of the pairs on the same seed (docs/NETWORK.md)"
+    )
+    rate_text = (
+        "batched commits apply at least as many uploads/s as a commit after every fetch, in "
+        "the median of the pairs (docs/NETWORK.md)"
+    )
+    wanted = int(results.provenance.configuration.get("repeats", 0))
+    if not found or len(found) < wanted or any(r.returncode for r in results.commit_each):
+        why = "not measured: a commit-each run failed or is missing"
+        return [Claim(t, why, None) for t in (per_commit_text, cpu_text, rate_text)]
+    per_commit = [p.batched.uploads_per_commit for p in found if p.batched.saturated]
+    gains = [
+        (cpu_s_per_mb(p.each) or 0.0) / (cpu_s_per_mb(p.batched) or float("inf")) for p in found
+    ]
+    rates = [
+        p.batched.ingest_uploads_per_s / p.each.ingest_uploads_per_s
+        for p in found
+        if p.each.ingest_uploads_per_s
+    ]
+    gain, rate = statistics.median(gains), statistics.median(rates) if rates else 0.0
+    return [
+        Claim(
+            per_commit_text,
+            f"{min(per_commit):.1f}–{max(per_commit):.1f} uploads per commit"
+            if per_commit
+            else "no saturated stage",
+            bool(per_commit) and min(per_commit) >= MIN_UPLOADS_PER_COMMIT,
+        ),
+        Claim(
+            cpu_text,
+            f"{', '.join(f'{g:.2f}' for g in gains)}× (median {gain:.2f}×)",
+            gain >= CPU_GAIN,
+        ),
+        Claim(
+            rate_text,
+            f"{', '.join(f'{r:.2f}' for r in rates)}× (median {rate:.2f}×)",
+            rate >= 1.0,
+        ),
+    ]
+
+
+def pairs_table(results: LoadtestResults) -> list[str]:
+    """Each pair: applied uploads/s, uploads per commit, outer CPU and CPU-s per MB."""
+    lines = [
+        "| units | seed | commits | applied uploads/s | uploads per commit | outer CPU cores "
+        "| outer CPU-s per applied upload / per MB | books |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in pairs(results):
+        for name, s in (("batched (default)", p.batched), ("after every fetch", p.each)):
+            books = "balanced" if s.books.balanced else "NOT balanced"
+            lines.append(
+                f"| {s.units} | {p.seed} | {name} | {s.ingest_uploads_per_s:.2f} "
+                f"| {s.uploads_per_commit:.1f} | {s.outer_cpu:.2f} | {cpu_cell(s)} | {books} |"
+            )
+    return lines
 
 
 def keep_up_claim(results: LoadtestResults, decision: Decision | None) -> Claim:
@@ -441,20 +544,39 @@ def render(results: LoadtestResults, checked: list[Claim], path: Path) -> str:
             *(f"- {spread(results, count)}" for count in units),
             "",
         ]
+    if results.commit_each:
+        lines += [
+            "Batched commits: while uploads keep coming, the outer merges them as they come and "
+            "commits (then publishes the params and acknowledges the uploads) once nothing more "
+            "is waiting or its last commit is `--commit-every-s` (2 s) old. The saturated stage "
+            "again with a commit after every fetch (`--commit-every-s 0`), on each repeat's "
+            "seed, against that repeat's stage:",
+            "",
+            *pairs_table(results),
+            "",
+        ]
     lines += [f"**{verdict(results)}**", "", render_claims(checked)]
     return "\n".join(lines)
 
 
 def invoke(
-    args: argparse.Namespace, units: str, seed: int, role: str, folder: Path, env: dict[str, str]
+    args: argparse.Namespace,
+    units: str,
+    seed: int,
+    role: str,
+    folder: Path,
+    env: dict[str, str],
+    commit_each: bool = False,
 ) -> LoadtestRun:
-    """One ``diloco loadtest`` run (its output on stderr) and what it wrote."""
+    """One ``diloco loadtest`` run (its output on stderr) and what it wrote; ``commit_each``:
+    the outer commits after every fetch (``--commit-every-s 0``), else it runs its default."""
     flags = [
         *("--model", args.model, "--units", units, "--seed", str(seed)),
         *("--upload-every-s", f"{args.upload_every_s:g}", "--link", args.link),
         *("--warmup-s", f"{args.warmup_s:g}", "--stage-s", f"{args.stage_s:g}"),
         *("--params-fetch", args.params_fetch, "--data-dir", str(folder)),
         *("--saturation-share", f"{args.saturation_share:g}"),
+        *(("--commit-every-s", "0") if commit_each else ()),
     ]
     note(f"diloco loadtest {' '.join(flags)}")
     done = subprocess.run(
@@ -515,6 +637,23 @@ def measure(args: argparse.Namespace, path: Path) -> LoadtestResults:
                 checkpoint()
                 if run.returncode:
                     break
+            # The saturated stage again with the outer committing after every fetch (what
+            # it did before commits were batched), on each repeat's seed: the pairs compare
+            # the two within this run.
+            point = sweep.report.saturation_units
+            for index in range(1, args.repeats + 1 if point is not None else 1):
+                folder = Path(data_dir, f"commit-each-{index}")
+                run = invoke(
+                    args,
+                    str(point),
+                    args.seed + index,
+                    "commit_each",
+                    folder,
+                    env,
+                    commit_each=True,
+                )
+                results.commit_each.append(run)
+                checkpoint()
     return results
 
 

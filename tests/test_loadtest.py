@@ -55,6 +55,7 @@ def stage(units: int, saturated: bool) -> LoadtestStage:
         ingest_mb_per_s=1.0,
         merges_per_s=0.5,
         uploads_per_merge=1.0,
+        uploads_per_commit=1.0,
         sync_latency=LatencySummary(count=10, p50_s=1, p95_s=2, p99_s=3, max_s=4),
         backlog_start=0,
         backlog_end=0,

@@ -33,6 +33,9 @@ class LoadtestStage(Record):
     ingest_mb_per_s: NonNegativeFloat = Field(description="payload MB (10^6) the outer applied")
     merges_per_s: NonNegativeFloat
     uploads_per_merge: NonNegativeFloat
+    uploads_per_commit: NonNegativeFloat = Field(
+        description="uploads applied per checkpoint commit (each followed by a params publish)"
+    )
     sync_latency: LatencySummary | None = Field(
         description="an upload's time from its sync point to the first params head that "
         "includes it, every upload of the stage"
@@ -66,6 +69,9 @@ class LoadtestReport(Record):
     link: LinkSpec
     upload_every_s: PositiveFloat
     upload_payload_bytes: Count = Field(description="encoded bytes of one synthetic upload")
+    commit_every_s: float | None = Field(
+        None, description="the outer's --commit-every-s (None: the outer's default)"
+    )
     stages: list[LoadtestStage] = []
     saturation_units: Count | None = Field(
         None, description="units of the first saturated stage (None: none saturated)"

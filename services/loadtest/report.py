@@ -53,7 +53,7 @@ def saturation_units(stages: list[LoadtestStage]) -> int | None:
 
 
 TABLE_HEADER = (
-    "| units | offered uploads/s | applied uploads/s | applied MB/s | uploads per merge "
+    "| units | offered uploads/s | applied uploads/s | applied MB/s | uploads per merge / commit "
     "| sync latency p50 / p95 / p99 s | backlog start → end | params fetched MB/s "
     "| CPU cores: outer / nats-server / generator | drain s | books | saturated |"
 )
@@ -73,7 +73,8 @@ def table(report: LoadtestReport) -> list[str]:
         saturated = f"yes: {s.reason}" if s.saturated else "no"
         lines.append(
             f"| {s.units} | {s.offered_uploads_per_s:.2f} | {s.ingest_uploads_per_s:.2f} "
-            f"| {s.ingest_mb_per_s:.1f} | {s.uploads_per_merge:.1f} | {sync} "
+            f"| {s.ingest_mb_per_s:.1f} | {s.uploads_per_merge:.1f} / {s.uploads_per_commit:.1f} "
+            f"| {sync} "
             f"| {s.backlog_start} → {s.backlog_end} | {s.params_mb_per_s:.1f} "
             f"| {s.outer_cpu:.2f} / {s.broker_cpu:.2f} / {s.generator_cpu:.2f} "
             f"| {s.drain_s:.1f} | {books} "

@@ -44,6 +44,7 @@ def run_loadtest(settings: LoadtestSettings, out: TextIO = sys.stdout) -> Loadte
         link=settings.link_spec(),
         upload_every_s=settings.upload_every_s,
         upload_payload_bytes=pool.payload_bytes,
+        commit_every_s=settings.commit_every_s,
     )
     say(
         f"{model.param_count:,} parameters; one upload {pool.payload_bytes / 1e6:.2f} MB "

@@ -66,6 +66,13 @@ class LoadtestSettings(BaseSettings, CodecSettings):
         "offered uploads, or its backlog grows",
     )
     seed: int = Field(0, ge=0, description="seed of the synthetic pseudo-gradients and phases")
+    commit_every_s: float | None = Field(
+        None,
+        ge=0,
+        le=60,
+        description="the outer's --commit-every-s (default: the outer's own; 0: a commit "
+        "after every fetch)",
+    )
     data_dir: str = Field(
         "./diloco-loadtest", description="folder for each stage's store, logs and the report"
     )

@@ -146,6 +146,8 @@ class Stage:
             # The synthetic units upload the whole model as one fragment (unit.FRAGMENT).
             *("--fragments", "1"),
         ]
+        if s.commit_every_s is not None:
+            args += ["--commit-every-s", f"{s.commit_every_s:g}"]
         # One compilation cache for every stage's outer (unless the caller has one).
         cache = os.environ.get("DILOCO_JAX_CACHE") or str(Path(s.data_dir, "jax-cache").resolve())
         self.outer = popen(args, {"DILOCO_JAX_CACHE": cache}, self.folder / "outer.log")
@@ -308,6 +310,7 @@ class Stage:
         }
         applied = end.outer.applied - start.outer.applied
         merges = end.outer.merges - start.outer.merges
+        commits = end.outer.checkpoints - start.outer.checkpoints
         numbers = StageNumbers(
             units=self.count,
             offered=self.count / self.settings.upload_every_s,
@@ -326,6 +329,7 @@ class Stage:
             ingest_mb_per_s=(end.outer.payload_bytes - start.outer.payload_bytes) / window / 1e6,
             merges_per_s=merges / window,
             uploads_per_merge=applied / merges if merges else 0.0,
+            uploads_per_commit=applied / commits if commits else 0.0,
             sync_latency=latencies.summary(),
             backlog_start=numbers.backlog_start,
             backlog_end=numbers.backlog_end,
