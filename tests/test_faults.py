@@ -19,11 +19,17 @@ import threading
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from services.orchestration.nats_server import NatsServer, start_nats_server
+from services.orchestration.nats_server import (
+    NatsServer,
+    cluster_url,
+    start_nats_cluster,
+    start_nats_server,
+)
 from shared import records, subjects
 from shared.codec import api as codec
 from shared.ledger import Books, balance
@@ -34,6 +40,7 @@ from shared.settings.nats import NatsSettings
 from shared.transport.blobs import chunk_size_for, publish_blob
 from shared.transport.connection import connect
 from shared.transport.params import publish_params, read_latest_params
+from shared.transport.streams import ensure_streams
 from shared.wire.chunks import upload_id
 from shared.wire.envelope import pack_envelope, unpack_envelope
 from tests.helpers import (
@@ -469,6 +476,110 @@ def test_nats_server_killed_and_restarted_mid_run(nats_server: NatsServer, servi
     finally:
         services.stop_all()  # while their server still answers, so that they stop at once
         server.stop()
+
+
+def _grads_leader(url: str) -> str | None:
+    """The node that leads the uploads' stream now (None while it has no leader)."""
+
+    async def read() -> str | None:
+        nc = await connect(NatsSettings(nats_url=url), "leader-reader")
+        try:
+            info = await nc.jetstream().stream_info(subjects.GRADS_STREAM)
+            return info.cluster.leader if info.cluster is not None else None
+        finally:
+            await nc.close()
+
+    with contextlib.suppress(Exception):
+        return asyncio.run(read())
+    return None
+
+
+def _version(url: str, job: str) -> int:
+    """The outer's version as its status record says (-1 while it cannot be read: a node
+    has just died and the status bucket elects a new leader)."""
+    with contextlib.suppress(Exception):
+        status = outer_status(url, job)
+        return status.version if status is not None else -1
+    return -1
+
+
+def _create_streams(url: str, replicas: int) -> None:
+    async def create() -> None:
+        nc = await connect(NatsSettings(nats_url=url), "stream-creator")
+        try:
+            await ensure_streams(nc.jetstream(), replicas)
+        finally:
+            await nc.close()
+
+    # The cluster elects its JetStream meta leader a moment after the nodes are up.
+    wait_for(lambda: _attempt(create), 60, "the cluster to create the streams")
+
+
+def _attempt(make: Any) -> bool:
+    try:
+        asyncio.run(make())
+    except Exception as err:  # noqa: BLE001 - any failure is retried until the deadline
+        print("retrying:", repr(err))
+        return False
+    return True
+
+
+# nats-server's Raft groups wait 4-9 s before they elect a new leader for a dead one; the
+# outer needs the leaders of several (its consumer, lease, checkpoint, params, status), and a
+# publish sent to a leader as it died waits for its 10 s timeout. Measured: 0.2-10.5 s.
+FAILOVER_S = 20.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_three_node_cluster_trains_through_kill_9_of_each_node_in_turn(services, tmp_path):
+    """Three nodes, every stream and bucket (the outer's lease among them) with three
+    replicas; the outer and two units connect to all three. Each node in turn, the uploads'
+    stream leader first, is killed with SIGKILL during the run: the outer's version advances
+    within 10 s of each kill; the node is started again on its store. At the end every unit's
+    rounds are applied exactly once and no version was announced with two params."""
+    job, units = "cluster", 2
+    servers = start_nats_cluster(tmp_path / "nats", 3)
+    url = cluster_url(servers)
+    try:
+        _create_streams(url, 3)
+        recorder = HeadRecorder(url, job)
+        start_outer(services, url, job, "outer", units)
+        wait_for(lambda: outer_running(url, job), 120, "outer")
+        learners = [
+            start_learner(services, url, job, u, units, tmp_path / "units", 100_000)
+            for u in range(units)
+        ]
+        wait_for(lambda: outer_applied(url, job) >= 4, 180, "training")
+        advanced_after: dict[str, float] = {}
+        leaders_killed = 0
+        alive = {f"n{i}": server for i, server in enumerate(servers)}
+        while alive:
+            leader = _grads_leader(url)
+            name = leader if leader in alive else sorted(alive)[0]
+            leaders_killed += name == leader
+            server = alive.pop(name)
+            before = _version(url, job)
+            server.kill()
+            killed = time.monotonic()
+            wait_for(
+                lambda v=before: _version(url, job) > v,
+                FAILOVER_S,
+                f"the version to advance after node {name} (leader: {leader}) was killed",
+                interval_s=0.2,
+            )
+            advanced_after[name] = round(time.monotonic() - killed, 2)
+            server.restart()
+            # The node is back once the uploads' stream has a leader and training goes on.
+            wait_for(lambda: _grads_leader(url) is not None, 30, f"{name} to rejoin")
+        print("version advanced after each kill (s):", advanced_after)
+        assert leaders_killed >= 1, "no kill hit the uploads' stream leader"
+        stop_units_and_balance(services, learners, url, job)
+        assert_no_version_published_twice(recorder.stop())
+    finally:
+        services.stop_all()
+        for server in servers:
+            server.stop()
 
 
 # --------------------------------------------------------------------------- a learner unit

@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shared import atomic
 from shared.transport.streams import STORE_BYTES
@@ -61,9 +62,39 @@ def find_nats_server() -> str:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """Ask the kernel for a free TCP port on ``host``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` different free TCP ports on ``host`` (all held open while they are chosen)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """A server's place in a JetStream cluster: its name, the port its routes listen on, and
+    the route ports of the other nodes (all on the server's host)."""
+
+    name: str
+    route_port: int
+    peers: tuple[int, ...]
+    cluster: str = "diloco"
+
+    def block(self, host: str) -> str:
+        """The server's ``server_name`` and ``cluster`` configuration."""
+        routes = ", ".join(f'"nats-route://{host}:{port}"' for port in self.peers)
+        return (
+            f'server_name: "{self.name}"\n'
+            f'cluster {{ name: "{self.cluster}", listen: "{host}:{self.route_port}", '
+            f"routes: [{routes}] }}"
+        )
 
 
 @dataclass
@@ -239,6 +270,7 @@ def start_nats_server(
     ready_timeout_s: float = 20.0,
     new_session: bool = False,
     die_with_parent: bool = False,
+    cluster: ClusterNode | None = None,
 ) -> NatsServer:
     """Start nats-server with JetStream on ``host:port`` (0 = a free port) and wait until ready.
 
@@ -257,6 +289,8 @@ def start_nats_server(
         new_session: start the server in its own process session (so a terminal's Ctrl-C does
             not reach it directly and the supervisor decides the shutdown order).
         die_with_parent: have the kernel SIGTERM the server if this process dies (Linux).
+        cluster: the server's node of a JetStream cluster (:func:`start_nats_cluster`); None:
+            a server on its own.
 
     Returns:
         The running server.
@@ -279,6 +313,8 @@ def start_nats_server(
         lines.append(f'http: "127.0.0.1:{int(http_port)}"')
     if tls is not None:
         lines.append(tls)
+    if cluster is not None:
+        lines.append(cluster.block(host))
     base = "\n".join(lines) + "\n"
     # Private: it holds the password hashes.
     atomic.write_private_bytes(config_path, _config_text(base, authorization).encode())
@@ -297,3 +333,40 @@ def start_nats_server(
     )
     server.wait_ready(ready_timeout_s)
     return server
+
+
+def start_nats_cluster(
+    store_root: str | os.PathLike[str], nodes: int = 3, *, host: str = "127.0.0.1", **options: Any
+) -> list[NatsServer]:
+    """Start a JetStream cluster of ``nodes`` servers on ``host``, routed to each other, each
+    with its own store under ``store_root/n<i>`` (``options``: as :func:`start_nats_server`'s,
+    for every node). Streams created with ``num_replicas = nodes`` keep every message on every
+    node: any one node may die (``kill -9``) and the others elect new stream leaders and go on.
+
+    Raises:
+        BrokerError: as :func:`start_nats_server`; the nodes already started are stopped.
+    """
+    if nodes < 1:
+        raise BrokerError(f"a cluster needs at least one node, got {nodes}")
+    ports = free_ports(2 * nodes, host)
+    clients, routes = ports[:nodes], ports[nodes:]
+    servers: list[NatsServer] = []
+    try:
+        for index in range(nodes):
+            node = ClusterNode(
+                f"n{index}", routes[index], tuple(p for p in routes if p != routes[index])
+            )
+            store = Path(store_root) / f"n{index}"
+            servers.append(
+                start_nats_server(store, host=host, port=clients[index], cluster=node, **options)
+            )
+    except BrokerError:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def cluster_url(servers: list[NatsServer]) -> str:
+    """Every server's client URL, comma-separated (``--nats-url``)."""
+    return ",".join(server.url for server in servers)

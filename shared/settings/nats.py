@@ -24,6 +24,14 @@ class NatsSettings(BaseSettings):
         "nats://127.0.0.1:4222",
         description="NATS server URL(s), comma-separated for a cluster",
     )
+    nats_replicas: int = Field(
+        1,
+        ge=1,
+        le=5,
+        description="replicas of every stream and KV bucket, when this service is the one that "
+        "creates them (3 on a three-node JetStream cluster: any one node may fail); existing "
+        "ones keep theirs",
+    )
     connect_timeout_s: float = Field(
         5.0, gt=0, description="timeout of one connection attempt to NATS"
     )

@@ -72,14 +72,21 @@ async def prepare_streams(js: JetStreamContext, settings: NatsSettings) -> None:
     """
     credentials = settings.credentials()
     if credentials is None or credentials.role == "admin":
-        await ensure_streams(js)
+        await ensure_streams(js, settings.nats_replicas)
         return
     for stream in nats_auth.ROLE_STREAMS[credentials.role]:
         await js.stream_info(stream)
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
-    """Create (or update) every stream and KV bucket the system uses. Idempotent."""
+async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
+    """Create (or update) every stream and KV bucket the system uses. Idempotent.
+
+    Args:
+        js: JetStream context.
+        replicas: copies of each stream and bucket it creates (at most the cluster's nodes);
+            a stream that exists keeps its number (a service started without it must not
+            shrink a replicated stream).
+    """
     configs = [
         StreamConfig(
             name=subjects.GRADS_STREAM,
@@ -138,12 +145,19 @@ async def ensure_streams(js: JetStreamContext) -> None:
         # Added only when missing: nats-server counts an add's limits against the store before
         # it sees that the stream exists.
         try:
-            await js.stream_info(config.name)
+            info = await js.stream_info(config.name)
         except nats.js.errors.NotFoundError:
+            config.num_replicas = replicas
             await js.add_stream(config)
         else:
+            config.num_replicas = info.config.num_replicas
             await js.update_stream(config)
-    small = {"max_value_size": SMALL_RECORD_BYTES, "max_bytes": SMALL_BUCKET_BYTES, "direct": True}
+    small = {
+        "max_value_size": SMALL_RECORD_BYTES,
+        "max_bytes": SMALL_BUCKET_BYTES,
+        "direct": True,
+        "replicas": replicas,
+    }
     buckets = [
         KeyValueConfig(bucket=subjects.DESIRED_BUCKET, history=5, **small),
         KeyValueConfig(
@@ -153,6 +167,7 @@ async def ensure_streams(js: JetStreamContext) -> None:
             max_value_size=records.MAX_RECORD_BYTES,
             max_bytes=STATUS_BUCKET_BYTES,
             direct=True,
+            replicas=replicas,
         ),
         KeyValueConfig(bucket=subjects.OUTER_BUCKET, history=1, **small),
         KeyValueConfig(bucket=subjects.JOBS_BUCKET, history=5, **small),
