@@ -274,3 +274,29 @@ def test_scheduled_outages_run_at_their_times() -> None:
         return seen
 
     assert virtual_clock.run(run()) == expected
+
+
+def test_a_connection_goes_to_the_next_upstream_while_the_first_is_unreachable() -> None:
+    async def run() -> None:
+        echo = await echo_server()
+        closed = await echo_server()
+        closed_port = port_of(closed)
+        closed.close()
+        await closed.wait_closed()  # nothing listens there now
+        proxy = LinkProxy(
+            LinkSpec(), "127.0.0.1", closed_port, fallbacks=[("127.0.0.1", port_of(echo))]
+        )
+        port = await proxy.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"hello")
+        assert await asyncio.wait_for(reader.readexactly(5), 5) == b"hello"
+        writer.close()
+        lone = LinkProxy(LinkSpec(), "127.0.0.1", closed_port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", await lone.start())
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # no upstream: closed
+        writer.close()
+        await proxy.close()
+        await lone.close()
+        echo.close()
+
+    asyncio.run(run())

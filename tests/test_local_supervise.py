@@ -56,7 +56,7 @@ def test_supervise_releases_the_units_together_and_finishes_when_the_books_balan
     settings = UpSettings(job=JOB, learners=2, data_dir=str(tmp_path), progress_every_s=0.2)
     out = io.StringIO()
     cluster = Cluster(settings, out=out, launch=stand_in)
-    cluster.server = memory_nats
+    cluster.servers = [memory_nats]
     cluster.services.append(cluster.spawn("outer", ["outer"]))
     for unit in range(2):
         cluster.learners.append(cluster.spawn(f"learner-{unit}", ["learner"], may_finish=True))

@@ -157,7 +157,7 @@ def stand_in_cluster(tmp_path: Path):
         reload=reloads.append,
         reloads=reloads,
     )
-    cluster.server = server  # type: ignore[assignment]
+    cluster.servers = [server]  # type: ignore[list-item]
     yield cluster
     cluster.stop()
 
@@ -173,7 +173,7 @@ def test_cluster_starts_a_jobs_processes_and_stops_its_outer_after_its_learners(
     learner = next(c for c in cluster.job_children if c.name == "j/learner-1")
     assert "--nats-url" in learner.args and learner.args[0] == "learner"
     # The job's NATS users were added to the server in one reload; each process got its own.
-    [authorization] = cluster.server.reloads
+    [authorization] = cluster.servers[0].reloads
     assert '"learner-j-1"' in authorization and '"outer-j"' in authorization
     credentials = nats_auth.read_credentials(learner.env["DILOCO_NATS_CREDENTIALS"])
     assert (credentials.user, credentials.role) == ("learner-j-1", "learner")

@@ -204,7 +204,9 @@ def test_link_options_give_each_unit_its_link():
     assert up.outer_link_spec().rate_bps == 1e9
     assert parse(UpSettings, []).unit_links() is None
     link = parse(LinkSettings, ["--nats-url", "nats://10.0.0.2:4333", "--name", "outer"])
-    assert link.upstream() == ("10.0.0.2", 4333) and link.link_spec().rate_bps is None
+    assert link.upstreams() == [("10.0.0.2", 4333)] and link.link_spec().rate_bps is None
+    cluster = parse(LinkSettings, ["--nats-url", "nats://a:1,nats://b:2", "--name", "0"])
+    assert cluster.upstreams() == [("a", 1), ("b", 2)]
 
 
 def _service_settings_classes():

@@ -15,7 +15,8 @@ import pytest
 
 from services.orchestration import nats_server
 from services.orchestration.local import files
-from services.orchestration.local.cluster import NATS, Cluster
+from services.orchestration.local.chaos import nats_names
+from services.orchestration.local.cluster import Cluster
 from services.orchestration.local.settings import UpSettings
 from services.orchestration.supervisor import Decision, RestartPolicy, State, Supervisor
 
@@ -201,4 +202,4 @@ def test_a_killed_nats_server_restarts_on_its_port_with_its_jetstream_store(tmp_
             server.restart()
     finally:
         server.stop()
-    assert NATS == "nats-server"
+    assert nats_names(1) == ["nats-server"] and nats_names(3) == ["nats-0", "nats-1", "nats-2"]

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.link.pacing import Delay, SerialLine
@@ -77,15 +78,19 @@ class LinkProxy:
         listen_host: str = "127.0.0.1",
         listen_port: int = 0,
         seed: int | None = None,
+        fallbacks: Sequence[tuple[str, int]] = (),
     ) -> None:
         """Args:
         spec: the link's rate, delay and jitter.
         upstream_host, upstream_port: where connections are forwarded to.
         listen_host, listen_port: where clients connect (port 0: a free one).
         seed: seeds the jitter (None: from the OS).
+        fallbacks: where a connection goes instead, tried in order, while the upstream is
+            unreachable (the other nodes of a NATS cluster).
         """
         self.spec = spec
         self.upstream = (upstream_host, upstream_port)
+        self.fallbacks = tuple(fallbacks)
         self.listen = (listen_host, listen_port)
         self._rng = random.Random(seed)
         self._up = _Direction(SerialLine(spec.rate_bytes_per_s))
@@ -196,10 +201,13 @@ class LinkProxy:
     async def _forward(
         self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
     ) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
-        except OSError as err:
-            log.debug("upstream %s:%d unreachable: %s", *self.upstream, err)
+        for upstream in (self.upstream, *self.fallbacks):
+            try:
+                up_reader, up_writer = await asyncio.open_connection(*upstream)
+                break
+            except OSError as err:
+                log.debug("upstream %s:%d unreachable: %s", *upstream, err)
+        else:
             return
         pipes = [
             asyncio.create_task(self._pipe(client_reader, up_writer, self._up)),

@@ -45,9 +45,15 @@ def link_status(settings: LinkSettings, counters: LinkCounters) -> LinkStatus:
 
 async def run_link(settings: LinkSettings, stop: asyncio.Event) -> None:
     """Carry the link until ``stop`` is set."""
-    host, port = settings.upstream()
+    (host, port), *fallbacks = settings.upstreams()
     proxy = LinkProxy(
-        settings.link_spec(), host, port, settings.listen_host, settings.listen_port, settings.seed
+        settings.link_spec(),
+        host,
+        port,
+        settings.listen_host,
+        settings.listen_port,
+        settings.seed,
+        fallbacks,
     )
     listening = await proxy.start()
     log.info(

@@ -62,7 +62,10 @@ class LinkSettings(NatsSettings):
         """The scheduled outages, by start."""
         return parse_outages(self.outages)
 
-    def upstream(self) -> tuple[str, int]:
-        """Host and port of the first nats-server of ``--nats-url``."""
-        url = urlsplit(self.nats_servers()[0])
-        return url.hostname or "127.0.0.1", url.port or 4222
+    def upstreams(self) -> list[tuple[str, int]]:
+        """Host and port of every nats-server of ``--nats-url``: the link forwards to the
+        first, and to the next while that one is unreachable."""
+        return [
+            (url.hostname or "127.0.0.1", url.port or 4222)
+            for url in map(urlsplit, self.nats_servers())
+        ]

@@ -80,7 +80,12 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 @dataclass(frozen=True)
 class ClusterNode:
     """A server's place in a JetStream cluster: its name, the port its routes listen on, and
-    the route ports of the other nodes (all on the server's host)."""
+    the route ports of the other nodes (all on the server's host).
+
+    The nodes do not advertise each other's client URLs (``no_advertise``): a client connects
+    to the URLs it is given, so one behind a shaped link (``diloco link``) never finds its way
+    around the link; it is given every node's URL (or its link is) to fail over.
+    """
 
     name: str
     route_port: int
@@ -93,7 +98,7 @@ class ClusterNode:
         return (
             f'server_name: "{self.name}"\n'
             f'cluster {{ name: "{self.cluster}", listen: "{host}:{self.route_port}", '
-            f"routes: [{routes}] }}"
+            f"no_advertise: true, routes: [{routes}] }}"
         )
 
 
@@ -135,6 +140,14 @@ class NatsServer:
         with open(self.log_path, "rb") as log:
             log.seek(self.log_offset)
             return READY_LINE.encode() in log.read()
+
+    def knows_meta_leader(self) -> bool:
+        """Whether the current process, a node of a cluster, has last logged that it knows the
+        JetStream metadata leader (until one is elected, JetStream's API does not answer)."""
+        with open(self.log_path, "rb") as log:
+            log.seek(self.log_offset)
+            lines = [x for x in log.read().splitlines() if b"metadata leader" in x]
+        return bool(lines) and b"no metadata leader" not in lines[-1]
 
     def wait_ready(self, timeout_s: float = 20.0) -> None:
         """Wait until the server logs that it is ready.
@@ -336,12 +349,19 @@ def start_nats_server(
 
 
 def start_nats_cluster(
-    store_root: str | os.PathLike[str], nodes: int = 3, *, host: str = "127.0.0.1", **options: Any
+    store_root: str | os.PathLike[str],
+    nodes: int = 3,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    **options: Any,
 ) -> list[NatsServer]:
     """Start a JetStream cluster of ``nodes`` servers on ``host``, routed to each other, each
-    with its own store under ``store_root/n<i>`` (``options``: as :func:`start_nats_server`'s,
-    for every node). Streams created with ``num_replicas = nodes`` keep every message on every
-    node: any one node may die (``kill -9``) and the others elect new stream leaders and go on.
+    with its own store under ``store_root/n<i>`` (``port``: node i's client port is
+    ``port + i``, 0: free ports; ``options``: as :func:`start_nats_server`'s, for every node).
+    Streams created with ``num_replicas = nodes`` keep every message on every node: any one
+    node of three may die (``kill -9``) and the others elect new stream leaders and go on.
+    Returns once every node knows the JetStream metadata leader (streams can be created).
 
     Raises:
         BrokerError: as :func:`start_nats_server`; the nodes already started are stopped.
@@ -350,6 +370,8 @@ def start_nats_cluster(
         raise BrokerError(f"a cluster needs at least one node, got {nodes}")
     ports = free_ports(2 * nodes, host)
     clients, routes = ports[:nodes], ports[nodes:]
+    if port:
+        clients = [port + index for index in range(nodes)]
     servers: list[NatsServer] = []
     try:
         for index in range(nodes):
@@ -360,6 +382,14 @@ def start_nats_cluster(
             servers.append(
                 start_nats_server(store, host=host, port=clients[index], cluster=node, **options)
             )
+        deadline = time.monotonic() + options.get("ready_timeout_s", 20.0)
+        while not all(server.knows_meta_leader() for server in servers):
+            if time.monotonic() > deadline:
+                raise BrokerError(
+                    f"the cluster elected no JetStream metadata leader; see "
+                    f"{', '.join(str(server.log_path) for server in servers)}"
+                )
+            time.sleep(0.05)
     except BrokerError:
         for server in servers:
             server.stop()

@@ -11,7 +11,8 @@ one of ``--chaos-kinds``, drawn uniformly:
 * ``cut``: its shaped link closes every connection and refuses new ones until the repair
   (the link's own outage schedule: needs ``--link`` or ``--links``).
 
-Services (``outer``, ``nats-server``) are only killed. Times count from the moment the learners
+Services (``outer``, and ``nats-server`` or, with ``--nats-cluster N``, the nodes ``nats-0`` ...
+``nats-<N-1>``) are only killed. Times count from the moment the learners
 start (their links start then too), and the schedule is the same for the same seed.
 """
 
@@ -22,7 +23,16 @@ from collections.abc import Sequence
 
 from services.orchestration.local.records import ChaosEvent, ChaosKind
 
-SERVICE_TARGETS = ("outer", "nats-server")
+
+def nats_names(nodes: int) -> list[str]:
+    """The child names of a run's nats-server nodes: ``nats-server`` alone, or ``nats-<i>``
+    for each node of a cluster."""
+    return ["nats-server"] if nodes == 1 else [f"nats-{index}" for index in range(nodes)]
+
+
+def service_targets(nats_nodes: int) -> list[str]:
+    """The services ``--chaos-services`` may name: the outer and each nats-server node."""
+    return ["outer", *nats_names(nats_nodes)]
 
 
 def learner_target(unit: int) -> str:

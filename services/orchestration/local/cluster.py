@@ -1,12 +1,12 @@
 """The processes of one ``diloco up`` run and what happens to them.
 
-nats-server, the own job's outer, gateway and learners, and the outer and learners of the
-registry's jobs: each is started with the command ``diloco <service>``
-(``services.orchestration.children``), started again after a crash when
-``services.orchestration.supervisor`` says so (nats-server on the same port and JetStream store),
-matched with the registry as ``services.orchestration.reconcile`` plans, and stopped in a safe
-order: learners first (they upload what they have), then the outers and the gateway, then
-nats-server. The live children's PIDs are kept in ``<data-dir>/pids.json``.
+nats-server (or, with ``--nats-cluster N``, N routed nodes), the own job's outer, gateway and
+learners, and the outer and learners of the registry's jobs: each is started with the command
+``diloco <service>`` (``services.orchestration.children``), started again after a crash when
+``services.orchestration.supervisor`` says so (a nats-server node on the same ports and
+JetStream store), matched with the registry as ``services.orchestration.reconcile`` plans, and
+stopped in a safe order: learners first (they upload what they have), then the outers and the
+gateway, then nats-server. The live children's PIDs are kept in ``<data-dir>/pids.json``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TextIO
 from services.orchestration import commands, nats_server, reconcile
 from services.orchestration.children import Child, Launch, popen
 from services.orchestration.local import files
-from services.orchestration.local.chaos import ChaosClock, link_outages
+from services.orchestration.local.chaos import ChaosClock, link_outages, nats_names
 from services.orchestration.local.records import ChaosEvent, PidsFile
 from services.orchestration.local.settings import UpSettings
 from services.orchestration.registry import Registry
@@ -38,8 +38,8 @@ STOP_GRACE_S = 30.0
 CREDENTIALS_DIR = "credentials"  # <data-dir>/credentials/<user>.json, one per NATS user
 TLS_DIR = "tls"  # <data-dir>/tls: the CA and nats-server's certificate (--tls)
 TLS_HOSTS = ["127.0.0.1", "localhost"]  # the names the server's certificate is valid for
-NATS = "nats-server"
-ESSENTIAL = ("outer", NATS)  # without these nothing can go on: the run ends if they stay dead
+OUTER = "outer"  # without it (or a nats-server node) nothing can go on: the run ends if it
+# stays dead
 
 
 @dataclass
@@ -55,10 +55,10 @@ class Cluster:
     settings: UpSettings
     out: TextIO = sys.stdout
     launch: Launch = popen
-    server: nats_server.NatsServer | None = None
+    servers: list[nats_server.NatsServer] = field(default_factory=list)  # by node
     learners: list[Child] = field(default_factory=list)
     services: list[Child] = field(default_factory=list)
-    links: list[Child] = field(default_factory=list)  # shaped links in front of nats-server
+    links: list[Child] = field(default_factory=list)  # shaped links in front of NATS
     job_children: list[Child] = field(default_factory=list)  # processes of registry jobs
     registry_busy: bool = False  # the last registry read found a job that is not stopped
     gateway_url: str = ""
@@ -83,7 +83,10 @@ class Cluster:
         """How ``diloco up`` itself connects: as the admin (it creates the streams)."""
         path, _ = self.credentials.ensure(nats_auth.Identity("admin"))
         return NatsSettings(
-            nats_url=self.nats_url, nats_credentials=str(path), nats_ca_file=self.ca_file
+            nats_url=self.nats_url,
+            nats_credentials=str(path),
+            nats_ca_file=self.ca_file,
+            nats_replicas=self.settings.nats_cluster,
         )
 
     def identity_env(self, *identities: nats_auth.Identity) -> list[dict[str, str]]:
@@ -91,8 +94,8 @@ class Cluster:
         and, with ``--tls``, the CA (``DILOCO_NATS_CA_FILE``); users new to the running server
         are added to it first (one reload)."""
         made = [self.credentials.ensure(who) for who in identities]
-        if self.server is not None and any(new for _, new in made):
-            self.server.reload(self.credentials.authorization_block())
+        if any(new for _, new in made):
+            self.reload_users()
         tls_env = {"DILOCO_NATS_CA_FILE": self.ca_file} if self.ca_file is not None else {}
         return [{"DILOCO_NATS_CREDENTIALS": str(path), **tls_env} for path, _ in made]
 
@@ -103,9 +106,26 @@ class Cluster:
 
     @property
     def nats_url(self) -> str:
-        """The URL of the run's nats-server (once started)."""
-        assert self.server is not None, "nats-server is not started"
-        return self.server.url
+        """The URL of the run's nats-server, or every node's, comma-separated (once started)."""
+        assert self.servers, "nats-server is not started"
+        return nats_server.cluster_url(self.servers)
+
+    def nats_url_from(self, first: int) -> str:
+        """Every node's URL, node ``first`` (modulo the nodes) first: the node a shaped link
+        forwards to, the others its fallbacks; the learners' links spread over the nodes."""
+        urls = [server.url for server in self.servers]
+        first %= len(urls)
+        return ",".join(urls[first:] + urls[:first])
+
+    def _server(self, name: str) -> nats_server.NatsServer | None:
+        """The nats-server node of child name ``name`` (None: not a node's name)."""
+        names = nats_names(len(self.servers)) if self.servers else []
+        return self.servers[names.index(name)] if name in names else None
+
+    def reload_users(self) -> None:
+        """Have every nats-server node reload the NATS users (added or revoked)."""
+        for server in self.servers:
+            server.reload(self.credentials.authorization_block())
 
     def print(self, line: str) -> None:
         """Show a line to the user."""
@@ -149,20 +169,31 @@ class Cluster:
         ):
             self.credentials.ensure(who)
         self.tls_files = tls.make_server_files(tls_dir, TLS_HOSTS) if s.tls else None
-        self.server = nats_server.start_nats_server(
-            store,
-            port=s.nats_port,
+        options = dict(
             authorization=self.credentials.authorization_block(),
             tls=self.tls_files.server_block() if self.tls_files is not None else None,
             new_session=True,
             die_with_parent=True,
         )
-        self.supervisor.add(NATS, time.monotonic())
-        self.print(f"nats-server  {self.nats_url}  (fresh JetStream store {store})")
+        if s.nats_cluster == 1:
+            self.servers = [nats_server.start_nats_server(store, port=s.nats_port, **options)]
+        else:
+            self.servers = nats_server.start_nats_cluster(
+                store, s.nats_cluster, port=s.nats_port, **options
+            )
+        for name in nats_names(len(self.servers)):
+            self.supervisor.add(name, time.monotonic())
+        if s.nats_cluster == 1:
+            self.print(f"nats-server  {self.nats_url}  (fresh JetStream store {store})")
+        else:
+            self.print(
+                f"nats-server  {self.nats_url}  ({s.nats_cluster}-node JetStream cluster, every "
+                f"stream on every node; fresh stores in {store})"
+            )
         outer_spec = s.outer_link_spec()
         outer_url = self.nats_url
         if outer_spec is not None:
-            outer_url = self.start_link("outer", outer_spec, "")
+            outer_url = self.start_link("outer", outer_spec, "", 0)
         outer = commands.outer_args(s, outer_url)
         [outer_user] = self.identity_env(nats_auth.Identity("outer", s.job))
         self.services.append(self.spawn("outer", outer, {**commands.cache_env(s), **outer_user}))
@@ -180,11 +211,13 @@ class Cluster:
         )
         self.write_pids()
 
-    def start_link(self, name: str, spec: LinkSpec, outages: str) -> str:
-        """Start the shaped link ``link-<name>`` in front of nats-server; returns the NATS URL
-        its client connects to."""
+    def start_link(self, name: str, spec: LinkSpec, outages: str, node: int) -> str:
+        """Start the shaped link ``link-<name>`` in front of nats-server (of a cluster: in
+        front of ``node``, and of the others while it is down); returns the NATS URL its
+        client connects to."""
         port = nats_server.free_port()
-        args = commands.link_args(self.settings, self.nats_url, name, spec, port, outages)
+        upstream = self.nats_url_from(node)
+        args = commands.link_args(self.settings, upstream, name, spec, port, outages)
         [user] = self.identity_env(nats_auth.Identity("link", self.settings.job, link=name))
         self.links.append(self.spawn(f"link-{name}", args, user))
         self.print(f"link-{name:<7} nats://127.0.0.1:{port}  ({spec.text()})")
@@ -203,7 +236,7 @@ class Cluster:
             url = self.nats_url
             if links is not None:
                 outages = ",".join(o for o in (s.link_outages, link_outages(self.chaos, unit)) if o)
-                url = self.start_link(str(unit), links[unit], outages)
+                url = self.start_link(str(unit), links[unit], outages, unit)
             args = commands.learner_args(s, url, unit)
             [user] = self.identity_env(nats_auth.Identity("learner", s.job, unit=unit))
             # A learner that exits 0 has trained all its steps.
@@ -224,7 +257,7 @@ class Cluster:
         return [c for c in self.job_children if reconcile.is_outer(c.name)]
 
     def children(self) -> list[Child]:
-        """Every service process (learners first), not nats-server."""
+        """Every service process (learners first), not nats-server's nodes."""
         return [
             *self.learners,
             *self.job_learners(),
@@ -293,16 +326,17 @@ class Cluster:
         return (
             self.learners_done()
             and not self.jobs_busy()
-            and self.supervisor.state("outer") is State.RUNNING
+            and self.supervisor.state(OUTER) is State.RUNNING
         )
 
     def pids(self) -> dict[str, int]:
-        """PIDs of the live children by name (``nats-server``, ``outer``, ``gateway``,
-        ``learner-<unit>``, ``link-<unit>``, ``link-outer``, ``<job>/outer``,
+        """PIDs of the live children by name (``nats-server`` or ``nats-<node>``, ``outer``,
+        ``gateway``, ``learner-<unit>``, ``link-<unit>``, ``link-outer``, ``<job>/outer``,
         ``<job>/learner-<unit>``)."""
         pids = {}
-        if self.server is not None and self.server.alive():
-            pids[NATS] = self.server.pid
+        for name, server in zip(nats_names(len(self.servers)), self.servers, strict=False):
+            if server.alive():
+                pids[name] = server.pid
         for child in self.children():
             if child.alive():
                 pids[child.name] = child.pid
@@ -315,7 +349,7 @@ class Cluster:
             self.data_dir,
             PidsFile(
                 supervisor=os.getpid(),
-                nats_url=self.server.url if self.server is not None else None,
+                nats_url=self.nats_url if self.servers else None,
                 nats_credentials=str(self.credentials.path(nats_auth.Identity("admin"))),
                 nats_ca_file=self.ca_file,
                 pids=self.pids(),
@@ -327,21 +361,17 @@ class Cluster:
         return next(c for c in self.children() if c.name == name)
 
     def _exit_code(self, name: str) -> int | None:
-        if name == NATS:
-            assert self.server is not None
-            return self.server.process.poll()
-        return self._child(name).exit_code()
+        server = self._server(name)
+        return server.process.poll() if server is not None else self._child(name).exit_code()
 
     def _log_path(self, name: str) -> Path:
-        if name == NATS:
-            assert self.server is not None
-            return self.server.log_path
-        return self._child(name).log_path
+        server = self._server(name)
+        return server.log_path if server is not None else self._child(name).log_path
 
     def heal(self, stopping: Callable[[], bool]) -> str | None:
         """Notice children that exited and restart those whose backoff is over (none once
-        ``stopping()``); returns why the run must end (the outer or nats-server is left dead
-        after its restarts), else None."""
+        ``stopping()``); returns why the run must end (the outer or a nats-server node is left
+        dead after its restarts), else None."""
         now = time.monotonic()
         changed = False
         ended = None
@@ -356,7 +386,8 @@ class Cluster:
                     self.print(f"{name} exited with code {code} (done)")
                 continue
             self.print(f"{decision.line()}  (log {self._log_path(name)})")
-            if decision.state is State.GAVE_UP and name in ESSENTIAL and ended is None:
+            essential = name == OUTER or self._server(name) is not None
+            if decision.state is State.GAVE_UP and essential and ended is None:
                 ended = (
                     f"stopped: {name} exited with code {code} and was not restarted "
                     f"(max-restarts {decision.max_restarts} reached)"
@@ -375,8 +406,8 @@ class Cluster:
         """Shut a quarantined unit out: remove its NATS user and reload nats-server (which
         closes its connections), and SIGKILL its learner for good."""
         revoked = self.credentials.revoke(nats_auth.Identity("learner", job, unit=unit))
-        if revoked and self.server is not None:
-            self.server.reload(self.credentials.authorization_block())
+        if revoked:
+            self.reload_users()
         name = f"learner-{unit}" if job == self.settings.job else reconcile.learner_name(job, unit)
         child = next((c for c in self.children() if c.name == name), None)
         if child is not None:
@@ -388,9 +419,9 @@ class Cluster:
     def kill_for_chaos(self, event: ChaosEvent) -> None:
         """SIGKILL the event's target; it is not restarted before its repair time is over."""
         self.supervisor.hold(event.target, time.monotonic() + event.repair_s)
-        if event.target == NATS:
-            assert self.server is not None
-            self.server.kill()
+        server = self._server(event.target)
+        if server is not None:
+            server.kill()
             return
         child = self._child(event.target)
         if child.alive():
@@ -398,11 +429,12 @@ class Cluster:
 
     def _restart(self, name: str) -> None:
         number = self.supervisor.restarts()[name] + 1
-        if name == NATS:
-            assert self.server is not None
-            # Same port and config, same JetStream store: clients reconnect by themselves.
-            self.server.restart(ready_timeout_s=None)
-            pid = self.server.pid
+        server = self._server(name)
+        if server is not None:
+            # Same ports and config, same JetStream store: clients reconnect by themselves (a
+            # cluster node catches up with the others).
+            server.restart(ready_timeout_s=None)
+            pid = server.pid
         else:
             child = self._child(name)
             child.restart(number)
@@ -428,7 +460,7 @@ class Cluster:
                         f"(its stack is dumped to {child.log_path})"
                     )
                     child.kill_with_stacks()
-        if self.server is not None:
-            self.server.stop()
+        for server in self.servers:
+            server.stop()
         with contextlib.suppress(OSError):
             self.write_pids()  # no live PIDs any more: a chaos script must not kill reused ones

@@ -38,7 +38,7 @@ async def hold_units(nats: NatsSettings, job: str, units: int) -> None:
     nc = await connect(nats, "diloco-up")
     try:
         js = nc.jetstream()
-        await ensure_streams(js)
+        await ensure_streams(js, nats.nats_replicas)
         await set_desired(await js.key_value(subjects.DESIRED_BUCKET), job, units, "paused")
     finally:
         await asyncio.wait_for(nc.close(), timeout=CLOSE_TIMEOUT_S)

@@ -100,9 +100,10 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
     async def quiet(_err: Exception) -> None:
         """Connection errors while nats-server is down: the loop reports the outage once."""
 
-    nc = await connect(cluster.admin_settings(), "diloco-up", error_cb=quiet)
+    admin = cluster.admin_settings()
+    nc = await connect(admin, "diloco-up", error_cb=quiet)
     js = nc.jetstream()
-    await ensure_streams(js)
+    await ensure_streams(js, admin.nats_replicas)
     desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
     jobs_kv = await js.key_value(subjects.JOBS_BUCKET)
     started = time.monotonic()

@@ -11,7 +11,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.learner.settings import AdversaryName, CheckpointSettings
-from services.orchestration.local.chaos import SERVICE_TARGETS, plan_chaos
+from services.orchestration.local.chaos import plan_chaos, service_targets
 from services.orchestration.local.records import CHAOS_KINDS, ChaosEvent, ChaosKind
 from services.orchestration.supervisor import DEFAULT_MAX_RESTARTS
 from services.outer.settings import EvaluationSettings
@@ -24,6 +24,8 @@ from shared.settings.link import ShapedLinkSettings
 from shared.settings.nats import JobNameSettings
 from shared.settings.resources import ResourceSettings
 from shared.settings.workload import DEFAULT_UNITS, WorkloadSettings
+
+NATS_CLUSTER_SIZES = (1, 3, 5)
 
 
 class UpSettings(
@@ -61,7 +63,19 @@ class UpSettings(
         "default: a new random one, printed at start and written to <data-dir>/token)",
         json_schema_extra=SECRET,
     )
-    nats_port: int = Field(0, ge=0, le=65535, description="nats-server port (0 = free)")
+    nats_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="nats-server port (0 = free); with --nats-cluster, node i's is this + i",
+    )
+    nats_cluster: int = Field(
+        1,
+        description="nats-server nodes: 1, or 3 or 5 for a JetStream cluster (routed nodes, a "
+        "store each) whose streams and buckets keep a copy on every node, so that the run "
+        "goes on through the death of any one node (two of five); every service gets every "
+        "node's URL",
+    )
     data_root: str | None = Field(
         None,
         description="folder jobs created through the gateway may take their corpus from "
@@ -120,7 +134,9 @@ class UpSettings(
         "after the repair), pause, cut (its link; needs --link or --links)",
     )
     chaos_services: str = Field(
-        "", description="services killed by the chaos too, comma-separated: outer, nats-server"
+        "",
+        description="services killed by the chaos too, comma-separated: outer, nats-server "
+        "(with --nats-cluster: nats-0, nats-1, ...)",
     )
     chaos_seed: int | None = Field(None, ge=0, description="seed of the failures (default: --seed)")
     adversaries: int = Field(
@@ -161,10 +177,11 @@ class UpSettings(
 
     def _chaos_services(self) -> list[str]:
         services = [s.strip() for s in self.chaos_services.split(",") if s.strip()]
-        unknown = [s for s in services if s not in SERVICE_TARGETS]
+        targets = service_targets(self.nats_cluster)
+        unknown = [s for s in services if s not in targets]
         if unknown:
             raise ValueError(
-                f"chaos-services: expected some of {', '.join(SERVICE_TARGETS)}, got {unknown}"
+                f"chaos-services: expected some of {', '.join(targets)}, got {unknown}"
             )
         return services
 
@@ -190,6 +207,16 @@ class UpSettings(
         if not self.slowdowns.strip():
             return [1.0] * self.learners
         return [float(x) for x in self.slowdowns.split(",")]
+
+    @model_validator(mode="after")
+    def _check_nats_cluster(self) -> UpSettings:
+        if self.nats_cluster not in NATS_CLUSTER_SIZES:
+            raise ValueError(
+                f"nats-cluster: expected one of {', '.join(map(str, NATS_CLUSTER_SIZES))} nodes "
+                f"(a JetStream cluster needs an odd number to elect leaders), got "
+                f"{self.nats_cluster}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_adversaries(self) -> UpSettings:
