@@ -51,6 +51,30 @@ asyncio.run(main())
 """
 
 
+# The replicas of every stream (KV buckets are streams too), read in the controller's container.
+REPLICAS = """
+import asyncio
+from shared.settings.nats import NatsSettings
+from shared.transport.connection import connect
+async def main():
+    nc = await connect(NatsSettings(), "replicas")
+    js = nc.jetstream()
+    print(sorted({(await js.stream_info(s.config.name)).config.num_replicas
+                  for s in await js.streams_info()}))
+    await nc.close()
+asyncio.run(main())
+"""
+# SIGKILL of nats-server in its container: the broker exits with it, and Docker's restart
+# policy starts the container again on the same store (the image has no pkill).
+KILL_NATS_SERVER = """
+import os, signal
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if f.read().split(b"\\0")[0].endswith(b"nats-server"):
+            os.kill(int(pid), signal.SIGKILL)
+"""
+
+
 def _run(*args: str, **kwargs) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, capture_output=True, text=True, timeout=60, **kwargs)
 
@@ -80,8 +104,9 @@ def base_image() -> str | None:
 class Compose:
     """One compose project of docker-compose.yml, under a name of its own."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], env_file: Path | None = None) -> None:
         self.project = f"diloco-test-{uuid.uuid4().hex[:8]}"
+        self.env_file = env_file
         self.port = free_port()
         self.env = {
             key: value for key, value in os.environ.items() if not key.startswith("DILOCO_")
@@ -91,6 +116,8 @@ class Compose:
 
     def __call__(self, *args: str, timeout: float = 600, check: bool = True) -> str:
         command = ["docker", "compose", "-p", self.project, "-f", str(ROOT / "docker-compose.yml")]
+        if self.env_file is not None:
+            command += ["--env-file", str(self.env_file)]
         done = subprocess.run(
             [*command, *args],
             capture_output=True,
@@ -157,8 +184,8 @@ def new_cluster(compose_env: dict[str, str]) -> Iterator[Callable[..., Compose]]
     is shown (its last logs) and removed."""
     made: list[Compose] = []
 
-    def make(**env: str) -> Compose:
-        made.append(Compose({**compose_env, **env}))
+    def make(env_file: Path | None = None, **env: str) -> Compose:
+        made.append(Compose({**compose_env, **env}, env_file))
         return made[-1]
 
     yield make
@@ -318,4 +345,49 @@ def test_with_shaped_links_each_units_link_bytes_are_in_the_metrics(new_cluster)
     print(f"link bytes in /metrics (link, direction): {found}")
     links = {u["unit"]: u.get("link") for u in job_view(client, job)["units"]}
     assert all(link is not None for link in links.values()), links
+    stop(compose)
+
+
+@pytest.mark.timeout(1200)
+def test_the_cluster_profile_trains_through_a_kill_of_a_node(new_cluster):
+    """docker/cluster.env: three broker containers routed into one JetStream cluster, every
+    stream with three replicas; nats-server in the first node is killed with SIGKILL during a
+    job (its container restarts on its store): the job trains to the end and balances."""
+    compose = new_cluster(env_file=ROOT / "docker" / "cluster.env")
+    client = start(compose)
+    assert set(compose("ps", "--services").split()) >= {"nats", "nats-1", "nats-2"}
+    replicas = compose("exec", "-T", "controller", "python", "-c", REPLICAS).strip()
+    assert replicas.splitlines()[-1] == "[3]", replicas
+    job = "rtest"
+    assert client.post("/jobs", json={"job": job, **SPEC, "max_steps": 600}).status_code == 201
+    assert client.post(f"/jobs/{job}/start").status_code == 200
+    wait_for(lambda: (job_view(client, job)["version"] or 0) >= 2, 300, "training")
+    node = f"{compose.project}-nats-1"  # the first node (service nats)
+    _run("docker", "exec", node, "python", "-c", KILL_NATS_SERVER)  # may die with it
+    wait_for(
+        lambda: (
+            _run("docker", "inspect", "--format", "{{.RestartCount}}", node).stdout.strip() == "1"
+        ),
+        120,
+        "the first node's container to restart",
+    )
+    wait_for(
+        lambda: all(u["state"] == "finished" for u in job_view(client, job)["units"]),
+        600,
+        "both units to finish",
+        interval_s=2,
+    )
+
+    def books() -> dict | None:
+        out = compose("exec", "-T", "controller", "python", "-c", BOOKS, job)
+        found = json.loads(out.strip().splitlines()[-1])
+        return found if found["balanced"] else None
+
+    balanced = wait_for(books, 120, "the books to balance", interval_s=2)
+    view = job_view(client, job)
+    print(
+        f"cluster job {job}: version {view['version']}, eval {view['eval_init_nats_per_byte']} "
+        f"-> {view['eval_nats_per_byte']} nats/byte, books {balanced}"
+    )
+    assert view["eval_nats_per_byte"] < view["eval_init_nats_per_byte"] - 1.0, view
     stop(compose)

@@ -163,6 +163,24 @@ def test_up_shares_the_budget_by_speed_and_validates_slowdowns():
         parse(UpSettings, ["--slowdowns", "fast,slow"])
 
 
+def test_a_nats_cluster_is_an_odd_number_of_nodes_and_its_routes_are_urls():
+    from services.orchestration.compose.settings import BrokerSettings
+
+    up = parse(UpSettings, ["--nats-cluster", "3", "--chaos-mtbf-s", "60"])
+    assert up.nats_cluster == 3
+    assert parse(UpSettings, ["--nats-cluster", "3", "--chaos-services", "nats-2,outer"])
+    with pytest.raises(SettingsError, match="an odd number"):
+        parse(UpSettings, ["--nats-cluster", "2"])
+    with pytest.raises(SettingsError, match="expected some of outer, nats-server"):
+        parse(UpSettings, ["--chaos-services", "nats-0"])  # one server: no nodes to name
+    routes = "nats-route://nats:6222, nats-route://nats-1:6222"
+    broker = parse(BrokerSettings, ["--routes", routes, "--server-name", "nats"])
+    assert broker.route_urls() == ["nats-route://nats:6222", "nats-route://nats-1:6222"]
+    assert parse(BrokerSettings, []).route_urls() == []
+    with pytest.raises(SettingsError, match="expected nats-route://host:port"):
+        parse(BrokerSettings, ["--routes", "nats://nats:4222"])
+
+
 def test_checkpoint_dir_defaults_to_none_and_round_trips_through_flags(monkeypatch):
     from shared.settings.cli import to_flags
 

@@ -79,8 +79,9 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 @dataclass(frozen=True)
 class ClusterNode:
-    """A server's place in a JetStream cluster: its name, the port its routes listen on, and
-    the route ports of the other nodes (all on the server's host).
+    """A server's place in a JetStream cluster: its name, where its routes listen, and the
+    route URLs of the cluster's nodes (its own may be among them: nats-server ignores a route
+    to itself, so every node can be given the same list).
 
     The nodes do not advertise each other's client URLs (``no_advertise``): a client connects
     to the URLs it is given, so one behind a shaped link (``diloco link``) never finds its way
@@ -88,16 +89,16 @@ class ClusterNode:
     """
 
     name: str
-    route_port: int
-    peers: tuple[int, ...]
+    listen: str  # host:port
+    routes: tuple[str, ...]  # nats-route://host:port
     cluster: str = "diloco"
 
-    def block(self, host: str) -> str:
+    def block(self) -> str:
         """The server's ``server_name`` and ``cluster`` configuration."""
-        routes = ", ".join(f'"nats-route://{host}:{port}"' for port in self.peers)
+        routes = ", ".join(f'"{route}"' for route in self.routes)
         return (
             f'server_name: "{self.name}"\n'
-            f'cluster {{ name: "{self.cluster}", listen: "{host}:{self.route_port}", '
+            f'cluster {{ name: "{self.cluster}", listen: "{self.listen}", '
             f"no_advertise: true, routes: [{routes}] }}"
         )
 
@@ -327,7 +328,7 @@ def start_nats_server(
     if tls is not None:
         lines.append(tls)
     if cluster is not None:
-        lines.append(cluster.block(host))
+        lines.append(cluster.block())
     base = "\n".join(lines) + "\n"
     # Private: it holds the password hashes.
     atomic.write_private_bytes(config_path, _config_text(base, authorization).encode())
@@ -376,7 +377,9 @@ def start_nats_cluster(
     try:
         for index in range(nodes):
             node = ClusterNode(
-                f"n{index}", routes[index], tuple(p for p in routes if p != routes[index])
+                f"n{index}",
+                f"{host}:{routes[index]}",
+                tuple(f"nats-route://{host}:{port}" for port in routes if port != routes[index]),
             )
             store = Path(store_root) / f"n{index}"
             servers.append(

@@ -3,7 +3,8 @@
 At its first start it makes, in the ``secrets`` volume (``--secrets-dir``): the credentials of the
 admin (the controller) and the gateway, a CA and the server's certificate for the names the other
 containers use (``--server-names``), and the gateway's API token (``api-token``). Later starts
-keep them. Then it runs nats-server with JetStream (every listed user, TLS only) and checks the
+keep them. Then it runs nats-server with JetStream (every listed user, TLS only; with ``--routes``,
+as a node of a JetStream cluster, docker-compose.yml's ``cluster`` profile) and checks the
 credentials folder every ``--poll-s``: a user the controller added for a new job's container is
 loaded into the running server (a reload, no reconnects), so that container's first connection is
 accepted. If nats-server exits, so does this command, with its code (the container's restart
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import socket
 import threading
 from pathlib import Path
 
@@ -76,6 +78,14 @@ def run_broker(settings: BrokerSettings, stop: threading.Event) -> int:
     """Run nats-server until ``stop`` is set (then stop it gracefully: exit 0) or it exits by
     itself (returns its exit code)."""
     credentials, files = make_secrets(settings)
+    routes = settings.route_urls()
+    node = None
+    if routes:
+        node = nats_server.ClusterNode(
+            settings.server_name or socket.gethostname(),
+            f"{settings.listen_host}:{settings.route_port}",
+            tuple(routes),
+        )
     server = nats_server.start_nats_server(
         settings.store_dir,
         host=settings.listen_host,
@@ -84,9 +94,14 @@ def run_broker(settings: BrokerSettings, stop: threading.Event) -> int:
         tls=files.server_block() if files is not None else None,
         http_port=settings.http_port,
         ready_timeout_s=60.0,
+        cluster=node,
     )
     log.info(
-        "nats-server ready on %s:%d (log %s)", settings.listen_host, settings.port, server.log_path
+        "nats-server ready on %s:%d (log %s)%s",
+        settings.listen_host,
+        settings.port,
+        server.log_path,
+        f", node {node.name} of a cluster routed to {', '.join(routes)}" if node else "",
     )
     reported: set[str] = set()
     try:

@@ -144,7 +144,7 @@ class Controller:
                 assert action.unit is not None
                 if self.settings.link:
                     url = await self._start_link(action.name, action.job, action.unit)
-                    server = urlsplit(self.settings.nats_url).hostname or ""
+                    server = urlsplit(self.settings.nats_servers()[0]).hostname or ""
                     env["DILOCO_NATS_TLS_HOSTNAME"] = server  # the certificate's name
             self._start(
                 action.name,
@@ -268,7 +268,10 @@ async def run_controller(settings: ControllerSettings, stop: asyncio.Event) -> i
     nc = await connect(settings, "diloco-controller")
     try:
         js = nc.jetstream()
-        await prepare_streams(js, settings)  # the admin creates them
+        # The admin creates them (a cluster takes a moment to elect its metadata leader).
+        await retry.retry(
+            lambda: prepare_streams(js, settings), "create streams", stopping=stop.is_set
+        )
         jobs_kv = await js.key_value(subjects.JOBS_BUCKET)
         desired_kv = await js.key_value(subjects.DESIRED_BUCKET)
         log.info(

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.settings import ENV_PREFIX
@@ -42,10 +43,37 @@ class BrokerSettings(BaseSettings):
     poll_s: float = Field(
         1.0, gt=0, le=60, description="how often the credentials folder is checked for new users"
     )
+    routes: str = Field(
+        "",
+        description="a node of a JetStream cluster: the route URLs of every node, comma-"
+        "separated (nats-route://nats:6222,nats-route://nats-1:6222,...; its own may be among "
+        "them); empty: a server on its own",
+    )
+    route_port: int = Field(6222, ge=1, le=65535, description="port the cluster's routes use")
+    server_name: str = Field(
+        "",
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_.-]*$",
+        description="the node's name in the cluster (default: the host's name)",
+    )
 
     def names(self) -> list[str]:
         """The certificate's names, in order."""
         return [name.strip() for name in self.server_names.split(",") if name.strip()]
+
+    def route_urls(self) -> list[str]:
+        """``--routes`` as a list (empty: no cluster)."""
+        return [route.strip() for route in self.routes.split(",") if route.strip()]
+
+    @field_validator("routes")
+    @classmethod
+    def _check_routes(cls, value: str) -> str:
+        for route in value.split(","):
+            if route.strip() and not re.match(r"^nats-route://[^\s/:,]+:\d{1,5}$", route.strip()):
+                raise ValueError(
+                    f"expected nats-route://host:port (comma-separated), got {route!r}"
+                )
+        return value
 
 
 class ControllerSettings(NatsSettings, LivenessSettings, ShapedLinkSettings, LearnerThreads):
