@@ -150,10 +150,11 @@ class ServiceProcesses:
         self.children: list[tuple[str, subprocess.Popen[bytes], Path]] = []
 
     def start(
-        self, name: str, *args: str, env: dict[str, str] | None = None
+        self, name: str, *args: str, env: dict[str, str] | None = None, netns: str | None = None
     ) -> subprocess.Popen[bytes]:
         """Start ``diloco <args>`` logging to ``<workdir>/<name>.log`` (``env``: variables
-        on top of this process's)."""
+        on top of this process's; ``netns``: in that network namespace, by ``ip netns exec``,
+        which execs the command: the process is the service's own)."""
         log_path = self.workdir / f"{name}.log"
         env = {
             **os.environ,
@@ -164,8 +165,9 @@ class ServiceProcesses:
             "PYTHONUNBUFFERED": "1",
         }
         with open(log_path, "ab") as log_file:
+            prefix = ["ip", "netns", "exec", netns] if netns is not None else []
             process = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", *args],
+                [*prefix, sys.executable, "-m", "services.cli", *args],
                 cwd=REPO,
                 env=env,
                 stdout=log_file,

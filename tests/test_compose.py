@@ -371,12 +371,15 @@ def test_the_cluster_profile_trains_through_a_kill_of_a_node(new_cluster):
         120,
         "the first node's container to restart",
     )
-    wait_for(
-        lambda: all(u["state"] == "finished" for u in job_view(client, job)["units"]),
-        600,
-        "both units to finish",
-        interval_s=2,
-    )
+
+    def finished() -> bool:
+        # While the cluster elects new leaders, a read may time out (503: try again).
+        response = client.get(f"/jobs/{job}")
+        assert response.status_code in (200, 503), response.text
+        units = response.json()["units"] if response.status_code == 200 else []
+        return bool(units) and all(u["state"] == "finished" for u in units)
+
+    wait_for(finished, 600, "both units to finish", interval_s=2)
 
     def books() -> dict | None:
         out = compose("exec", "-T", "controller", "python", "-c", BOOKS, job)
