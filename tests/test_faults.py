@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -218,15 +219,44 @@ def stop_units_and_balance(services, learners: list, url: str, job: str) -> Book
 # --------------------------------------------------------------------------- the outer
 
 
+@dataclasses.dataclass
+class Replicated:
+    """A running three-node cluster whose streams and buckets have three replicas."""
+
+    servers: list[NatsServer]
+
+    @property
+    def url(self) -> str:
+        return cluster_url(self.servers)
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[Replicated]:
+    """A fresh three-node JetStream cluster, its streams and buckets created with three
+    replicas, stopped after the test."""
+    servers = start_nats_cluster(tmp_path / "nats", 3)
+    try:
+        _create_streams(cluster_url(servers), 3)
+        yield Replicated(servers)
+    finally:
+        for server in servers:
+            server.stop()
+
+
 @pytest.mark.timeout(600)
 def test_outer_killed_at_random_moments_loses_and_duplicates_nothing(
-    nats_server, services, tmp_path
+    nats_cluster, services, tmp_path
 ) -> None:
     """4 kill -9s of the leading outer at seeded random moments (some right after it took
     over), with two more outers standing by, so that most takeovers are by a warm standby
     and none waits for a killed process to restart: the job never has two leaders, never
     announces a version twice, and the books balance. Every killed outer is restarted and
-    stands by in its turn. With the replay test's two, the tests kill an outer 6 times."""
+    stands by in its turn. With the replay test's two, the tests kill an outer 6 times.
+
+    On a three-node cluster, every stream and bucket with three replicas: the lease is a
+    compare-and-set on a replicated bucket, the checkpoints and the uploads' work queue are
+    replicated streams (docs/RELIABILITY.md, "A replicated broker")."""
+    nats_server = nats_cluster
     job, units, kills = "killouter", 2, 4
     rng = random.Random(20261130)
     recorder = HeadRecorder(nats_server.url, job)
@@ -532,17 +562,17 @@ FAILOVER_S = 20.0
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_three_node_cluster_trains_through_kill_9_of_each_node_in_turn(services, tmp_path):
+def test_a_three_node_cluster_trains_through_kill_9_of_each_node_in_turn(
+    nats_cluster, services, tmp_path
+):
     """Three nodes, every stream and bucket (the outer's lease among them) with three
     replicas; the outer and two units connect to all three. Each node in turn, the uploads'
     stream leader first, is killed with SIGKILL during the run: the outer's version advances
     within 10 s of each kill; the node is started again on its store. At the end every unit's
     rounds are applied exactly once and no version was announced with two params."""
     job, units = "cluster", 2
-    servers = start_nats_cluster(tmp_path / "nats", 3)
-    url = cluster_url(servers)
+    servers, url = nats_cluster.servers, nats_cluster.url
     try:
-        _create_streams(url, 3)
         recorder = HeadRecorder(url, job)
         start_outer(services, url, job, "outer", units)
         wait_for(lambda: outer_running(url, job), 120, "outer")
@@ -578,8 +608,6 @@ def test_a_three_node_cluster_trains_through_kill_9_of_each_node_in_turn(service
         assert_no_version_published_twice(recorder.stop())
     finally:
         services.stop_all()
-        for server in servers:
-            server.stop()
 
 
 # --------------------------------------------------------------------------- a learner unit
