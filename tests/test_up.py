@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.orchestration.local import files
+from services.orchestration.local.records import RunSummary
 from shared.settings.nats import NatsSettings
 from shared.transport.connection import connect
 from tests.helpers import answers_http, cluster_processes, live_pids, start_up, wait_for
@@ -48,14 +49,7 @@ def test_up_trains_to_the_end_through_restarts_of_gateway_and_nats_server(tmp_pa
             lambda: "gateway restarted (restart #1" in out_path.read_text(), 30, "gateway restart"
         )
         wait_for(lambda: answers_http(gateway_url + "/readyz"), 120, "the gateway to come back")
-        wait_for(
-            lambda: any(
-                " u0 runn" in line and " u1 runn" in line
-                for line in out_path.read_text().splitlines()
-            ),
-            240,
-            "both units to be training",
-        )
+        _wait_until_both_train(out_path)
         os.kill(live_pids(data_dir)["nats-server"], signal.SIGKILL)
         assert process.wait(timeout=400) == 0, out_path.read_text()
     finally:
@@ -68,15 +62,7 @@ def test_up_trains_to_the_end_through_restarts_of_gateway_and_nats_server(tmp_pa
     assert "run finished" in output, output
     restarts = next(x for x in output.splitlines() if x.startswith("restarts "))
     assert "nats-server 1," in restarts and "gateway 1," in restarts, restarts
-    line = next(x for x in output.splitlines() if x.startswith("held-out eval loss"))
-    init_loss, final_loss = (float(x) for x in line.split()[3:6:2])
-    assert final_loss < init_loss - 1.0, output
-    assert "all services stopped" in output
-    assert live_pids(data_dir) == {}
-    assert cluster_processes(data_dir, out_path) == []
-    summary = files.read_summary(data_dir)
-    assert summary is not None and summary.reason == "finished", summary
-    assert summary.ledger.balanced and set(summary.units) == {0, 1}, summary.ledger
+    summary = _finished_learned_balanced(data_dir, out_path)
     assert summary.restarts["nats-server"] == summary.restarts["gateway"] == 1
     server_log = (data_dir / "nats" / "nats-server.log").read_text()
     assert "TLS required for client connections" in server_log
@@ -116,14 +102,7 @@ def test_up_on_a_three_node_cluster_trains_through_kill_9_of_a_node(tmp_path, ja
             nats_ca_file=record.nats_ca_file,
         )
         assert asyncio.run(_replicas(admin)) == {3}
-        wait_for(
-            lambda: any(
-                " u0 runn" in line and " u1 runn" in line
-                for line in out_path.read_text().splitlines()
-            ),
-            240,
-            "both units to be training",
-        )
+        _wait_until_both_train(out_path)
         os.kill(live_pids(data_dir)["nats-0"], signal.SIGKILL)
         wait_for(lambda: "nats-0 restarted" in out_path.read_text(), 60, "nats-0's restart")
         version = _version(out_path)
@@ -139,16 +118,36 @@ def test_up_on_a_three_node_cluster_trains_through_kill_9_of_a_node(tmp_path, ja
     assert "3-node JetStream cluster" in output, output
     assert "nats-0 exited with code -9; restart #1 in 1.0s" in output, output
     assert "nats-0 restarted (restart #1" in output, output
+    summary = _finished_learned_balanced(data_dir, out_path)
+    assert summary.restarts["nats-0"] == summary.restarts["outer"] == 1
+    assert summary.restarts["nats-1"] == summary.restarts["nats-2"] == 0
+
+
+def _wait_until_both_train(out_path: Path) -> None:
+    """Until a progress line of ``diloco up`` shows both units training."""
+    wait_for(
+        lambda: any(
+            " u0 runn" in line and " u1 runn" in line for line in out_path.read_text().splitlines()
+        ),
+        240,
+        "both units to be training",
+    )
+
+
+def _finished_learned_balanced(data_dir: Path, out_path: Path) -> RunSummary:
+    """The run's summary, once checked: it finished by itself, the model learned (the eval
+    fell by more than 1 nats/byte), both units' books balance, and no process is left."""
+    output = out_path.read_text()
     line = next(x for x in output.splitlines() if x.startswith("held-out eval loss"))
     init_loss, final_loss = (float(x) for x in line.split()[3:6:2])
     assert final_loss < init_loss - 1.0, output
+    assert "all services stopped" in output
     assert live_pids(data_dir) == {}
     assert cluster_processes(data_dir, out_path) == []
     summary = files.read_summary(data_dir)
     assert summary is not None and summary.reason == "finished", summary
     assert summary.ledger.balanced and set(summary.units) == {0, 1}, summary.ledger
-    assert summary.restarts["nats-0"] == summary.restarts["outer"] == 1
-    assert summary.restarts["nats-1"] == summary.restarts["nats-2"] == 0
+    return summary
 
 
 def _version(out_path: Path) -> int:
