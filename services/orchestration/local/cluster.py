@@ -38,8 +38,8 @@ STOP_GRACE_S = 30.0
 CREDENTIALS_DIR = "credentials"  # <data-dir>/credentials/<user>.json, one per NATS user
 TLS_DIR = "tls"  # <data-dir>/tls: the CA and nats-server's certificate (--tls)
 TLS_HOSTS = ["127.0.0.1", "localhost"]  # the names the server's certificate is valid for
-OUTER = "outer"  # without it (or a nats-server node) nothing can go on: the run ends if it
-# stays dead
+# Without the outer (or a nats-server node) nothing can go on: the run ends if one stays dead.
+OUTER = "outer"
 
 
 @dataclass
@@ -334,7 +334,7 @@ class Cluster:
         ``gateway``, ``learner-<unit>``, ``link-<unit>``, ``link-outer``, ``<job>/outer``,
         ``<job>/learner-<unit>``)."""
         pids = {}
-        for name, server in zip(nats_names(len(self.servers)), self.servers, strict=False):
+        for name, server in zip(nats_names(len(self.servers)), self.servers, strict=True):
             if server.alive():
                 pids[name] = server.pid
         for child in self.children():
