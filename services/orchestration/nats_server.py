@@ -379,7 +379,7 @@ def start_nats_cluster(
             node = ClusterNode(
                 f"n{index}",
                 f"{host}:{routes[index]}",
-                tuple(f"nats-route://{host}:{port}" for port in routes if port != routes[index]),
+                tuple(f"nats-route://{host}:{peer}" for peer in routes if peer != routes[index]),
             )
             store = Path(store_root) / f"n{index}"
             servers.append(

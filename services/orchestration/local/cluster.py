@@ -177,19 +177,18 @@ class Cluster:
         )
         if s.nats_cluster == 1:
             self.servers = [nats_server.start_nats_server(store, port=s.nats_port, **options)]
+            what = f"fresh JetStream store {store}"
         else:
             self.servers = nats_server.start_nats_cluster(
                 store, s.nats_cluster, port=s.nats_port, **options
             )
+            what = (
+                f"{s.nats_cluster}-node JetStream cluster, every stream on every node; fresh "
+                f"stores in {store}"
+            )
         for name in nats_names(len(self.servers)):
             self.supervisor.add(name, time.monotonic())
-        if s.nats_cluster == 1:
-            self.print(f"nats-server  {self.nats_url}  (fresh JetStream store {store})")
-        else:
-            self.print(
-                f"nats-server  {self.nats_url}  ({s.nats_cluster}-node JetStream cluster, every "
-                f"stream on every node; fresh stores in {store})"
-            )
+        self.print(f"nats-server  {self.nats_url}  ({what})")
         outer_spec = s.outer_link_spec()
         outer_url = self.nats_url
         if outer_spec is not None:
