@@ -53,6 +53,15 @@ class FragmentPlan:
         """Sorted piece keys of one fragment."""
         return sorted(piece.key for piece in self.fragments[fragment])
 
+    def piece_shapes(
+        self, shapes: Mapping[str, tuple[int, ...]], fragment: int
+    ) -> dict[str, tuple[int, ...]]:
+        """``{piece key: shape}`` of one fragment, from the tensors' shapes by name."""
+        return {
+            piece.key: tuple(shapes[piece.name][0 if piece.layer is None else 1 :])
+            for piece in self.fragments[fragment]
+        }
+
     def extract(self, named: Mapping[str, np.ndarray], fragment: int) -> dict[str, np.ndarray]:
         """The pieces of ``fragment`` from a ``{tensor name: array}`` dict (copies)."""
         out = {}
@@ -118,3 +127,14 @@ def plan_fragments(shapes: Mapping[str, tuple[int, ...]], num_fragments: int) ->
 def sync_offset(fragment: int, num_fragments: int, h_steps: int) -> int:
     """Steps by which fragment ``fragment``'s first sync comes early (staggering)."""
     return round(fragment * h_steps / num_fragments)
+
+
+def shard_fragments(shard: int, shards: int, count: int) -> tuple[int, ...]:
+    """The fragments outer shard ``shard`` of ``shards`` owns out of ``count``: p mod shards
+    = shard (round robin, so that the shards' sizes stay balanced like the fragments')."""
+    return tuple(p for p in range(count) if p % shards == shard)
+
+
+def shard_of_fragment(fragment: int, shards: int) -> int:
+    """The outer shard that owns ``fragment``."""
+    return fragment % shards

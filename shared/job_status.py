@@ -13,6 +13,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from shared import kv, records, subjects
+from shared.outer_shards import combine_stamped
 from shared.records import JOB_NAME_PATTERN, Stamped
 from shared.records.link import LinkStatus
 from shared.records.outer import OuterStatus
@@ -25,7 +26,8 @@ class JobStatus:
 
     Attributes:
         job: the job's name.
-        outer: the leading outer's status (None: no outer ever reported).
+        outer: the outer's status, its shards' combined (``shared.outer_shards``; None: shard
+            0 never reported).
         units: each reporting unit's status, by unit index.
         links: each shaped link's counters, by link name (a unit index or ``outer``).
         server_time: the NATS server's clock at the read (unix seconds).
@@ -61,12 +63,18 @@ async def read_job_status(nc: NatsClient, js: JetStreamContext, job: str) -> Job
     """
     bucket = subjects.STATUS_BUCKET
     view = await kv.snapshot(nc, bucket, prefix=f"{job}.")
-    outer = await kv.read_stamped(
-        js, bucket, subjects.outer_status_key(job), OuterStatus, view.server_time
-    )
+    shards: list[Stamped[OuterStatus]] = []
     units: dict[int, Stamped[UnitStatus]] = {}
     links: dict[str, Stamped[LinkStatus]] = {}
     for key in view.keys:
+        shard = subjects.shard_of_outer_status_key(job, key)
+        if shard is not None:
+            entry = await kv.read_stamped(js, bucket, key, OuterStatus, view.server_time)
+            if entry is not None and entry.record.shard != shard:
+                records.rejections.add("OuterStatus", "shard differs from its key", key)
+            elif entry is not None:
+                shards.append(entry)
+            continue
         name = subjects.link_of_status_key(job, key)
         if name is not None:
             link = await kv.read_stamped(js, bucket, key, LinkStatus, view.server_time)
@@ -85,7 +93,7 @@ async def read_job_status(nc: NatsClient, js: JetStreamContext, job: str) -> Job
             records.rejections.add("UnitStatus", "unit differs from its key", key)
             continue
         units[unit] = entry
-    return JobStatus(job, outer, units, links, view.server_time)
+    return JobStatus(job, combine_stamped(shards), units, links, view.server_time)
 
 
 async def jobs_with_status(nc: NatsClient) -> list[str]:

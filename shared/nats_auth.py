@@ -33,6 +33,7 @@ from pathlib import Path
 import bcrypt
 
 from shared import atomic, records, subjects
+from shared.records import MAX_OUTER_SHARDS
 from shared.records.credentials import NatsCredentials, NatsRole
 
 JS_API = "$JS.API"
@@ -78,7 +79,7 @@ class Identity:
             # Notified of a change of its desired state (then it reads the record).
             subscribe.append(subjects.desired_subject(self.job, self.unit))
         if self.role == "outer":
-            subscribe.append(subjects.want_subject(self.job, "*"))
+            subscribe.append(subjects.want_subject(self.job, "*", "*"))
         permissions: dict[str, object] = {
             "publish": {"allow": publish},
             "subscribe": {"allow": subscribe},
@@ -144,7 +145,7 @@ def _learner(who: Identity) -> list[str]:
     job, unit = who.job, who.unit
     assert unit is not None, "a learner identity needs its unit"
     return [
-        subjects.grads_subject(job, unit),
+        subjects.grads_subject(job, unit, "*"),
         _kv(subjects.STATUS_BUCKET, subjects.unit_status_key(job, unit)),
         *_stream_info("learner"),
         _kv_read(subjects.DESIRED_BUCKET, subjects.desired_key(job, unit)),
@@ -155,25 +156,24 @@ def _learner(who: Identity) -> list[str]:
         f"{JS_API}.DIRECT.GET.{subjects.PARAMS_STREAM}.{subjects.params_head_subject(job, '*')}",
         # Params deltas (--params-downlink delta): it asks for its own, and reads them by
         # subject, only its own.
-        subjects.want_subject(job, unit),
+        subjects.want_subject(job, unit, "*"),
         f"{JS_API}.DIRECT.GET.{subjects.DOWNLINK_STREAM}.{subjects.downlink_filter(job, unit)}",
     ]
 
 
 def _outer(who: Identity) -> list[str]:
     job = who.job
-    grads, consumer = subjects.GRADS_STREAM, subjects.outer_consumer(job)
     return [
         f"diloco.{job}.params.>",
         subjects.downlink_filter(job, "*"),
         subjects.dead_letter_subject(job),
         subjects.checkpoint_filter(job),
-        _kv(subjects.STATUS_BUCKET, subjects.outer_status_key(job)),
+        _kv(subjects.STATUS_BUCKET, subjects.outer_status_key(job, "*")),
         _kv(subjects.STATUS_BUCKET, subjects.outer_standby_keys(job)),
-        _kv(subjects.OUTER_BUCKET, subjects.lease_key(job)),
+        _kv(subjects.OUTER_BUCKET, subjects.lease_key(job, "*")),
         *_stream_info("outer"),
         _kv_read(subjects.STATUS_BUCKET, f"{job}.>"),
-        _kv_read(subjects.OUTER_BUCKET, subjects.lease_key(job)),
+        _kv_read(subjects.OUTER_BUCKET, subjects.lease_key(job, "*")),
         # The units' desired states: a quarantined unit's uploads are refused.
         _kv_read(subjects.DESIRED_BUCKET, f"{job}.*"),
         f"{JS_API}.DIRECT.GET.{subjects.PARAMS_STREAM}",
@@ -183,14 +183,26 @@ def _outer(who: Identity) -> list[str]:
         # The purge request carries its subject filter in its body, which permissions cannot
         # see: an outer may drop another job's old checkpoints (the outers are trusted).
         f"{JS_API}.STREAM.PURGE.{subjects.CKPT_STREAM}",
-        # Its own durable consumer and nothing else of the grads stream.
-        f"{JS_API}.CONSUMER.DURABLE.CREATE.{grads}.{consumer}",
-        f"{JS_API}.CONSUMER.CREATE.{grads}.{consumer}",
-        f"{JS_API}.CONSUMER.CREATE.{grads}.{consumer}.>",
-        f"{JS_API}.CONSUMER.DELETE.{grads}.{consumer}",
-        f"{JS_API}.CONSUMER.INFO.{grads}.{consumer}",
-        f"{JS_API}.CONSUMER.MSG.NEXT.{grads}.{consumer}",
-        f"$JS.ACK.{grads}.{consumer}.>",
+        # Its shards' durable consumers and nothing else of the grads stream.
+        *(
+            subject
+            for shard in range(MAX_OUTER_SHARDS)
+            for subject in _consumer(subjects.outer_consumer(job, shard))
+        ),
+    ]
+
+
+def _consumer(name: str) -> list[str]:
+    """What an outer shard does with its durable consumer ``name`` of the grads stream."""
+    grads = subjects.GRADS_STREAM
+    return [
+        f"{JS_API}.CONSUMER.DURABLE.CREATE.{grads}.{name}",
+        f"{JS_API}.CONSUMER.CREATE.{grads}.{name}",
+        f"{JS_API}.CONSUMER.CREATE.{grads}.{name}.>",
+        f"{JS_API}.CONSUMER.DELETE.{grads}.{name}",
+        f"{JS_API}.CONSUMER.INFO.{grads}.{name}",
+        f"{JS_API}.CONSUMER.MSG.NEXT.{grads}.{name}",
+        f"$JS.ACK.{grads}.{name}.>",
     ]
 
 

@@ -431,7 +431,7 @@ def publish_uploads(
             blob = upload_blob(job, unit, round_, max(0, k - 40), k, scale, shared=1.0)
             await publish_blob(
                 nc.jetstream(),
-                subjects.grads_subject(job, unit),
+                subjects.grads_subject(job, unit, 0),
                 blob,
                 upload_id(job, unit, round_, 0),
                 chunk_size_for(nc),

@@ -73,7 +73,7 @@ async def stop_fetching(fetching: asyncio.Task, fetcher: ParamsFetcher, *connect
 async def upload(js, chunk_size: int, round_: int, base: int) -> None:
     blob = upload_blob(JOB, 0, round_, base=base, seed=round_, scale=1e-2)
     await publish_blob(
-        js, subjects.grads_subject(JOB, 0), blob, upload_id(JOB, 0, round_, 0), chunk_size
+        js, subjects.grads_subject(JOB, 0, 0), blob, upload_id(JOB, 0, round_, 0), chunk_size
     )
 
 
@@ -215,7 +215,7 @@ def test_a_delta_that_does_not_match_is_rejected_and_the_keyframe_read(
             return reply.model_copy(update={tamper: getattr(reply, tamper) ^ 1})
 
         monkeypatch.setattr(server, "_reply", tampered)
-        await server.subscribe(nc, js)
+        await server.subscribe(nc, js, [0])
         counters = Counters()
         fetcher = ParamsFetcher(settings, 1 << 20, counters)
         await fetcher.subscribe(nc)
@@ -261,7 +261,7 @@ def test_each_fragment_has_its_own_deltas(memory_nats, monkeypatch: pytest.Monke
         js = nc.jetstream()
         await ensure_streams(js)
         server = DownlinkServer(JOB, "tiny", 2, "int4", 4096, 1 << 20)
-        await server.subscribe(nc, js)
+        await server.subscribe(nc, js, [0, 1])
         counters = Counters()
         fetcher = ParamsFetcher(settings, 1 << 20, counters)
         await fetcher.subscribe(nc)
@@ -315,16 +315,16 @@ def test_a_want_that_came_before_a_reconnect_is_not_answered(
             return reply
 
         monkeypatch.setattr(server, "_reply", across_a_reconnect)
-        await server.subscribe(nc, js)
+        await server.subscribe(nc, js, [0])
         want = records.encode(DownlinkWant(fragment=0, held_version=-1, held_checksum=0))
         try:
             await publish_version(js, server, 0)
-            reply = await unit_nc.request(subjects.want_subject(JOB, 0), want, timeout=5)
+            reply = await unit_nc.request(subjects.want_subject(JOB, 0, 0), want, timeout=5)
             assert records.decode(DownlinkReply, reply.data, "reply").version == 0
             answered = sum(server.answered.values())
             reconnect["now"] = True
             with pytest.raises(nats.errors.TimeoutError):
-                await unit_nc.request(subjects.want_subject(JOB, 0), want, timeout=1)
+                await unit_nc.request(subjects.want_subject(JOB, 0, 0), want, timeout=1)
             assert sum(server.answered.values()) == answered
         finally:
             await unit_nc.close()

@@ -396,7 +396,7 @@ def _unacknowledged(url: str, job: str) -> int:
         nc = await connect(NatsSettings(nats_url=url), "consumer-reader")
         try:
             info = await nc.jetstream().consumer_info(
-                subjects.GRADS_STREAM, subjects.outer_consumer(job)
+                subjects.GRADS_STREAM, subjects.outer_consumer(job, 0)
             )
             return int(info.num_pending or 0) + int(info.num_ack_pending or 0)
         finally:
@@ -842,7 +842,7 @@ def test_poison_upload_is_dead_lettered_once_and_the_outer_goes_on(nats_server, 
         nc = await connect(NatsSettings(nats_url=nats_server.url), "poisoner")
         js = nc.jetstream()
         await publish_blob(
-            js, subjects.grads_subject(job, unit), blob, upload_id(job, unit, round_, 0), 4096
+            js, subjects.grads_subject(job, unit, 0), blob, upload_id(job, unit, round_, 0), 4096
         )
         await nc.close()
 
@@ -873,7 +873,7 @@ def test_poison_upload_is_dead_lettered_once_and_the_outer_goes_on(nats_server, 
     assert left == 0, "the poison chunks must be terminated, not left for redelivery"
     assert b"".join(m.data for m in msgs) == poison
     assert all("bad_envelope" in m.headers["Diloco-Reason"] for m in msgs)
-    assert {m.headers["Diloco-Subject"] for m in msgs} == {subjects.grads_subject(job, 0)}
+    assert {m.headers["Diloco-Subject"] for m in msgs} == {subjects.grads_subject(job, 0, 0)}
     status = outer_status(nats_server.url, job)
     assert status is not None
     assert status.rejected_rounds == {0: [(0, 0)]} and status.applied_rounds == {1: [(0, 0)]}
@@ -941,7 +941,7 @@ def test_hostile_uploads_from_a_valid_unit_are_rejected_and_honest_rounds_go_on(
     async def send() -> None:
         nc = await connect(secure.settings(units[0]), "hostile-unit-0")
         js = nc.jetstream()
-        subject = subjects.grads_subject(job, 0)
+        subject = subjects.grads_subject(job, 0, 0)
         for blob, upload in hostile:
             await publish_blob(js, subject, blob, upload, 4096)
         await js.publish(subject, b"not a chunk", timeout=5)  # no chunk headers

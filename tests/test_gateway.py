@@ -75,10 +75,11 @@ def test_readiness_follows_the_outer_heartbeat(memory_nats, client):
     # No outer has ever run for job g: not ready, and the reason says so.
     response = client.get("/readyz")
     assert response.status_code == 503 and "outer of job 'g' not alive" in response.text
-    put(client, subjects.STATUS_BUCKET, subjects.outer_status_key(JOB), outer_status("restoring"))
+    key = subjects.outer_status_key(JOB, 0)
+    put(client, subjects.STATUS_BUCKET, key, outer_status("restoring"))
     response = client.get("/readyz")
     assert response.status_code == 503 and "state restoring" in response.text
-    put(client, subjects.STATUS_BUCKET, subjects.outer_status_key(JOB), outer_status())
+    put(client, subjects.STATUS_BUCKET, subjects.outer_status_key(JOB, 0), outer_status())
     ready = client.get("/readyz")
     assert ready.status_code == 200, ready.text
     # Ready: the heartbeat is no older than the gateway's timeout.
@@ -86,7 +87,7 @@ def test_readiness_follows_the_outer_heartbeat(memory_nats, client):
     assert ready.json()["job"] == JOB and 0 <= ready.json()["outer_heartbeat_age_s"] <= timeout_s
     # The same heartbeat, judged by a gateway with a shorter timeout once it is older.
     with gateway(memory_nats.url, heartbeat_timeout_s=0.5) as strict:
-        put(strict, subjects.STATUS_BUCKET, subjects.outer_status_key(JOB), outer_status())
+        put(strict, subjects.STATUS_BUCKET, subjects.outer_status_key(JOB, 0), outer_status())
 
         def lost() -> bool:
             response = strict.get("/readyz")
@@ -264,7 +265,7 @@ MALFORMED_JOB = "mal"
 #: Every kind of key a GET route reads, with the model its value must fit.
 KEYS = [
     (subjects.STATUS_BUCKET, subjects.unit_status_key(MALFORMED_JOB, 0), UnitStatus),
-    (subjects.STATUS_BUCKET, subjects.outer_status_key(MALFORMED_JOB), OuterStatus),
+    (subjects.STATUS_BUCKET, subjects.outer_status_key(MALFORMED_JOB, 0), OuterStatus),
     (subjects.DESIRED_BUCKET, subjects.desired_key(MALFORMED_JOB, 0), DesiredRecord),
     (subjects.JOBS_BUCKET, subjects.job_key(MALFORMED_JOB), JobRecord),
 ]

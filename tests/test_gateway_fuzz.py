@@ -39,7 +39,7 @@ def outer_heartbeat(nats_url: str) -> None:
             await ensure_streams(js)
             bucket = await js.key_value(subjects.STATUS_BUCKET)
             record = OuterStatus(state="running", model="tiny", holder="test")
-            await kv.put(bucket, subjects.outer_status_key(JOB), record)
+            await kv.put(bucket, subjects.outer_status_key(JOB, 0), record)
         finally:
             await nc.close()
 

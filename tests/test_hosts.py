@@ -1,5 +1,5 @@
-"""Hosts, not processes: the three broker nodes, the outer and each learner run in network
-namespaces of their own, joined by veth links to one switch (a bridge in a namespace of its
+"""Hosts, not processes: the three broker nodes, the two outer shards and each learner run in
+network namespaces of their own, joined by veth links to one switch (a bridge in a namespace of its
 own), each learner's link shaped by ``tc`` in both directions. Every process connects as its own
 NATS user over TLS (the broker's certificate names the nodes' addresses), to every node's
 address; nothing reaches another host but over those links. This is as close as one machine
@@ -32,7 +32,8 @@ from tests.helpers import wait_for
 
 pytestmark = pytest.mark.slow  # real processes, namespaces and nats-server (run by make test)
 
-SUBNET = "10.213.7"  # the switch's /24: brokers .1-.3, the outer .10, learners .20+, tests .254
+SUBNET = "10.213.7"  # the switch's /24: brokers .1-.3, outer shards .10+, learners .20+, tests .254
+SHARDS = 2  # outer shards, each on its host, owning one of the job's two fragments
 LINK_RATE = "20mbit"  # each learner's link, each direction
 JOB, UNITS, STEPS = "hosts", 2, 150
 # Creates the streams and buckets as the admin, with three replicas, once the cluster has
@@ -176,12 +177,13 @@ def _status(settings: NatsSettings) -> JobStatus:
 
 
 @pytest.mark.timeout(600)
-def test_brokers_outer_and_learners_on_separate_hosts_train_over_shaped_tls_links(
+def test_brokers_outer_shards_and_learners_on_separate_hosts_train_over_shaped_tls_links(
     network, services, tmp_path
 ):
     """Three broker hosts routed into one JetStream cluster (streams and buckets with three
-    replicas), an outer host and two learner hosts behind 20 Mbit/s links: the job trains to
-    the end, the books balance, and each learner's uploads crossed its shaped link."""
+    replicas), two outer-shard hosts (one fragment each) and two learner hosts behind
+    20 Mbit/s links: the job trains to the end, the books balance, both shards merged, and
+    each learner's uploads crossed its shaped link."""
     secrets = tmp_path / "secrets"
     brokers = [f"{SUBNET}.{host}" for host in (1, 2, 3)]
     routes = ",".join(f"nats-route://{address}:6222" for address in brokers)
@@ -198,7 +200,7 @@ def test_brokers_outer_and_learners_on_separate_hosts_train_over_shaped_tls_link
         )
         if index == 0:  # it makes the secrets (users, CA, certificate) the others load
             wait_for(lambda: "nats-server ready" in services.log("broker-0"), 60, "broker 0")
-    outer_ns = network.add("outer", 10)
+    outer_ns = [network.add(f"o{shard}", 10 + shard) for shard in range(SHARDS)]
     learner_ns = [network.add(f"l{unit}", 20 + unit, LINK_RATE) for unit in range(UNITS)]
     network.attach_root(254)
     credentials = Credentials(secrets / "credentials")
@@ -210,7 +212,7 @@ def test_brokers_outer_and_learners_on_separate_hosts_train_over_shaped_tls_link
 
     admin = user(Identity("admin"))
     created = subprocess.run(
-        ["ip", "netns", "exec", outer_ns, sys.executable, "-c", CREATE_STREAMS],
+        ["ip", "netns", "exec", outer_ns[0], sys.executable, "-c", CREATE_STREAMS],
         env={**os.environ, **admin, "DILOCO_NATS_URL": url},
         capture_output=True,
         text=True,
@@ -220,15 +222,18 @@ def test_brokers_outer_and_learners_on_separate_hosts_train_over_shaped_tls_link
     assert created.returncode == 0, created.stdout + created.stderr + services.logs()
     job = ["--nats-url", url, "--job", JOB, "--model", "tiny", "--seed", "1"]
     work = ["--num-units", str(UNITS), "--h-steps", "10", "--batch-size", "8"]
-    services.start(
-        "outer",
-        "outer",
-        *job,
-        *work,
-        *("--learner-steps", str(STEPS), "--eval-every-s", "3"),
-        env=user(Identity("outer", JOB)),
-        netns=outer_ns,
-    )
+    work += ["--fragments", str(SHARDS)]
+    for shard in range(SHARDS):
+        services.start(
+            f"outer-{shard}",
+            "outer",
+            *job,
+            *work,
+            *("--learner-steps", str(STEPS), "--eval-every-s", "3"),
+            *("--shards", str(SHARDS), "--shard", str(shard)),
+            env=user(Identity("outer", JOB)),
+            netns=outer_ns[shard],
+        )
     learners = [
         services.start(
             f"learner-{unit}",
@@ -259,6 +264,7 @@ def test_brokers_outer_and_learners_on_separate_hosts_train_over_shaped_tls_link
     first, last = outer.evaluation.init, outer.evaluation.last
     assert first is not None and first.nats_per_byte is not None and last.nats_per_byte is not None
     assert last.nats_per_byte < first.nats_per_byte - 1.0, outer.evaluation
+    assert outer.shards == SHARDS and min(outer.versions) > 0, outer.versions  # both merged
     sent = {unit: network.sent_bytes(learner_ns[unit]) for unit in range(UNITS)}
     print(f"hosts: books {books}, eval {first.nats_per_byte} -> {last.nats_per_byte}, "
           f"bytes sent over each learner's shaped link {sent}")  # fmt: skip

@@ -118,7 +118,7 @@ def test_job_status_reads_every_unit_and_drops_malformed_or_inconsistent_records
             await kv.put(status, subjects.unit_status_key("jj", 1), UnitStatus(unit=1))
             await kv.put(
                 status,
-                subjects.outer_status_key("j"),
+                subjects.outer_status_key("j", 0),
                 OuterStatus(state="running", model="tiny", holder="h"),
             )
             await status.put(subjects.unit_status_key("j", 4), b'{"unit": 4, "step": "many"}')
@@ -151,7 +151,7 @@ def test_malformed_status_records_never_crash_the_job_status_reader(memory_nats)
     )
     @given(st.binary(max_size=200) | st.text(max_size=80).map(str.encode), st.sampled_from([0, 1]))
     def write_and_read(value: bytes, which: int) -> None:
-        key = subjects.outer_status_key("f") if which else subjects.unit_status_key("f", 7)
+        key = subjects.outer_status_key("f", 0) if which else subjects.unit_status_key("f", 7)
 
         async def once() -> None:
             await status_kv.put(key, value or b"x")

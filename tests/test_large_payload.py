@@ -70,14 +70,14 @@ def test_ten_million_parameter_pseudo_gradient_round_trips_through_nats(nats_ser
         max_payload = nc.max_payload
         chunk_size = chunk_size_for(nc)
         sequences = await publish_blob(
-            js, subjects.grads_subject("big", 0), blob, upload_id("big", 0, 0, 0), chunk_size
+            js, subjects.grads_subject("big", 0, 0), blob, upload_id("big", 0, 0, 0), chunk_size
         )
         sent = len(sequences)
         assert sent == -(-len(blob) // chunk_size) and sent >= 10
         # Retrying the same upload is deduplicated by Nats-Msg-Id: the stream holds one copy,
         # and the retry is told where each chunk already is.
         again = await publish_blob(
-            js, subjects.grads_subject("big", 0), blob, upload_id("big", 0, 0, 0), chunk_size
+            js, subjects.grads_subject("big", 0, 0), blob, upload_id("big", 0, 0, 0), chunk_size
         )
         assert again == sequences
         info = await js.stream_info(subjects.GRADS_STREAM)

@@ -115,7 +115,7 @@ def test_desired_state_follows_the_record_and_counts_a_rejection() -> None:
 @given(record_bytes(OuterStatus))
 def test_a_malformed_outer_status_reads_as_no_round(data: bytes) -> None:
     control = UnitControl(SETTINGS, UnitState())
-    status_kv = FakeKV({subjects.outer_status_key("t"): data})
+    status_kv = FakeKV({subjects.outer_status_key("t", 0): data})
     next_round = asyncio.run(control.read_outer_next_round(status_kv))
     parsed = records.decode(OuterStatus, data)
     assert next_round == (parsed.next_round(1) if parsed is not None else 0) >= 0
@@ -126,7 +126,7 @@ def test_outer_next_round_and_a_rejected_outer_status() -> None:
     good = OuterStatus(
         state="running", model="tiny", holder="h", units={1: UnitLedger(last_round=9)}
     )
-    key = subjects.outer_status_key("t")
+    key = subjects.outer_status_key("t", 0)
     assert asyncio.run(control.read_outer_next_round(FakeKV({key: records.encode(good)}))) == 10
     before = records.rejections.total()
     bad = json.dumps({"state": "running", "model": "tiny", "holder": "h", "units": {"1": 3}})

@@ -105,7 +105,7 @@ def test_supervise_releases_the_units_together_and_finishes_when_the_books_balan
                 applied_rounds={0: published, 1: published},
                 evaluation=EvaluationRecord(init=last, last=last),
             )
-            await kv.put(status_kv, subjects.outer_status_key(JOB), outer)
+            await kv.put(status_kv, subjects.outer_status_key(JOB, 0), outer)
             # Two progress lines show the balanced books: the loop judged them at least once
             # (after the first line) and went on, since the learners still run.
             await until(

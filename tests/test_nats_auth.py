@@ -123,7 +123,7 @@ async def test_a_learner_may_do_its_own_work_and_nothing_else(
         # Its own work: the streams it uses exist, it uploads on its subject, writes its status
         # and reads its desired state.
         await prepare_streams(js, cluster.settings(Identity("learner", JOB, unit=0)))
-        await js.publish(subjects.grads_subject(JOB, 0), b"upload", timeout=5)
+        await js.publish(subjects.grads_subject(JOB, 0, 0), b"upload", timeout=5)
         status_kv = await js.key_value(subjects.STATUS_BUCKET)
         await status_kv.put(subjects.unit_status_key(JOB, 0), b"{}")
         admin_desired = await admin.nc.jetstream().key_value(subjects.DESIRED_BUCKET)
@@ -148,22 +148,22 @@ async def test_a_learner_may_do_its_own_work_and_nothing_else(
         # Everything else is refused, and the server says so.
         api = nats_auth.JS_API
         for subject in (
-            subjects.grads_subject(JOB, 1),  # another unit's uploads
-            subjects.grads_subject("other", 0),  # another job's
+            subjects.grads_subject(JOB, 1, 0),  # another unit's uploads
+            subjects.grads_subject("other", 0, 0),  # another job's
             subjects.params_head_subject(JOB, 0),  # the global params
             subjects.params_chunk_subject(JOB, 0, 0),
             f"$KV.{subjects.DESIRED_BUCKET}.{subjects.desired_key(JOB, 1)}",  # desired states
             f"$KV.{subjects.DESIRED_BUCKET}.{subjects.desired_key(JOB, 0)}",
             f"$KV.{subjects.JOBS_BUCKET}.{JOB}",  # jobs
             f"$KV.{subjects.STATUS_BUCKET}.{subjects.unit_status_key(JOB, 1)}",
-            f"$KV.{subjects.STATUS_BUCKET}.{subjects.outer_status_key(JOB)}",
+            f"$KV.{subjects.STATUS_BUCKET}.{subjects.outer_status_key(JOB, 0)}",
             f"$KV.{subjects.OUTER_BUCKET}.{JOB}",  # the outer's lease
             subjects.dead_letter_subject(JOB),
             f"{api}.STREAM.DELETE.{subjects.GRADS_STREAM}",  # streams and consumers
             f"{api}.STREAM.PURGE.{subjects.GRADS_STREAM}",
             f"{api}.STREAM.CREATE.EVIL",
             f"{api}.STREAM.UPDATE.{subjects.PARAMS_STREAM}",
-            f"{api}.CONSUMER.DELETE.{subjects.GRADS_STREAM}.{subjects.outer_consumer(JOB)}",
+            f"{api}.CONSUMER.DELETE.{subjects.GRADS_STREAM}.{subjects.outer_consumer(JOB, 0)}",
             f"{api}.CONSUMER.CREATE.{subjects.GRADS_STREAM}",
             f"{api}.CONSUMER.DURABLE.CREATE.{subjects.GRADS_STREAM}.thief",
             f"{api}.DIRECT.GET.KV_{subjects.DESIRED_BUCKET}.$KV.{subjects.DESIRED_BUCKET}.other.0",
@@ -171,7 +171,7 @@ async def test_a_learner_may_do_its_own_work_and_nothing_else(
             await learner.refused(subject)
         # Nor may it read the replies another user asked for, or the uploads of others.
         await learner.refused_subscription(nats_auth.inbox_prefix("learner-secure-1") + ".>")
-        await learner.refused_subscription(subjects.grads_subject(JOB, 1))
+        await learner.refused_subscription(subjects.grads_subject(JOB, 1, 0))
         await learner.refused_subscription(subjects.desired_subject(JOB, 1))
         assert await _stream_messages(admin, subjects.GRADS_STREAM) == 1
     finally:
@@ -190,19 +190,19 @@ async def test_the_outer_and_the_gateway_keep_to_their_roles(
         await kv.put(desired, subjects.desired_key(JOB, 1), DesiredRecord(state="paused"))
         await outer.nc.jetstream().publish(subjects.params_head_subject(JOB, 0), b"{}", timeout=5)
         lease = await outer.nc.jetstream().key_value(subjects.OUTER_BUCKET)
-        await lease.put(subjects.lease_key(JOB), b"{}")
+        await lease.put(subjects.lease_key(JOB, 0), b"{}")
         # The outer reads its units' desired states (a quarantined unit's uploads are refused).
         outer_desired = await outer.nc.jetstream().key_value(subjects.DESIRED_BUCKET)
         found = await kv.get(outer_desired, subjects.desired_key(JOB, 1), DesiredRecord)
         assert found is not None and found.state == "paused"
         for subject in (
-            subjects.grads_subject(JOB, 0),
+            subjects.grads_subject(JOB, 0, 0),
             subjects.params_head_subject(JOB, 0),
             f"{nats_auth.JS_API}.STREAM.DELETE.{subjects.PARAMS_STREAM}",
         ):
             await gateway.refused(subject)
         for subject in (
-            subjects.grads_subject(JOB, 0),
+            subjects.grads_subject(JOB, 0, 0),
             subjects.params_head_subject("other", 0),
             f"$KV.{subjects.DESIRED_BUCKET}.{subjects.desired_key(JOB, 0)}",
             f"$KV.{subjects.OUTER_BUCKET}.other",
@@ -226,8 +226,9 @@ async def test_a_unit_asks_for_and_reads_only_its_own_params_deltas(cluster: Sec
 
     async def on_want(msg: Any) -> None:
         want = DownlinkWant.model_validate_json(msg.data)
-        unit = subjects.unit_of_want(JOB, msg.subject)
-        assert unit is not None
+        named = subjects.unit_of_want(JOB, msg.subject)
+        assert named is not None and named[1] == want.fragment
+        unit = named[0]
         chunks = await publish_delta(
             outer.nc.jetstream(), JOB, unit, want.fragment, blob, upload, 256
         )
@@ -235,7 +236,7 @@ async def test_a_unit_asks_for_and_reads_only_its_own_params_deltas(cluster: Sec
         await msg.respond(reply.model_dump_json().encode())
 
     try:
-        await outer.nc.subscribe(subjects.want_subject(JOB, "*"), cb=on_want)
+        await outer.nc.subscribe(subjects.want_subject(JOB, "*", "*"), cb=on_want)
         await outer.nc.flush()
         want = DownlinkWant(fragment=0, held_version=2, held_checksum=7)
 
@@ -253,13 +254,13 @@ async def test_a_unit_asks_for_and_reads_only_its_own_params_deltas(cluster: Sec
         assert await read_delta(unit0.nc.jetstream(), JOB, 0, 0, reply, 1 << 20) == blob
         api, stream = nats_auth.JS_API, subjects.DOWNLINK_STREAM
         for subject in (
-            subjects.want_subject(JOB, 0),  # asking as another unit
+            subjects.want_subject(JOB, 0, 0),  # asking as another unit
             f"{api}.DIRECT.GET.{stream}.{subjects.downlink_chunk_subject(JOB, 0, 0, 0)}",
             f"{api}.DIRECT.GET.{stream}",  # by sequence: any unit's
             subjects.downlink_chunk_subject(JOB, 1, 0, 0),  # writing deltas
         ):
             await unit1.refused(subject)
-        await unit1.refused_subscription(subjects.want_subject(JOB, "*"))
+        await unit1.refused_subscription(subjects.want_subject(JOB, "*", "*"))
     finally:
         for client in (outer, unit0, unit1):
             await client.nc.close()

@@ -140,7 +140,7 @@ def test_store_reads_what_it_wrote_and_detects_torn_or_corrupt(memory_nats) -> N
     async def scenario() -> None:
         nc, js = await _connect(memory_nats.url)
         try:
-            store = checkpoint.CheckpointStore(js, "job1", chunk_size=4096, max_bytes=1 << 20)
+            store = checkpoint.CheckpointStore(js, "job1", 0, chunk_size=4096, max_bytes=1 << 20)
             blob = np.random.default_rng(0).bytes(10_000)
             pointer = await store.write(blob, epoch=1, seq=1, slot=0, versions=[3])
             assert pointer.chunks == 3

@@ -127,6 +127,6 @@ def test_the_leader_status_carries_the_books_and_balances() -> None:
 def test_standby_status_and_keys() -> None:
     standby = standby_status("tiny", "h:2:y", "h:1:x")
     assert records.decode(StandbyStatus, records.encode(standby)) == standby
-    assert status_key("j", "standby", "h:2:y") == subjects.outer_standby_key("j", "h:2:y")
+    assert status_key("j", 0, "standby", "h:2:y") == subjects.outer_standby_key("j", "h:2:y")
     for state in ("restoring", "running", "stopped", "deposed"):
-        assert status_key("j", state, "h:2:y") == subjects.outer_status_key("j")
+        assert status_key("j", 0, state, "h:2:y") == subjects.outer_status_key("j", 0)

@@ -79,11 +79,11 @@ def params(**changes: Any) -> ParamsEnvelope:
 
 
 def check(env: Envelope, upload: str | None = None, subject: str | None = None) -> Validated:
-    """Validate ``env`` as if it came on its own unit's subject under its own upload id (a
-    params envelope: as unit 0's round 0)."""
+    """Validate ``env`` as if it came on its own unit's and fragment's subject under its own
+    upload id (a params envelope: as unit 0's round 0)."""
     unit, round_ = (env.unit, env.round) if isinstance(env, PseudoGradEnvelope) else (0, 0)
     upload = upload or upload_id(JOB, unit, round_, env.fragment)
-    subject = subject or subjects.grads_subject(JOB, unit)
+    subject = subject or subjects.grads_subject(JOB, unit, env.fragment)
     return validate(upload, subject, pack_envelope(env), RULES, arrived_at=1.0)
 
 
@@ -110,7 +110,7 @@ def test_a_job_with_its_own_h_and_batch_refuses_more_work_than_one_period_holds(
     def judged(**fields: int) -> str | None:
         blob = pack_envelope(envelope(**fields))
         try:
-            validate(upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0), blob, rules,
+            validate(upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0, 0), blob, rules,
                      arrived_at=0.0)  # fmt: skip
         except Rejected as err:
             return str(err)
@@ -176,8 +176,9 @@ def test_every_validation_failure_is_rejected_with_its_reason(reason: str, make:
 def test_ids_that_disagree_with_the_envelope_are_rejected() -> None:
     env = envelope(unit=1, round=3)
     for upload, subject in (
-        (upload_id(JOB, 1, 3, 0), subjects.grads_subject(JOB, 2)),  # another unit's subject
-        (upload_id(JOB, 1, 4, 0), subjects.grads_subject(JOB, 1)),  # another round's id
+        (upload_id(JOB, 1, 3, 0), subjects.grads_subject(JOB, 2, 0)),  # another unit's subject
+        (upload_id(JOB, 1, 4, 0), subjects.grads_subject(JOB, 1, 0)),  # another round's id
+        (upload_id(JOB, 1, 3, 0), subjects.grads_subject(JOB, 1, 1)),  # another fragment's
     ):
         with pytest.raises(Rejected) as err:
             check(env, upload, subject)
@@ -187,7 +188,7 @@ def test_ids_that_disagree_with_the_envelope_are_rejected() -> None:
 def test_an_upload_over_the_size_limit_is_a_bad_envelope() -> None:
     small = dataclasses.replace(RULES, max_upload_bytes=64)
     blob = pack_envelope(envelope())
-    upload, subject = upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0)
+    upload, subject = upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0, 0)
     with pytest.raises(Rejected) as err:
         validate(upload, subject, blob, small, arrived_at=0)
     assert err.value.reason == "bad_envelope"
@@ -200,7 +201,7 @@ def test_a_damaged_upload_is_accepted_or_rejected_never_an_error(data: st.DataOb
     for _ in range(data.draw(st.integers(1, 8))):
         blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
     cut = data.draw(st.integers(0, len(blob)))
-    upload, subject = upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0)
+    upload, subject = upload_id(JOB, 0, 0, 0), subjects.grads_subject(JOB, 0, 0)
     try:
         validate(upload, subject, bytes(blob[:cut]), RULES, arrived_at=0.0)
     except Rejected as rejected:
@@ -244,7 +245,7 @@ def chunks(
     parts = split_chunks(blob, chunk_size)
     return [
         Message(
-            subjects.grads_subject(JOB, env.unit),
+            subjects.grads_subject(JOB, env.unit, 0),
             part,
             chunk_headers(ChunkInfo(upload, i, len(parts), len(blob))),
         )
@@ -297,7 +298,7 @@ def test_every_intake_rejection_is_counted_and_dead_lettered(core: OuterCore) ->
     no_headers = Message("s", b"x", None)
     upload = upload_id(JOB, 0, 1, 0)
     info = ChunkInfo(upload, 0, 1, 100)  # says 100 bytes, carries 50
-    bad_chunk = Message(subjects.grads_subject(JOB, 0), b"x" * 50, chunk_headers(info))
+    bad_chunk = Message(subjects.grads_subject(JOB, 0, 0), b"x" * 50, chunk_headers(info))
     evicted = chunks(envelope(unit=1, round=2, base_version=version))
     evicting = chunks(envelope(unit=2, round=3, base_version=version))
     wrong_model = chunks(envelope(unit=3, round=4, base_version=version, model="small"))

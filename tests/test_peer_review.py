@@ -494,7 +494,9 @@ def test_a_restored_outer_reviews_as_the_one_before_and_records_a_redelivered_up
     )
     pointer = CheckpointPointer(id="c", epoch=1, slot=0, chunks=1, size=1, crc=0, versions=[3])
     restored = core()
-    restore.from_checkpoint(snapshot, pointer, "j", "tiny", restored, OuterLedger(), Progress())
+    restore.from_checkpoint(
+        snapshot, pointer, "j", "tiny", restored, OuterLedger(), Progress(), [0]
+    )
     assert restored.guard.history() == original.guard.history()
     restored.offer(0, pending)  # delivered again: judged again, recorded once
     counts = restored.peers.counts(0)
@@ -562,7 +564,7 @@ def test_the_outer_service_holds_first_uploads_for_peers_and_refuses_a_hostile_u
 
         async def upload(unit: int, round_: int, shared: float) -> None:
             blob = upload_blob(JOB, unit, round_, 0, seed=10 * unit + round_, shared=shared)
-            subject = subjects.grads_subject(JOB, unit)
+            subject = subjects.grads_subject(JOB, unit, 0)
             await publish_blob(js, subject, blob, upload_id(JOB, unit, round_, 0), chunk_size)
 
         try:

@@ -48,7 +48,7 @@ def publish_as(url: str, credentials: str, unit: int, round_: int) -> None:
             blob = upload_blob(JOB, unit, round_, base=0, seed=round_)
             await publish_blob(
                 nc.jetstream(),
-                subjects.grads_subject(JOB, unit),
+                subjects.grads_subject(JOB, unit, 0),
                 blob,
                 upload_id(JOB, unit, round_, 0),
                 64 << 10,

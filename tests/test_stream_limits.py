@@ -33,7 +33,7 @@ def test_one_units_full_backlog_is_refused_while_the_others_still_upload(nats_se
     async def scenario() -> None:
         nc, js = await _connected(nats_server.url)
         try:
-            full = subjects.grads_subject("a", 0)
+            full = subjects.grads_subject("a", 0, 0)
             for start in range(0, GRADS_MAX_CHUNKS_PER_UNIT, 128):
                 await asyncio.gather(
                     *(js.publish(full, b"chunk", timeout=10) for _ in range(start, start + 128))
@@ -41,8 +41,8 @@ def test_one_units_full_backlog_is_refused_while_the_others_still_upload(nats_se
             with pytest.raises(nats.js.errors.APIError, match="maximum messages per subject"):
                 await js.publish(full, b"one too many", timeout=10)
             # Another unit of the same job, and another job, are not held back.
-            await js.publish(subjects.grads_subject("a", 1), b"chunk", timeout=10)
-            await js.publish(subjects.grads_subject("b", 0), b"chunk", timeout=10)
+            await js.publish(subjects.grads_subject("a", 1, 0), b"chunk", timeout=10)
+            await js.publish(subjects.grads_subject("b", 0, 0), b"chunk", timeout=10)
             info = await js.stream_info(subjects.GRADS_STREAM)
             assert info.state.messages == GRADS_MAX_CHUNKS_PER_UNIT + 2
             assert info.config.max_msg_size == MAX_MESSAGE_BYTES

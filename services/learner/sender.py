@@ -212,7 +212,7 @@ class Sender:
         await retry(
             lambda: publish_blob(
                 js,
-                subjects.grads_subject(self.settings.job, self.settings.unit),
+                subjects.grads_subject(self.settings.job, self.settings.unit, upload.fragment),
                 blob,
                 name,
                 chunk_size,

@@ -31,8 +31,8 @@ from services.learner.settings import LearnerSettings
 from services.learner.unit_state import UnitState
 from shared import kv, subjects
 from shared.cancel import raise_if_cancelling
+from shared.outer_shards import read_outer_status
 from shared.records.jobs import DesiredRecord, DesiredState
-from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
 from shared.retry import NATS_ERRORS
 
@@ -76,10 +76,9 @@ class UnitControl:
     async def read_outer_next_round(self, status_kv: Any) -> int:
         """1 + the last round of this unit the outer has applied, from the outer's status
         record (0 when there is none, it is malformed or it cannot be read quickly)."""
-        key = subjects.outer_status_key(self.settings.job)
         try:
             outer = await asyncio.wait_for(
-                kv.get(status_kv, key, OuterStatus), timeout=OUTER_STATUS_TIMEOUT_S
+                read_outer_status(status_kv, self.settings.job), timeout=OUTER_STATUS_TIMEOUT_S
             )
         except NATS_ERRORS as err:
             log.info("outer status not read: %r", err)

@@ -21,7 +21,7 @@ from shared.settings.cli import flags_for
 LEARNER_OWN = frozenset(
     {"unit", "num_units", "max_steps", "slowdown", "checkpoint_dir", "adversary"}
 )
-OUTER_OWN = frozenset({"num_units", "learner_steps"})
+OUTER_OWN = frozenset({"num_units", "learner_steps", "shard", "shards"})
 
 JAX_CACHE_DIR = "jax-cache"
 UNITS_DIR = "units"
@@ -58,8 +58,8 @@ def learner_env(settings: UpSettings) -> dict[str, str]:
     return {**cache_env(settings), **threads_env(settings.learner_threads)}
 
 
-def outer_args(settings: UpSettings, nats_url: str) -> list[str]:
-    """``diloco outer`` arguments of the job."""
+def outer_args(settings: UpSettings, nats_url: str, shard: int = 0) -> list[str]:
+    """``diloco outer`` arguments of the job's outer shard ``shard``."""
     return [
         "outer",
         "--nats-url",
@@ -69,6 +69,10 @@ def outer_args(settings: UpSettings, nats_url: str) -> list[str]:
         str(settings.learners),
         "--learner-steps",
         ",".join(str(steps) for steps in settings.unit_steps()),
+        "--shards",
+        str(settings.outer_shards),
+        "--shard",
+        str(shard),
     ]
 
 

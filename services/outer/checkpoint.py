@@ -10,12 +10,15 @@ Uploads waiting in a merge buffer are
 *not* copied: their chunk messages stay unacknowledged in the work-queue stream until the merge
 that uses them is checkpointed, so JetStream holds them, and a restarted outer gets them again.
 
+An outer shard (``--shards``) saves its own fragments' params and optimizer state, and its own
+books, in a checkpoint of its own.
+
 **Where** (see :class:`CheckpointStore`): the blob is split into chunks on
-``diloco.J.ckpt.<epoch>.<slot>.chunk.<i>`` in the ``DILOCO_CKPT`` stream (file storage, one
+``diloco.J.ckpt.<shard>.e<epoch>.<slot>.chunk.<i>`` in the ``DILOCO_CKPT`` stream (file storage, one
 message per subject), alternating between two slots so that the slot being written is never
 the one the pointer names. The *pointer* (``shared.records.CheckpointPointer``: which slot, how
 many chunks, the CRC-32, the versions) lives in the outer's lease record
-(``services/outer/lease.py``) and is replaced with a compare-and-set on that record's
+(``services/outer/lease.py``; one per shard) and is replaced with a compare-and-set on that record's
 revision. Writing the pointer is the commit: a crash at any moment leaves either the old
 pointer with its intact slot or the new one. A deposed leader's compare-and-set fails
 (fencing), and every leadership epoch writes its own subjects, so a deposed leader still
@@ -42,7 +45,7 @@ from shared.transport import TransportError
 from shared.transport.blobs import publish_blob
 from shared.wire.chunks import Reassembler, WireError, parse_chunk_headers
 
-FORMAT = 3
+FORMAT = 4
 _MAX_FIELD_BYTES = 1 << 40
 
 
@@ -57,15 +60,19 @@ class OuterSnapshot:
     Attributes:
         job, model: What the state belongs to; a mismatch refuses the checkpoint.
         versions: Version of each fragment.
-        params: Per fragment, piece name -> float32 array.
+        params: Per fragment, piece name -> float32 array (empty for a fragment the outer
+            shard does not own).
         opt_leaves: Per fragment, the leaves of the outer optimizer state pytree, in
-            ``jax.tree_util`` order (the tree structure comes from the optimizer itself).
+            ``jax.tree_util`` order (the tree structure comes from the optimizer itself;
+            empty for a fragment the shard does not own).
         ledger: The outer's books (``services/outer/ledger.py``).
         evaluation: Its held-out evaluations.
         norms: Per fragment and unit, the norms of merged uploads the norm guard judges by.
         peers: Per fragment and unit, what peer review keeps of its latest upload (empty
             without peer review).
         fingerprints: The payload fingerprints of recently merged uploads (``order.py``).
+        fragments: The fragments whose params and optimizer state it holds (its outer
+            shard's); None: every fragment.
     """
 
     job: str
@@ -78,6 +85,7 @@ class OuterSnapshot:
     norms: list[dict[int, list[float]]] = field(default_factory=list)
     peers: list[dict[int, Latest]] = field(default_factory=list)
     fingerprints: list[int] = field(default_factory=list)
+    fragments: list[int] | None = None
 
 
 def _pack_array(array: Any) -> dict[str, Any]:
@@ -131,6 +139,11 @@ def dumps(snapshot: OuterSnapshot) -> bytes:
         "job": snapshot.job,
         "model": snapshot.model,
         "versions": [int(v) for v in snapshot.versions],
+        "fragments": (
+            list(range(len(snapshot.versions)))
+            if snapshot.fragments is None
+            else [int(p) for p in snapshot.fragments]
+        ),
         "params": [{k: _pack_array(v) for k, v in p.items()} for p in snapshot.params],
         "opt_leaves": [[_pack_array(leaf) for leaf in leaves] for leaves in snapshot.opt_leaves],
         "ledger": snapshot.ledger.model_dump(mode="json"),
@@ -168,6 +181,7 @@ def loads(blob: bytes) -> OuterSnapshot:
             job=str(body["job"]),
             model=str(body["model"]),
             versions=[int(v) for v in body["versions"]],
+            fragments=[int(p) for p in body["fragments"]],
             params=[{k: _unpack_array(v) for k, v in p.items()} for p in body["params"]],
             opt_leaves=[[_unpack_array(leaf) for leaf in leaves] for leaves in body["opt_leaves"]],
             ledger=ledger,
@@ -194,21 +208,23 @@ def _part(model: type[R], body: dict[str, Any], key: str) -> R:
         raise CheckpointError(f"checkpoint {key} does not fit {model.__name__}: {exc}") from exc
 
 
-def checkpoint_id(job: str, epoch: int, seq: int) -> str:
-    """The id of the ``seq``-th checkpoint of leadership ``epoch`` (its chunks' upload id).
+def checkpoint_id(job: str, shard: int, epoch: int, seq: int) -> str:
+    """The id of outer shard ``shard``'s ``seq``-th checkpoint of its leadership ``epoch``
+    (its chunks' upload id, by which JetStream deduplicates them).
 
-    Every leadership has an epoch of its own, so numbering each one's checkpoints from 1
-    keeps the ids unique.
+    Every leadership of a shard has an epoch of its own, so numbering each one's checkpoints
+    from 1 keeps the ids unique.
     """
-    return f"{job}.ckpt.e{epoch}.s{seq}"
+    return f"{job}.ckpt.{shard}.e{epoch}.s{seq}"
 
 
 class CheckpointStore:
-    """Writes checkpoint chunks to a slot and reads a committed checkpoint back."""
+    """Writes one outer shard's checkpoint chunks to a slot and reads a committed one back."""
 
-    def __init__(self, js: Any, job: str, chunk_size: int, max_bytes: int) -> None:
+    def __init__(self, js: Any, job: str, shard: int, chunk_size: int, max_bytes: int) -> None:
         self.js = js
         self.job = job
+        self.shard = shard
         self.chunk_size = chunk_size
         self.max_bytes = max_bytes
 
@@ -220,10 +236,10 @@ class CheckpointStore:
         Raises:
             TransportError: when the chunks cannot be stored.
         """
-        name = checkpoint_id(self.job, epoch, seq)
+        name = checkpoint_id(self.job, self.shard, epoch, seq)
         sequences = await publish_blob(
             self.js,
-            lambda i: subjects.checkpoint_chunk_subject(self.job, epoch, slot, i),
+            lambda i: subjects.checkpoint_chunk_subject(self.job, self.shard, epoch, slot, i),
             blob,
             name,
             self.chunk_size,
@@ -251,7 +267,7 @@ class CheckpointStore:
         blob: bytes | None = b"" if pointer.size == 0 else None
         for index in range(pointer.chunks):
             subject = subjects.checkpoint_chunk_subject(
-                self.job, pointer.epoch, pointer.slot, index
+                self.job, self.shard, pointer.epoch, pointer.slot, index
             )
             try:
                 msg = await self.js.get_last_msg(subjects.CKPT_STREAM, subject, direct=True)
@@ -273,7 +289,7 @@ class CheckpointStore:
     async def purge_epochs_before(self, epoch: int) -> None:
         """Delete the chunks of older leadership epochs (best effort)."""
         info = await self.js.stream_info(
-            subjects.CKPT_STREAM, subjects_filter=subjects.checkpoint_filter(self.job)
+            subjects.CKPT_STREAM, subjects_filter=subjects.checkpoint_filter(self.job, self.shard)
         )
         stale = {
             name
@@ -282,7 +298,8 @@ class CheckpointStore:
             and subjects.checkpoint_epoch(name) < epoch
         }
         for prefix in {
-            subjects.checkpoint_epoch_filter(self.job, subjects.checkpoint_epoch(n)) for n in stale
+            subjects.checkpoint_epoch_filter(self.job, self.shard, subjects.checkpoint_epoch(n))
+            for n in stale
         }:
             try:
                 await self.js.purge_stream(subjects.CKPT_STREAM, subject=prefix)

@@ -17,7 +17,7 @@ enough peers yet is held (not merged) until :meth:`OuterCore.settle` can judge i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,17 +235,25 @@ class OuterCore:
             params, self.optimizer.init(params), version, self._new_policy()
         )
 
-    def export_state(self) -> tuple[list[int], list[dict[str, np.ndarray]], list[list[np.ndarray]]]:
-        """Versions, params and outer-optimizer state leaves of every fragment, as numpy.
+    def export_state(
+        self, owned: Collection[int] | None = None
+    ) -> tuple[list[int], list[dict[str, np.ndarray]], list[list[np.ndarray]]]:
+        """Versions, params and outer-optimizer state leaves of every fragment, as numpy; of a
+        fragment not ``owned`` (another outer shard's), its version only (empty params and
+        leaves). ``owned`` None: every fragment.
 
-        With :meth:`import_state` this round-trips the core bit for bit (merge buffers aside:
-        the service keeps buffered uploads unacknowledged in JetStream instead).
+        With :meth:`import_state` this round-trips the core's owned fragments bit for bit
+        (merge buffers aside: the service keeps buffered uploads unacknowledged in JetStream
+        instead).
         """
+        mine = range(self.plan.count) if owned is None else owned
         versions = [f.version for f in self.fragments]
-        params = [self.fragment_params(i) for i in range(self.plan.count)]
+        params = [self.fragment_params(i) if i in mine else {} for i in range(self.plan.count)]
         leaves = [
             [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(jax.device_get(f.opt_state))]
-            for f in self.fragments
+            if i in mine
+            else []
+            for i, f in enumerate(self.fragments)
         ]
         return versions, params, leaves
 
@@ -254,16 +262,18 @@ class OuterCore:
         versions: list[int],
         params: list[Mapping[str, np.ndarray]],
         opt_leaves: list[list[np.ndarray]],
+        owned: Collection[int] | None = None,
     ) -> None:
-        """Continue from :meth:`export_state` output (buffers are emptied).
+        """Continue the ``owned`` fragments (None: every one) from :meth:`export_state` output
+        (buffers are emptied); the others stay as they are.
 
         Raises:
             ValueError: the state does not fit this job's fragments, pieces or optimizer.
         """
         if not len(versions) == len(params) == len(opt_leaves) == self.plan.count:
             raise ValueError(f"state has {len(versions)} fragments, the job {self.plan.count}")
-        fragments = []
-        for index in range(self.plan.count):
+        fragments = list(self.fragments)
+        for index in range(self.plan.count) if owned is None else sorted(owned):
             expected = self.plan.keys(index)
             if sorted(params[index]) != expected:
                 raise ValueError(f"fragment {index} pieces differ from the plan")
@@ -283,8 +293,8 @@ class OuterCore:
             ):
                 raise ValueError(f"fragment {index}: outer optimizer state does not fit")
             opt_state = jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in leaves])
-            fragments.append(
-                _Fragment.of(pieces, opt_state, int(versions[index]), self._new_policy())
+            fragments[index] = _Fragment.of(
+                pieces, opt_state, int(versions[index]), self._new_policy()
             )
         self.fragments = fragments
 

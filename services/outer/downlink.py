@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -92,9 +92,9 @@ class DownlinkServer:
                 envelope.codec,
             )
 
-    async def subscribe(self, nc: Any, js: Any) -> Any:
-        """Serve the job's wants on ``nc`` (publishing deltas through ``js``); returns the
-        subscription."""
+    async def subscribe(self, nc: Any, js: Any, fragments: Sequence[int]) -> list[Any]:
+        """Serve the wants of ``fragments`` (an outer shard's) on ``nc``, publishing deltas
+        through ``js``; returns the subscriptions."""
 
         async def on_want(msg: Any) -> None:
             try:
@@ -102,7 +102,11 @@ class DownlinkServer:
             except (TransportError, *NATS_ERRORS) as err:
                 log.info("params want on %s not answered: %r", msg.subject, err)
 
-        return await nc.subscribe(subjects.want_subject(self.job, "*"), cb=on_want)
+        every = sorted(fragments) == list(range(len(self.senders)))
+        filters = ["*"] if every else sorted(fragments)
+        return [
+            await nc.subscribe(subjects.want_subject(self.job, "*", p), cb=on_want) for p in filters
+        ]
 
     async def answer(self, js: Any, msg: Any, reconnects: Callable[[], int] = lambda: 0) -> None:
         """Answer one want message (a malformed one, or one for an unknown fragment, is
@@ -115,9 +119,12 @@ class DownlinkServer:
         queued for this callback when the connection dropped is read after the reconnect and
         answered; the new server refuses that reply, and the unit asks again too.)"""
         received = reconnects()
-        unit = subjects.unit_of_want(self.job, msg.subject)
+        named = subjects.unit_of_want(self.job, msg.subject)
         want = records.decode(DownlinkWant, msg.data, msg.subject)
-        if unit is None or want is None or want.fragment >= len(self.senders) or not msg.reply:
+        if named is None or want is None or want.fragment != named[1] or not msg.reply:
+            return
+        unit = named[0]
+        if want.fragment >= len(self.senders):
             return
         sender = self.senders[want.fragment]
         async with self._locks[want.fragment]:

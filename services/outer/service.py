@@ -19,6 +19,11 @@ So a message is acknowledged only once what it changed is durable, and a restart
 resumes from the last commit: uploads applied before it are recognised by (unit, round) and
 acknowledged without being applied again; everything after it is redelivered and applied once.
 docs/RELIABILITY.md lists the guarantees and how each is tested.
+
+With ``--shards M``, this process is shard ``--shard k`` of the job's outer: it does all of the
+above for the fragments it owns (p mod M = k) only, with a consumer, lease, checkpoint and
+status record of its own; shard 0 also evaluates the whole model, reading the other shards'
+params from their committed checkpoints (docs/ARCHITECTURE.md, "Outer shards").
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from services.outer.publishing import DeadLetters, params_envelope, publish_frag
 from services.outer.settings import OuterSettings
 from services.outer.status import Progress, leader_status, standby_status, status_key
 from services.outer.validation import UploadRules
-from shared import data, evaluation, kv, liveness, model, pytree, subjects
+from shared import data, evaluation, fragments, kv, liveness, model, pytree, subjects
 from shared.cancel import raise_if_cancelling
 from shared.codec import api as codec
 from shared.records.jobs import DesiredRecord
@@ -95,6 +100,9 @@ class OuterService:
         self._dirty = False  # the state changed since the last commit
         self._committed_at = 0.0  # time.monotonic() of the last commit
         self._uncommitted: list[MergeResult] = []  # merges since the last commit
+        self._shard_tokens: dict[int, int] = {}  # tokens the other shards had applied
+        self._shard_checkpoints: dict[int, str] = {}  # the other shards' checkpoints read
+        self._outer_kv: Any = None
 
     # ---- set-up ----------------------------------------------------------------------------
 
@@ -112,6 +120,7 @@ class OuterService:
         self.param_bytes = 4 * model.param_count(template)
         named = pytree.flatten_named(template)
         self.core = OuterCore(named, s.outer_algorithm())
+        self.fragments = fragments.shard_fragments(s.shard, s.shards, self.core.plan.count)
         # Compile the codec kernels beside the outer step (Numba releases the GIL).
         codec_warm_up = threading.Thread(target=codec.warm_up, name="codec-warm-up")
         codec_warm_up.start()
@@ -155,12 +164,26 @@ class OuterService:
         if pointer is not None:
             snapshot = checkpoint.loads(await store.read(pointer))
             restore.from_checkpoint(
-                snapshot, pointer, s.job, s.model, self.core, self.ledger, self.progress
+                snapshot,
+                pointer,
+                s.job,
+                s.model,
+                self.core,
+                self.ledger,
+                self.progress,
+                self.fragments,
             )
             self.intake.order.restore(snapshot.fingerprints)
             return
         await restore.from_published_params(
-            js, s.job, s.model, self.max_params_bytes, self.core, self.ledger, self.progress
+            js,
+            s.job,
+            s.model,
+            self.max_params_bytes,
+            self.core,
+            self.ledger,
+            self.progress,
+            self.fragments,
         )
         self._dirty = True  # no checkpoint to continue from: one is written at once
 
@@ -171,10 +194,13 @@ class OuterService:
         (uploads a crashed outer had received but not acknowledged) is delivered again now,
         not when its ack wait runs out. Only the lease holder does this.
         """
-        durable = subjects.outer_consumer(self.settings.job)
+        s = self.settings
+        durable = subjects.outer_consumer(s.job, s.shard)
+        filters = subjects.grads_filters(s.job, self.fragments, self.core.plan.count)
         config = ConsumerConfig(
             durable_name=durable,
-            filter_subject=subjects.grads_filter(self.settings.job),
+            filter_subject=filters[0] if len(filters) == 1 else None,
+            filter_subjects=filters if len(filters) > 1 else None,
             ack_policy=AckPolicy.EXPLICIT,
             deliver_policy=DeliverPolicy.ALL,
             ack_wait=ACK_WAIT_S,
@@ -207,9 +233,13 @@ class OuterService:
         await self._retry(lambda: prepare_streams(js, self.settings), "create streams")
         status_kv = await js.key_value(subjects.STATUS_BUCKET)
         outer_kv = await js.key_value(subjects.OUTER_BUCKET)
+        self._outer_kv = outer_kv
         self.state = "standby"
         lease = Lease(
-            outer_kv, subjects.lease_key(self.settings.job), self.holder, self.settings.lease_s
+            outer_kv,
+            subjects.lease_key(self.settings.job, self.settings.shard),
+            self.holder,
+            self.settings.lease_s,
         )
         self.lease = lease
         tasks = [
@@ -242,19 +272,25 @@ class OuterService:
     async def _lead(self, js: Any) -> None:
         """Restore, commit, announce the committed versions, then serve until stopping."""
         assert self.lease is not None
+        s = self.settings
         log.info(
-            "outer %s leads job %s (epoch %d)", self.holder, self.settings.job, self.lease.epoch
+            "outer %s leads shard %d of %d of job %s (fragments %s, epoch %d)",
+            self.holder,
+            s.shard,
+            s.shards,
+            s.job,
+            list(self.fragments),
+            self.lease.epoch,
         )
         self.state = "restoring"
         store = checkpoint.CheckpointStore(
-            js, self.settings.job, self.chunk_size, self.max_checkpoint_bytes
+            js, s.job, s.shard, self.chunk_size, self.max_checkpoint_bytes
         )
         await self._restore(js, store)
         if self._dirty and not await self._commit(store):
             return
         with contextlib.suppress(*NATS_ERRORS):
             await store.purge_epochs_before(self._purgeable_before())
-        s = self.settings
         if s.params_downlink == "delta":
             self.downlink = DownlinkServer(
                 s.job,
@@ -264,25 +300,28 @@ class OuterService:
                 self.chunk_size,
                 self.max_params_bytes,
             )
-        for fragment in range(self.core.plan.count):
+        for fragment in self.fragments:
             # Announce the committed versions (a crash may have come between commit and
             # publish); a version is always announced with the same params.
             if not await self._publish(js, fragment):
                 return
-        if self.progress.evaluation.last is None:
-            await self._evaluate(self.evaluator.copy(self.core))  # saved by the next commit
+        if self.evaluates and self.progress.evaluation.last is None:
+            await self._follow_others(js)
+            await self._evaluate(self._eval_copy())  # saved by the next commit
         sub = await self._retry(lambda: self.subscribe(js), "subscribe")
-        wants = None
+        wants: list[Any] = []
         if self.downlink is not None:
             downlink = self.downlink
-            wants = await self._retry(lambda: downlink.subscribe(self._nc, js), "serve wants")
+            wants = await self._retry(
+                lambda: downlink.subscribe(self._nc, js, self.fragments), "serve wants"
+            )
         self.state = "running"
         try:
             await self._serve(js, sub, store)
         finally:
-            if wants is not None:
+            for subscription in wants:
                 with contextlib.suppress(*NATS_ERRORS):
-                    await wants.unsubscribe()
+                    await subscription.unsubscribe()
 
     def _purgeable_before(self) -> int:
         """Checkpoint chunks of epochs below this one may be deleted: older than this
@@ -309,14 +348,16 @@ class OuterService:
                 idle = await self._serve_once(js, sub, store)
                 if idle is None:
                     break
-                last = self.progress.evaluation.last
                 due = time.monotonic() - last_eval >= self.settings.eval_every_s
                 if (
-                    evaluation is None
-                    and (last is None or last.version != self.core.total_version)
+                    self.evaluates
+                    and evaluation is None
                     and (due or (idle and self.settings.eval_when_idle))
                 ):
-                    evaluation = asyncio.create_task(self._evaluate(self.evaluator.copy(self.core)))
+                    await self._follow_others(js)
+                    last = self.progress.evaluation.last
+                    if last is None or last.version != self.core.total_version:
+                        evaluation = asyncio.create_task(self._evaluate(self._eval_copy()))
         finally:
             if evaluation is not None:
                 evaluation.cancel()
@@ -433,13 +474,14 @@ class OuterService:
 
     def snapshot(self) -> checkpoint.OuterSnapshot:
         """The whole outer state as it stands (merge buffers aside: see ``checkpoint.py``)."""
-        versions, params, leaves = self.core.export_state()
+        versions, params, leaves = self.core.export_state(self.fragments)
         return checkpoint.OuterSnapshot(
             job=self.settings.job,
             model=self.settings.model,
             versions=versions,
             params=params,
             opt_leaves=leaves,
+            fragments=list(self.fragments),
             ledger=self.ledger.to_record(),
             evaluation=self.progress.evaluation,
             norms=self.core.guard.history(),
@@ -516,16 +558,51 @@ class OuterService:
             applied={unit: books.last_round for unit, books in self.ledger.units.items()},
         )
 
-    async def _evaluate(self, copy: EvalCopy) -> None:
+    @property
+    def evaluates(self) -> bool:
+        """Whether this outer evaluates the global params: shard 0 does, for the job."""
+        return self.settings.shard == 0
+
+    def _eval_copy(self) -> tuple[EvalCopy, int]:
+        """A copy of the global params to evaluate, with the tokens the job had applied."""
+        tokens = self.ledger.tokens_applied + sum(self._shard_tokens.values())
+        return self.evaluator.copy(self.core), tokens
+
+    async def _follow_others(self, js: Any) -> None:
+        """Bring the other shards' fragments to their newest committed state (the whole model
+        is evaluated), and note the tokens each of those shards had applied then."""
+        s = self.settings
+        if s.shards == 1:
+            return
+        try:
+            tokens = await restore.follow_shards(
+                js,
+                self._outer_kv,
+                s.job,
+                s.model,
+                self.core,
+                s.shard,
+                s.shards,
+                self.max_checkpoint_bytes,
+                self._shard_checkpoints,
+            )
+        except (checkpoint.CheckpointError, TransportError, *NATS_ERRORS) as err:
+            log.info("the other shards' checkpoints not read: %r", err)
+            return
+        self._shard_tokens.update(tokens)
+
+    async def _evaluate(self, copy: tuple[EvalCopy, int]) -> None:
         """Evaluate a copy of the global params and enter the result."""
-        self.progress.evaluated(await self.evaluator.run(copy, self.ledger.tokens_applied))
+        self.progress.evaluated(await self.evaluator.run(*copy))
 
     # ---- status ----------------------------------------------------------------------------
 
     def status_record(self) -> OuterStatus | StandbyStatus:
         """The outer's heartbeat record: a standby's, or a leader's with its books."""
         if self.state == "standby":
-            return standby_status(self.settings.model, self.holder, self.leader_seen)
+            return standby_status(
+                self.settings.model, self.holder, self.leader_seen, self.settings.shard
+            )
         core = getattr(self, "core", None)
         lease = self.lease
         return leader_status(
@@ -538,10 +615,12 @@ class OuterService:
             ledger=self.ledger,
             progress=self.progress,
             downlink=self.downlink.counts() if self.downlink is not None else None,
+            shard=self.settings.shard,
+            shards=self.settings.shards,
         )
 
     def _status_key(self) -> str:
-        return status_key(self.settings.job, self.state, self.holder)
+        return status_key(self.settings.job, self.settings.shard, self.state, self.holder)
 
     async def _watch_desired(self, js: Any) -> None:
         """Every ``DESIRED_POLL_S``, read the job's units' desired states: the uploads of a

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from shared.records import MAX_BATCH_SIZE, MAX_OUTER_UNITS, MAX_STEPS_PER_UPLOAD
+from shared.records import MAX_BATCH_SIZE, MAX_OUTER_SHARDS, MAX_OUTER_UNITS, MAX_STEPS_PER_UPLOAD
 from shared.settings.algorithm import InnerAlgorithmSettings, OuterAlgorithmSettings, SyncSettings
 from shared.settings.codec import ParamsCodecSettings
 from shared.settings.nats import ServiceSettings
@@ -93,6 +93,16 @@ class OuterSettings(
 ):
     """The outer optimizer of one job: how it merges pseudo-gradients and reports progress."""
 
+    shards: int = Field(
+        1,
+        ge=1,
+        le=MAX_OUTER_SHARDS,
+        description="outer shards the job's fragments are split over, each its own process "
+        "(`--shard`) with its own consumer, lease, checkpoint and status: shard k owns the "
+        "fragments p with p mod shards = k",
+    )
+    shard: int = Field(0, ge=0, lt=MAX_OUTER_SHARDS, description="the shard this outer serves")
+
     fetch_batch: int = Field(32, ge=1, le=1024, description="messages fetched per pull")
     commit_every_s: float = Field(
         2.0,
@@ -128,6 +138,18 @@ class OuterSettings(
     def learner_horizons(self) -> tuple[int, ...]:
         """``--learner-steps`` as numbers (() when not given)."""
         return tuple(int(x) for x in self.learner_steps.split(",")) if self.learner_steps else ()
+
+    @model_validator(mode="after")
+    def _check_shards(self) -> OuterSettings:
+        if self.shard >= self.shards:
+            raise ValueError(
+                f"shard {self.shard} of {self.shards}: shards are 0..{self.shards - 1}"
+            )
+        if self.shards > self.fragments:
+            raise ValueError(
+                f"{self.shards} shards for {self.fragments} fragments: every shard needs one"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_quorum(self) -> OuterSettings:

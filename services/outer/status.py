@@ -1,7 +1,7 @@
 """What the outer reports: its progress, and the heartbeat records built from it.
 
 The leading outer's heartbeat is a ``shared.records.OuterStatus`` (its books, versions,
-evaluations, train losses and checkpoints) under ``J.outer``; a standby's is a
+evaluations, train losses and checkpoints) under ``J.outer.<shard>``; a standby's is a
 ``shared.records.StandbyStatus`` under ``J.outer_standby.<holder>``. Both are built here and
 only here.
 """
@@ -104,11 +104,12 @@ def finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
-def status_key(job: str, state: OuterState, holder: str) -> str:
-    """The KV key (bucket ``diloco_status``) of an outer's heartbeat in ``state``."""
+def status_key(job: str, shard: int, state: OuterState, holder: str) -> str:
+    """The KV key (bucket ``diloco_status``) of the heartbeat of an outer of ``shard`` in
+    ``state``."""
     if state == "standby":
         return subjects.outer_standby_key(job, holder)
-    return subjects.outer_status_key(job)
+    return subjects.outer_status_key(job, shard)
 
 
 def leader_status(
@@ -122,6 +123,8 @@ def leader_status(
     ledger: OuterLedger,
     progress: Progress,
     downlink: DownlinkCounts | None = None,
+    shard: int = 0,
+    shards: int = 1,
 ) -> OuterStatus:
     """The heartbeat of an outer that leads (or led) its job.
 
@@ -135,6 +138,7 @@ def leader_status(
         ledger: Its books.
         progress: Its evaluations, train losses and checkpoints.
         downlink: Its delta downlink's answers (None: it sends copies only).
+        shard: The outer shard it leads, of ``shards``.
     """
     evaluation = progress.evaluation
     return OuterStatus(
@@ -142,6 +146,8 @@ def leader_status(
         state=state,
         model=model,
         holder=holder,
+        shard=shard,
+        shards=shards,
         epoch=epoch,
         version=sum(versions),
         versions=versions,
@@ -159,6 +165,6 @@ def leader_status(
     )
 
 
-def standby_status(model: str, holder: str, leader: str) -> StandbyStatus:
-    """The heartbeat of an outer that waits for the lease ``leader`` holds."""
-    return StandbyStatus(model=model, holder=holder, leader=leader)
+def standby_status(model: str, holder: str, leader: str, shard: int = 0) -> StandbyStatus:
+    """The heartbeat of an outer that waits for the lease of ``shard`` ``leader`` holds."""
+    return StandbyStatus(model=model, holder=holder, leader=leader, shard=shard)

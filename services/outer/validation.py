@@ -132,7 +132,9 @@ def validate(
     if envelope.model != rules.model:
         raise Rejected("wrong_model", f"expected model {rules.model!r}, got {envelope.model!r}")
     named = upload_id(rules.job, envelope.unit, envelope.round, envelope.fragment)
-    if subject != subjects.grads_subject(rules.job, envelope.unit) or upload != named:
+    if subject != subjects.grads_subject(rules.job, envelope.unit, envelope.fragment) or (
+        upload != named
+    ):
         raise Rejected("inconsistent_ids", f"{upload} on {subject} says unit {envelope.unit}")
     count = len(rules.piece_shapes)
     if not 0 <= envelope.fragment < count:

@@ -55,6 +55,8 @@ MAX_UNITS = 64  # units of a job in the registry (REST, `diloco up`)
 
 MAX_OUTER_UNITS = 1024  # units one outer serves (`diloco outer --num-units`)
 
+MAX_OUTER_SHARDS = 8  # shards of a job's outer (`diloco outer --shards`)
+
 MAX_BATCH_SIZE = 4096  # sequences per inner step (`diloco learner --batch-size`)
 
 MAX_STEPS_PER_UPLOAD = 1_000_000  # inner steps one upload may stand for

@@ -1,10 +1,11 @@
 """What the outer writes: its heartbeat and books, its lease, and the heads of the global params.
 
-* :class:`OuterStatus` — KV ``diloco_status`` key ``J.outer``: the leading outer's heartbeat and
-  ledger (:class:`LedgerRecord`), read by the gateway, ``diloco up`` and learners (rounds applied);
+* :class:`OuterStatus` — KV ``diloco_status`` key ``J.outer.<k>``: the heartbeat and ledger
+  (:class:`LedgerRecord`) of outer shard k's leader, read by the gateway, ``diloco up`` and
+  learners (rounds applied);
 * :class:`StandbyStatus` — same bucket, ``J.outer_standby.<holder>``: a standby outer;
-* :class:`LeaseRecord` (with :class:`CheckpointPointer`) — KV ``diloco_outer``, ``J``: the outers'
-  leader lease, changed by compare-and-set only;
+* :class:`LeaseRecord` (with :class:`CheckpointPointer`) — KV ``diloco_outer``, ``J.<k>``: outer
+  shard k's leader lease, changed by compare-and-set only;
 * :class:`ParamsHead` — stream ``DILOCO_PARAMS``, ``diloco.J.params.<p>.head``: read by learners
   and a restarted outer.
 """
@@ -21,6 +22,7 @@ from pydantic import (
 )
 
 from shared.records import (
+    MAX_OUTER_SHARDS,
     MAX_OUTER_UNITS,
     MAX_VERSION,
     Count,
@@ -168,11 +170,17 @@ class DownlinkCounts(Record):
 
 
 class OuterStatus(LedgerRecord):
-    """The leading outer's heartbeat: its ledger, versions, evaluations and checkpoints."""
+    """The leading outer's heartbeat: its ledger, versions, evaluations and checkpoints.
+
+    Each outer shard writes one for the fragments it owns (``shard`` of ``shards``);
+    :func:`shared.job_status.combine_shards` makes the job's from them.
+    """
 
     state: OuterState
     model: str
     holder: str
+    shard: Count = Field(0, lt=MAX_OUTER_SHARDS)
+    shards: int = Field(1, ge=1, le=MAX_OUTER_SHARDS)
     epoch: Count | None = None
     version: Count = Field(0, description="sum of the fragments' versions")
     versions: list[Count] = []
@@ -204,6 +212,7 @@ class StandbyStatus(Record):
     state: Literal["standby"] = "standby"
     model: str
     holder: str
+    shard: Count = Field(0, lt=MAX_OUTER_SHARDS)
     leader: str = ""
 
 

@@ -59,7 +59,7 @@ async def request_delta(
         TransportError: no answer (no outer serves wants, or it did not answer in time), or
             an answer that is not a :class:`DownlinkReply`.
     """
-    subject = subjects.want_subject(job, unit)
+    subject = subjects.want_subject(job, unit, want.fragment)
     try:
         msg = await nc.request(subject, records.encode(want), timeout=timeout_s)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as err:

@@ -30,9 +30,15 @@ def nats_names(nodes: int) -> list[str]:
     return ["nats-server"] if nodes == 1 else [f"nats-{index}" for index in range(nodes)]
 
 
-def service_targets(nats_nodes: int) -> list[str]:
-    """The services ``--chaos-services`` may name: the outer and each nats-server node."""
-    return ["outer", *nats_names(nats_nodes)]
+def outer_names(shards: int) -> list[str]:
+    """The child names of a run's outer: ``outer`` alone, or ``outer-<k>`` for each shard."""
+    return ["outer"] if shards == 1 else [f"outer-{shard}" for shard in range(shards)]
+
+
+def service_targets(nats_nodes: int, outer_shards: int = 1) -> list[str]:
+    """The services ``--chaos-services`` may name: each outer shard and each nats-server
+    node."""
+    return [*outer_names(outer_shards), *nats_names(nats_nodes)]
 
 
 def learner_target(unit: int) -> str:

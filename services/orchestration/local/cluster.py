@@ -25,7 +25,7 @@ from typing import TextIO
 from services.orchestration import commands, nats_server, reconcile
 from services.orchestration.children import Child, Launch, popen
 from services.orchestration.local import files
-from services.orchestration.local.chaos import ChaosClock, link_outages, nats_names
+from services.orchestration.local.chaos import ChaosClock, link_outages, nats_names, outer_names
 from services.orchestration.local.records import ChaosEvent, PidsFile
 from services.orchestration.local.settings import UpSettings
 from services.orchestration.registry import Registry
@@ -38,8 +38,6 @@ STOP_GRACE_S = 30.0
 CREDENTIALS_DIR = "credentials"  # <data-dir>/credentials/<user>.json, one per NATS user
 TLS_DIR = "tls"  # <data-dir>/tls: the CA and nats-server's certificate (--tls)
 TLS_HOSTS = ["127.0.0.1", "localhost"]  # the names the server's certificate is valid for
-# Without the outer (or a nats-server node) nothing can go on: the run ends if one stays dead.
-OUTER = "outer"
 
 
 @dataclass
@@ -193,9 +191,10 @@ class Cluster:
         outer_url = self.nats_url
         if outer_spec is not None:
             outer_url = self.start_link("outer", outer_spec, "", 0)
-        outer = commands.outer_args(s, outer_url)
         [outer_user] = self.identity_env(nats_auth.Identity("outer", s.job))
-        self.services.append(self.spawn("outer", outer, {**commands.cache_env(s), **outer_user}))
+        for shard, name in enumerate(outer_names(s.outer_shards)):
+            outer = commands.outer_args(s, outer_url, shard)
+            self.services.append(self.spawn(name, outer, {**commands.cache_env(s), **outer_user}))
         port = s.gateway_port or nats_server.free_port()
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.token = s.token or secrets.token_urlsafe(24)
@@ -321,15 +320,19 @@ class Cluster:
 
     def ready_to_end(self) -> bool:
         """Nothing is left to run but the outer: every own learner is done, no registry job
-        needs the cluster, and the outer runs (so its status is current)."""
+        needs the cluster, and every outer shard runs (so its status is current)."""
         return (
             self.learners_done()
             and not self.jobs_busy()
-            and self.supervisor.state(OUTER) is State.RUNNING
+            and all(
+                self.supervisor.state(name) is State.RUNNING
+                for name in outer_names(self.settings.outer_shards)
+            )
         )
 
     def pids(self) -> dict[str, int]:
-        """PIDs of the live children by name (``nats-server`` or ``nats-<node>``, ``outer``,
+        """PIDs of the live children by name (``nats-server`` or ``nats-<node>``, ``outer`` or
+        ``outer-<shard>``,
         ``gateway``, ``learner-<unit>``, ``link-<unit>``, ``link-outer``, ``<job>/outer``,
         ``<job>/learner-<unit>``)."""
         pids = {}
@@ -385,7 +388,11 @@ class Cluster:
                     self.print(f"{name} exited with code {code} (done)")
                 continue
             self.print(f"{decision.line()}  (log {self._log_path(name)})")
-            essential = name == OUTER or self._server(name) is not None
+            # Without an outer shard or a nats-server node nothing can go on: the run ends if
+            # one stays dead.
+            essential = name in outer_names(self.settings.outer_shards) or (
+                self._server(name) is not None
+            )
             if decision.state is State.GAVE_UP and essential and ended is None:
                 ended = (
                     f"stopped: {name} exited with code {code} and was not restarted "

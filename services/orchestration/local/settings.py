@@ -16,7 +16,7 @@ from services.orchestration.local.records import CHAOS_KINDS, ChaosEvent, ChaosK
 from services.orchestration.supervisor import DEFAULT_MAX_RESTARTS
 from services.outer.settings import EvaluationSettings
 from shared.link_spec import LinkSpec, parse_link, parse_links, parse_outages
-from shared.records import MAX_UNITS
+from shared.records import MAX_OUTER_SHARDS, MAX_UNITS
 from shared.settings import ENV_PREFIX, SECRET
 from shared.settings.algorithm import AlgorithmSettings
 from shared.settings.codec import CodecSettings
@@ -75,6 +75,14 @@ class UpSettings(
         "store each) whose streams and buckets keep a copy on every node, so that the run "
         "goes on through the death of any one node (two of five); every service gets every "
         "node's URL",
+    )
+    outer_shards: int = Field(
+        1,
+        ge=1,
+        le=MAX_OUTER_SHARDS,
+        description="outer processes the fragments are split over (fragment p to shard p mod "
+        "outer-shards), each with its own consumer, lease, checkpoint and status: at most "
+        "--fragments",
     )
     data_root: str | None = Field(
         None,
@@ -177,7 +185,7 @@ class UpSettings(
 
     def _chaos_services(self) -> list[str]:
         services = [s.strip() for s in self.chaos_services.split(",") if s.strip()]
-        targets = service_targets(self.nats_cluster)
+        targets = service_targets(self.nats_cluster, self.outer_shards)
         unknown = [s for s in services if s not in targets]
         if unknown:
             raise ValueError(
@@ -215,6 +223,15 @@ class UpSettings(
                 f"nats-cluster: expected one of {', '.join(map(str, NATS_CLUSTER_SIZES))} nodes "
                 f"(a JetStream cluster needs an odd number to elect leaders), got "
                 f"{self.nats_cluster}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_outer_shards(self) -> UpSettings:
+        if self.outer_shards > self.fragments:
+            raise ValueError(
+                f"outer-shards {self.outer_shards} > fragments {self.fragments}: every shard "
+                "needs a fragment"
             )
         return self
 
