@@ -98,6 +98,7 @@ bench: $(STAMP)  ## every benchmark on the shipped defaults (hours on 2 cores: B
 	$(BIN)/python bench/timing.py --write
 	$(BIN)/python bench/chaos.py --write
 	$(BIN)/python bench/loadtest.py --write
+	$(BIN)/python bench/outer_shards.py --write
 	$(BIN)/python bench/links.py --write
 	$(BIN)/python bench/goodput.py --write
 	$(BIN)/python bench/robust.py --write
@@ -110,7 +111,7 @@ bench: $(STAMP)  ## every benchmark on the shipped defaults (hours on 2 cores: B
 # a claim unmeasured. quality.py reads the goodput.py runs of the same folder.
 bench-quick: $(STAMP)  ## a smoke run of every benchmark (<= 15 min), writing nothing here
 	export BENCH_QUICK_DIR=$$(mktemp -d) && all=$$(date +%s) && \
-	for script in codec codec_parts throughput timing chaos loadtest links goodput robust quality scaling; do \
+	for script in codec codec_parts throughput timing chaos loadtest outer_shards links goodput robust quality scaling; do \
 		started=$$(date +%s); \
 		$(BIN)/python bench/$$script.py --quick > $$BENCH_QUICK_DIR/$$script.md || { \
 			echo "bench-quick: $$script failed (its output: $$BENCH_QUICK_DIR/$$script.md)" >&2; \

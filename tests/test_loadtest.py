@@ -104,13 +104,19 @@ def test_unit_counts_must_increase_within_bounds(units):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_loadtest_runs_a_stage_against_the_real_outer_and_the_books_balance(tmp_path, jax_cache):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_loadtest_runs_a_stage_against_the_real_outer_and_the_books_balance(
+    tmp_path, jax_cache, shards
+):
+    """One outer and the whole model per upload; or two outer shards and two fragments, each
+    unit uploading them in turn: every upload applied once by the shard that owns it."""
     data_dir = tmp_path / "loadtest"
     result = subprocess.run(
         [
             *(sys.executable, "-m", "services.cli", "loadtest", "--model", "tiny"),
             *("--units", "2", "--upload-every-s", "1", "--warmup-s", "2", "--stage-s", "4"),
             *("--link", "20mbit/5ms", "--data-dir", str(data_dir)),
+            *("--fragments", str(shards), "--outer-shards", str(shards)),
         ],
         capture_output=True,
         text=True,
@@ -120,6 +126,11 @@ def test_loadtest_runs_a_stage_against_the_real_outer_and_the_books_balance(tmp_
     assert "saturation point:" in result.stdout
     report = records.decode(LoadtestReport, (data_dir / "loadtest.json").read_bytes())
     assert report is not None and [s.units for s in report.stages] == [2]
+    assert report.fragments == report.outer_shards == shards
+    for shard in range(shards):  # each shard's own log, when there are several
+        assert (
+            data_dir / "2-units" / ("outer.log" if shards == 1 else f"outer-{shard}.log")
+        ).exists()
     assert report.link.rate_bps == 20e6 and report.link.delay_s == 0.005
     for s in report.stages:
         books = s.books
@@ -129,7 +140,7 @@ def test_loadtest_runs_a_stage_against_the_real_outer_and_the_books_balance(tmp_
         assert set(books.per_unit) == set(range(s.units))
         # Each upload's sync latency ended when a params head named its round as applied.
         assert s.sync_latency is not None and s.sync_latency.count == books.published
-        assert s.offered_uploads_per_s == s.units / 1.0
+        assert s.offered_uploads_per_s == s.units * shards / 1.0
         assert s.published_per_s > 0 and s.ingest_uploads_per_s > 0 and s.uploads_per_merge >= 1
         assert s.params_mb_per_s > 0  # the units fetched the params they would adopt
         assert s.dropped_unsent == 0 and s.heads_rejected == 0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -40,15 +41,24 @@ AGREEMENT = 0.5  # share of a synthetic pseudo-gradient's variance along the com
 class PayloadPool:
     """``count`` encoded synthetic pseudo-gradients of one model, used in turn."""
 
-    def __init__(self, model: ModelConfig, config: CodecConfig, count: int, seed: int) -> None:
+    def __init__(
+        self,
+        model: ModelConfig,
+        config: CodecConfig,
+        count: int,
+        seed: int,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> None:
         """Args:
         model: the model size whose tensors they cover.
         config: the upload codec (error feedback is not used: each is encoded once).
         count: how many different ones.
         seed: seed of the noise.
+        shapes: the tensors they cover, by name (default: every tensor of the model; one
+            fragment's pieces for a unit that uploads fragments).
         """
         self._rng = np.random.default_rng(seed)
-        self._shapes = model.param_shapes()
+        self._shapes = dict(model.param_shapes() if shapes is None else shapes)
         self._config = config
         self._common = {name: self._laplace(shape) for name, shape in self._shapes.items()}
         self._payloads = [self._encode() for _ in range(count)]
@@ -56,7 +66,7 @@ class PayloadPool:
             split_frames(payload, description) for payload, description in self._payloads
         ]
         self._taken = 0
-        self.fp32_bytes = 4 * model.param_count
+        self.fp32_bytes = 4 * sum(int(np.prod(shape)) for shape in self._shapes.values())
         self.seq_len = model.seq_len
 
     def _laplace(self, shape: tuple[int, ...]) -> np.ndarray:

@@ -68,10 +68,14 @@ class LoadtestReport(Record):
     params_fetch: str
     link: LinkSpec
     upload_every_s: PositiveFloat
-    upload_payload_bytes: Count = Field(description="encoded bytes of one synthetic upload")
+    upload_payload_bytes: Count = Field(
+        description="encoded bytes of one synthetic upload (the mean over the fragments)"
+    )
     commit_every_s: float | None = Field(
         None, description="the outer's --commit-every-s (None: the outer's default)"
     )
+    fragments: int = Field(1, ge=1, description="fragments a unit uploads in turn")
+    outer_shards: int = Field(1, ge=1, description="outer processes the fragments are split over")
     stages: list[LoadtestStage] = []
     saturation_units: Count | None = Field(
         None, description="units of the first saturated stage (None: none saturated)"

@@ -9,8 +9,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.link_spec import LinkSpec, parse_link
 from shared.model_config import ModelSize
-from shared.records import MAX_OUTER_UNITS
+from shared.records import MAX_OUTER_SHARDS, MAX_OUTER_UNITS
 from shared.settings import ENV_PREFIX
+from shared.settings.algorithm import MAX_FRAGMENTS
 from shared.settings.codec import CodecSettings
 
 ParamsFetch = Literal["newest", "none"]
@@ -66,6 +67,20 @@ class LoadtestSettings(BaseSettings, CodecSettings):
         "offered uploads, or its backlog grows",
     )
     seed: int = Field(0, ge=0, description="seed of the synthetic pseudo-gradients and phases")
+    fragments: int = Field(
+        1,
+        ge=1,
+        le=MAX_FRAGMENTS,
+        description="fragments of the model (P): a unit uploads one of them in turn, P times "
+        "every --upload-every-s (a staggered learner's uploads: the same bytes per period)",
+    )
+    outer_shards: int = Field(
+        1,
+        ge=1,
+        le=MAX_OUTER_SHARDS,
+        description="outer processes, each owning the fragments p with p mod outer-shards = "
+        "its shard (at most --fragments)",
+    )
     commit_every_s: float | None = Field(
         None,
         ge=0,
@@ -86,6 +101,11 @@ class LoadtestSettings(BaseSettings, CodecSettings):
     @model_validator(mode="after")
     def _check_units(self) -> LoadtestSettings:
         self.unit_counts()
+        if self.outer_shards > self.fragments:
+            raise ValueError(
+                f"outer-shards {self.outer_shards} > fragments {self.fragments}: every shard "
+                "needs a fragment"
+            )
         return self
 
     def unit_counts(self) -> list[int]:

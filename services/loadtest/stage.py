@@ -1,8 +1,10 @@
 """One stage of a load test: a fresh nats-server and outer, N synthetic units, one measurement.
 
 1. nats-server starts on an empty JetStream store and ``diloco outer`` on it (``--num-units``
-   N, evaluating only at start: the load test measures merging, not evaluating); the stage
-   waits until the outer reports ``running``.
+   N, evaluating only at start: the load test measures merging, not evaluating), or one
+   ``diloco outer --shard k`` per outer shard; the stage waits until the outer (every shard)
+   reports ``running``. Its status is the shards' combined (``shared.outer_shards``), its CPU
+   the sum of theirs.
 2. N synthetic units (``unit.py``) start, each through its own shaped link (``LinkProxy``, in
    this process) unless the link is unshaped.
 3. After the warm-up, the outer's status record and the units' counts are read at the start and
@@ -42,6 +44,7 @@ from services.orchestration.children import popen
 from shared import kv, subjects
 from shared.latency import Latencies
 from shared.ledger import balance
+from shared.outer_shards import read_outer_status
 from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
 from shared.retry import NATS_ERRORS
@@ -91,15 +94,26 @@ class Stage:
     """One stage (see the module docstring); :meth:`run` returns its record."""
 
     def __init__(
-        self, settings: LoadtestSettings, units: int, pool: PayloadPool, say: Callable[[str], None]
+        self,
+        settings: LoadtestSettings,
+        units: int,
+        pools: list[PayloadPool],
+        say: Callable[[str], None],
     ) -> None:
+        """Args:
+        settings: the load test's.
+        units: the stage's synthetic units.
+        pools: the pre-encoded pseudo-gradients of each fragment.
+        say: prints a line.
+        """
         self.settings = settings
         self.count = units
-        self.pool = pool
+        self.pools = pools
         self.say = say
         self.folder = Path(settings.data_dir) / f"{units}-units"
         self.server: nats_server.NatsServer | None = None
-        self.outer: subprocess.Popen[bytes] | None = None
+        self.outers: list[subprocess.Popen[bytes]] = []  # one per outer shard
+        self.outer_logs: list[Path] = []
         self.links: list[LinkProxy] = []
         self.units: list[SyntheticUnit] = []
         self.status_kv: Any = None
@@ -118,7 +132,7 @@ class Stage:
             js = nc.jetstream()
             await ensure_streams(js)
             self.status_kv = await js.key_value(subjects.STATUS_BUCKET)
-            self._start_outer()
+            self._start_outers()
             await self._wait_for_outer()
             tasks = await self._start_units(stop)
             return await self._measure(tasks)
@@ -127,7 +141,7 @@ class Stage:
             await asyncio.gather(*tasks, return_exceptions=True)
             for link in self.links:
                 await link.close()
-            self._stop_outer()
+            self._stop_outers()
             if nc is not None:
                 with contextlib.suppress(*NATS_ERRORS, TimeoutError):
                     await asyncio.wait_for(nc.close(), 5.0)
@@ -135,22 +149,28 @@ class Stage:
 
     # ---- start ---------------------------------------------------------------------------------
 
-    def _start_outer(self) -> None:
+    def _start_outers(self) -> None:
         s = self.settings
         assert self.server is not None
-        args = [
-            "outer",
-            *("--nats-url", self.server.url, "--job", JOB, "--model", s.model),
-            *("--num-units", str(self.count), "--params-codec", s.params_codec),
-            *("--eval-every-s", "3600", "--no-eval-when-idle"),
-            # The synthetic units upload the whole model as one fragment (unit.FRAGMENT).
-            *("--fragments", "1"),
-        ]
-        if s.commit_every_s is not None:
-            args += ["--commit-every-s", f"{s.commit_every_s:g}"]
-        # One compilation cache for every stage's outer (unless the caller has one).
-        cache = os.environ.get("DILOCO_JAX_CACHE") or str(Path(s.data_dir, "jax-cache").resolve())
-        self.outer = popen(args, {"DILOCO_JAX_CACHE": cache}, self.folder / "outer.log")
+        for shard in range(s.outer_shards):
+            args = [
+                "outer",
+                *("--nats-url", self.server.url, "--job", JOB, "--model", s.model),
+                *("--num-units", str(self.count), "--params-codec", s.params_codec),
+                *("--eval-every-s", "3600", "--no-eval-when-idle"),
+                # The fragments the synthetic units upload in turn (unit.py).
+                *("--fragments", str(s.fragments)),
+                *("--shards", str(s.outer_shards), "--shard", str(shard)),
+            ]
+            if s.commit_every_s is not None:
+                args += ["--commit-every-s", f"{s.commit_every_s:g}"]
+            # One compilation cache for every stage's outer (unless the caller has one).
+            cache = os.environ.get("DILOCO_JAX_CACHE") or str(
+                Path(s.data_dir, "jax-cache").resolve()
+            )
+            log_path = self.folder / ("outer.log" if s.outer_shards == 1 else f"outer-{shard}.log")
+            self.outers.append(popen(args, {"DILOCO_JAX_CACHE": cache}, log_path))
+            self.outer_logs.append(log_path)
 
     async def _wait_for_outer(self) -> None:
         deadline = time.monotonic() + OUTER_START_S
@@ -163,11 +183,11 @@ class Stage:
         raise StageError(f"the outer did not start within {OUTER_START_S:.0f} s")
 
     def _check_outer(self) -> None:
-        assert self.outer is not None
-        code = self.outer.poll()
-        if code is not None:
-            tail = (self.folder / "outer.log").read_text(errors="replace")[-2000:]
-            raise StageError(f"the outer exited with code {code}:\n{tail}")
+        for outer, log_path in zip(self.outers, self.outer_logs, strict=True):
+            code = outer.poll()
+            if code is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise StageError(f"the outer ({log_path.name}) exited with code {code}:\n{tail}")
 
     async def _start_units(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
         s = self.settings
@@ -189,13 +209,14 @@ class Stage:
                 model=s.model,
                 unit=unit,
                 upload_every_s=s.upload_every_s,
+                fragments=s.fragments,
                 inner_steps=H_STEPS,
-                tokens=H_STEPS * BATCH_SIZE * self.pool.seq_len,
+                tokens=H_STEPS * BATCH_SIZE * self.pools[0].seq_len,
                 fetch_params=s.params_fetch == "newest",
                 max_unsent=s.max_unsent,
-                max_params_bytes=2 * self.pool.fp32_bytes + (1 << 20),
+                max_params_bytes=2 * max(pool.fp32_bytes for pool in self.pools) + (1 << 20),
             )
-            synthetic = SyntheticUnit(plan, self.pool, random.Random(rng.random()))
+            synthetic = SyntheticUnit(plan, self.pools, random.Random(rng.random()))
             self.units.append(synthetic)
             tasks.append(asyncio.create_task(synthetic.run(url, stop)))
         return tasks
@@ -225,7 +246,7 @@ class Stage:
         )
         drain_s = time.monotonic() - drained_from
         sync_deadline = time.monotonic() + SYNC_WAIT_S
-        while any(u.tally.sync.pending() for u in self.units) and time.monotonic() < sync_deadline:
+        while any(u.tally.sync_pending() for u in self.units) and time.monotonic() < sync_deadline:
             await asyncio.sleep(POLL_S)
         final = await self._final_outer_status()
         return self._record(start, end, drain_s, final)
@@ -255,12 +276,12 @@ class Stage:
         outer = await self._outer_status()
         if outer is None:
             raise StageError("the outer's status record is missing")
-        assert self.outer is not None and self.server is not None
+        assert self.server is not None
         return Snapshot(
             at=time.monotonic(),
             outer=outer,
             published=self._published(),
-            outer_cpu_s=cpu_seconds(self.outer.pid),
+            outer_cpu_s=sum(cpu_seconds(outer.pid) for outer in self.outers),
             broker_cpu_s=cpu_seconds(self.server.pid),
             generator_cpu_s=time.process_time(),
             params_bytes=sum(u.tally.params_bytes for u in self.units),
@@ -268,18 +289,20 @@ class Stage:
 
     async def _outer_status(self) -> OuterStatus | None:
         try:
-            record = await kv.get(self.status_kv, subjects.outer_status_key(JOB), OuterStatus)
+            record = await read_outer_status(self.status_kv, JOB)
         except (*NATS_ERRORS, kv.KvError, TimeoutError) as err:
             log.info("outer status: %r", err)
             return None
         return record if isinstance(record, OuterStatus) else None
 
     async def _final_outer_status(self) -> OuterStatus | None:
-        """Stop the outer and read the status record it writes last."""
-        assert self.outer is not None
-        self.outer.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            await asyncio.get_running_loop().run_in_executor(None, self.outer.wait, STOP_S)
+        """Stop the outer (every shard) and read the status records it writes last."""
+        for outer in self.outers:
+            outer.send_signal(signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        for outer in self.outers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await loop.run_in_executor(None, outer.wait, STOP_S)
         return await self._outer_status()
 
     def _published(self) -> int:
@@ -298,8 +321,9 @@ class Stage:
         window = max(end.at - start.at, 1e-9)
         latencies = Latencies(kept=1 << 22)
         for unit in self.units:
-            for value in unit.tally.sync.latencies.values():
-                latencies.add(value)
+            for sync in unit.tally.syncs.values():
+                for value in sync.latencies.values():
+                    latencies.add(value)
         units = {
             u.plan.unit: UnitStatus(
                 unit=u.plan.unit,
@@ -313,7 +337,7 @@ class Stage:
         commits = end.outer.checkpoints - start.outer.checkpoints
         numbers = StageNumbers(
             units=self.count,
-            offered=self.count / self.settings.upload_every_s,
+            offered=self.count * self.settings.fragments / self.settings.upload_every_s,
             ingest=applied / window,
             backlog_start=start.published - self._done(start.outer),
             backlog_end=end.published - self._done(end.outer),
@@ -345,14 +369,16 @@ class Stage:
             reason=reason,
         )
 
-    def _stop_outer(self) -> None:
-        if self.outer is not None and self.outer.poll() is None:
-            self.outer.send_signal(signal.SIGTERM)
+    def _stop_outers(self) -> None:
+        for outer in self.outers:
+            if outer.poll() is None:
+                outer.send_signal(signal.SIGTERM)
+        for outer in self.outers:
             try:
-                self.outer.wait(STOP_S)
+                outer.wait(STOP_S)
             except subprocess.TimeoutExpired:
-                self.outer.kill()
-                self.outer.wait()
+                outer.kill()
+                outer.wait()
 
 
 def _raise_failed(tasks: list[asyncio.Task[None]]) -> None:
