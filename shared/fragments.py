@@ -135,6 +135,16 @@ def shard_fragments(shard: int, shards: int, count: int) -> tuple[int, ...]:
     return tuple(p for p in range(count) if p % shards == shard)
 
 
+def check_shards(shards: int, fragments: int) -> None:
+    """Refuse more outer shards than fragments (a shard without a fragment has no work).
+
+    Raises:
+        ValueError: ``shards`` > ``fragments``.
+    """
+    if shards > fragments:
+        raise ValueError(f"{shards} outer shards > {fragments} fragments: every shard needs one")
+
+
 def shard_of_fragment(fragment: int, shards: int) -> int:
     """The outer shard that owns ``fragment``."""
     return fragment % shards

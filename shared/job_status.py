@@ -14,7 +14,7 @@ from nats.js import JetStreamContext
 
 from shared import kv, records, subjects
 from shared.outer_shards import combine_stamped
-from shared.records import JOB_NAME_PATTERN, Stamped
+from shared.records import JOB_NAME_PATTERN, R, Stamped
 from shared.records.link import LinkStatus
 from shared.records.outer import OuterStatus
 from shared.records.unit import UnitStatus
@@ -63,36 +63,29 @@ async def read_job_status(nc: NatsClient, js: JetStreamContext, job: str) -> Job
     """
     bucket = subjects.STATUS_BUCKET
     view = await kv.snapshot(nc, bucket, prefix=f"{job}.")
+
+    async def read(key: str, model: type[R], field: str, named: object) -> Stamped[R] | None:
+        """The record under ``key``, if its ``field`` agrees with the key (``named``)."""
+        entry = await kv.read_stamped(js, bucket, key, model, view.server_time)
+        if entry is not None and getattr(entry.record, field) != named:
+            records.rejections.add(model.__name__, f"{field} differs from its key", key)
+            return None
+        return entry
+
     shards: list[Stamped[OuterStatus]] = []
     units: dict[int, Stamped[UnitStatus]] = {}
     links: dict[str, Stamped[LinkStatus]] = {}
     for key in view.keys:
-        shard = subjects.shard_of_outer_status_key(job, key)
-        if shard is not None:
-            entry = await kv.read_stamped(js, bucket, key, OuterStatus, view.server_time)
-            if entry is not None and entry.record.shard != shard:
-                records.rejections.add("OuterStatus", "shard differs from its key", key)
-            elif entry is not None:
-                shards.append(entry)
-            continue
-        name = subjects.link_of_status_key(job, key)
-        if name is not None:
-            link = await kv.read_stamped(js, bucket, key, LinkStatus, view.server_time)
-            if link is not None and link.record.name != name:
-                records.rejections.add("LinkStatus", "name differs from its key", key)
-            elif link is not None:
+        if (shard := subjects.shard_of_outer_status_key(job, key)) is not None:
+            if (outer := await read(key, OuterStatus, "shard", shard)) is not None:
+                shards.append(outer)
+        elif (name := subjects.link_of_status_key(job, key)) is not None:
+            if (link := await read(key, LinkStatus, "name", name)) is not None:
                 links[name] = link
-            continue
-        unit = subjects.unit_of_status_key(job, key)
-        if unit is None:
-            continue
-        entry = await kv.read_stamped(js, bucket, key, UnitStatus, view.server_time)
-        if entry is None:
-            continue
-        if entry.record.unit != unit:
-            records.rejections.add("UnitStatus", "unit differs from its key", key)
-            continue
-        units[unit] = entry
+        elif (unit := subjects.unit_of_status_key(job, key)) is not None and (
+            entry := await read(key, UnitStatus, "unit", unit)
+        ) is not None:
+            units[unit] = entry
     return JobStatus(job, combine_stamped(shards), units, links, view.server_time)
 
 

@@ -4,31 +4,19 @@ Runs are built by hand: no load test runs here."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from collections.abc import Iterator
 from types import ModuleType
 
 import pytest
 
 from services.loadtest.records import LoadtestReport
 from shared.link_spec import parse_link
-from tests.helpers import REPO
+from tests.helpers import load_bench_script
 from tests.test_bench_loadtest import failures, stage
 
 
 @pytest.fixture
-def shards(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
-    spec = importlib.util.spec_from_file_location(
-        "outer_shards_under_test", REPO / "bench" / "outer_shards.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while defined
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+def shards(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    return load_bench_script("outer_shards", monkeypatch)
 
 
 def results(module: ModuleType, one: float, two: float, two_cpu: float, balanced: bool = True):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from services.loadtest.settings import LoadtestSettings
 from services.orchestration.local.chaos import outer_names, service_targets
 from services.orchestration.local.settings import UpSettings
 from services.outer.settings import OuterSettings
@@ -70,10 +71,13 @@ def test_shards_are_checked_against_the_fragments() -> None:
     OuterSettings(shards=2, shard=1, fragments=2)
     with pytest.raises(ValidationError, match="shards are 0..1"):
         OuterSettings(shards=2, shard=2, fragments=2)
-    with pytest.raises(ValidationError, match="every shard needs one"):
-        OuterSettings(shards=3, fragments=2)
-    with pytest.raises(ValidationError, match="every shard needs a fragment"):
-        UpSettings(outer_shards=3, fragments=2)
+    for make in (
+        lambda: OuterSettings(shards=3, fragments=2),
+        lambda: UpSettings(outer_shards=3, fragments=2),
+        lambda: LoadtestSettings(outer_shards=3, fragments=2),
+    ):
+        with pytest.raises(ValidationError, match="3 outer shards > 2 fragments"):
+            make()
     assert outer_names(1) == ["outer"] and outer_names(2) == ["outer-0", "outer-1"]
     assert service_targets(1, 2) == ["outer-0", "outer-1", "nats-server"]
 

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.fragments import check_shards
 from shared.link_spec import LinkSpec, parse_link
 from shared.model_config import ModelSize
 from shared.records import MAX_OUTER_SHARDS, MAX_OUTER_UNITS
@@ -101,11 +102,7 @@ class LoadtestSettings(BaseSettings, CodecSettings):
     @model_validator(mode="after")
     def _check_units(self) -> LoadtestSettings:
         self.unit_counts()
-        if self.outer_shards > self.fragments:
-            raise ValueError(
-                f"outer-shards {self.outer_shards} > fragments {self.fragments}: every shard "
-                "needs a fragment"
-            )
+        check_shards(self.outer_shards, self.fragments)
         return self
 
     def unit_counts(self) -> list[int]:

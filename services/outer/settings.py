@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from shared.fragments import check_shards
 from shared.records import MAX_BATCH_SIZE, MAX_OUTER_SHARDS, MAX_OUTER_UNITS, MAX_STEPS_PER_UPLOAD
 from shared.settings.algorithm import InnerAlgorithmSettings, OuterAlgorithmSettings, SyncSettings
 from shared.settings.codec import ParamsCodecSettings
@@ -145,10 +146,7 @@ class OuterSettings(
             raise ValueError(
                 f"shard {self.shard} of {self.shards}: shards are 0..{self.shards - 1}"
             )
-        if self.shards > self.fragments:
-            raise ValueError(
-                f"{self.shards} shards for {self.fragments} fragments: every shard needs one"
-            )
+        check_shards(self.shards, self.fragments)
         return self
 
     @model_validator(mode="after")

@@ -15,6 +15,7 @@ from services.orchestration.local.chaos import plan_chaos, service_targets
 from services.orchestration.local.records import CHAOS_KINDS, ChaosEvent, ChaosKind
 from services.orchestration.supervisor import DEFAULT_MAX_RESTARTS
 from services.outer.settings import EvaluationSettings
+from shared.fragments import check_shards
 from shared.link_spec import LinkSpec, parse_link, parse_links, parse_outages
 from shared.records import MAX_OUTER_SHARDS, MAX_UNITS
 from shared.settings import ENV_PREFIX, SECRET
@@ -228,11 +229,7 @@ class UpSettings(
 
     @model_validator(mode="after")
     def _check_outer_shards(self) -> UpSettings:
-        if self.outer_shards > self.fragments:
-            raise ValueError(
-                f"outer-shards {self.outer_shards} > fragments {self.fragments}: every shard "
-                "needs a fragment"
-            )
+        check_shards(self.outer_shards, self.fragments)
         return self
 
     @model_validator(mode="after")
