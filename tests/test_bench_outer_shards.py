@@ -66,3 +66,9 @@ def test_no_speed_up_passes_only_where_the_cores_are_what_saturates(shards: Modu
 def test_unbalanced_books_fail(shards: ModuleType) -> None:
     failed = failures(shards.claims(results(shards, 2.5, 4.5, 0.8, balanced=False)))
     assert len(failed) == 1 and "books balance" in failed[0].text
+
+
+def test_shards_that_cost_much_more_cpu_per_mb_fail(shards: ModuleType) -> None:
+    # 2.0 cores for 2.9 uploads/s against 0.76 for 2.5: 2.3x one outer's CPU per MB.
+    failed = failures(shards.claims(results(shards, 2.5, 2.9, 2.0)))
+    assert len(failed) == 1 and "a shard costs little" in failed[0].text
