@@ -64,8 +64,9 @@ def combine_shards(shards: Sequence[OuterStatus]) -> OuterStatus:
     )
     downlinks = [record.downlink for record in present if record.downlink is not None]
     units = sorted({unit for record in present for unit in record.units})
-    applied_rounds = {u: _union(r.applied_rounds.get(u, []) for r in present) for u in units}
-    rejected_rounds = {u: _union(r.rejected_rounds.get(u, []) for r in present) for u in units}
+    counted = {u for r in present for u in (*r.units, *r.applied_rounds, *r.rejected_rounds)}
+    applied_rounds = {u: _union(r.applied_rounds.get(u, []) for r in present) for u in counted}
+    rejected_rounds = {u: _union(r.rejected_rounds.get(u, []) for r in present) for u in counted}
     return OuterStatus.model_validate(
         first.model_dump()
         | dict(
@@ -87,8 +88,8 @@ def combine_shards(shards: Sequence[OuterStatus]) -> OuterStatus:
                 )
                 for u in units
             },
-            applied_rounds={u: rounds for u, rounds in applied_rounds.items() if rounds},
-            rejected_rounds={u: rounds for u, rounds in rejected_rounds.items() if rounds},
+            applied_rounds={u: rounds for u, rounds in sorted(applied_rounds.items()) if rounds},
+            rejected_rounds={u: rounds for u, rounds in sorted(rejected_rounds.items()) if rounds},
             version=sum(versions),
             versions=versions,
             buffered=sum(r.buffered for r in present),

@@ -143,14 +143,15 @@ def test_the_shards_records_combine_into_the_job_one_outer_would_have_written() 
             )
         },
         applied_rounds={0: [(1, 1), (5, 5)]},
-        rejected_rounds={0: [(3, 3)]},
+        rejected_rounds={0: [(3, 3)], 9: [(0, 0)]},  # unit 9: rounds only, no books of its own
         downlink=DownlinkCounts(delta=1, keyframe=1),
     )
     job = combine_shards([one, zero])
     assert (job.applied, job.merges, job.tokens_applied) == (5, 5, 100)
     assert job.versions == [3, 5, 4] and job.version == 12
     assert job.staleness == {0: 4, 1: 1} and job.rejected == {"norm_outlier": 1}
-    assert job.applied_rounds == {0: [(0, 2), (4, 5)]} and job.rejected_rounds == {0: [(3, 3)]}
+    assert job.applied_rounds == {0: [(0, 2), (4, 5)]}
+    assert job.rejected_rounds == {0: [(3, 3)], 9: [(0, 0)]} and set(job.units) == {0}
     unit = job.units[0]
     assert (unit.applied, unit.last_round, unit.tokens, unit.skipped_rounds) == (5, 5, 100, 0)
     assert job.evaluation == evaluation and job.holder == zero.holder
