@@ -42,7 +42,11 @@ def _settings(cls, args: argparse.Namespace):
     from services.learner.settings import LearnerSettings
     from services.link.settings import LinkSettings
     from services.loadtest.settings import LoadtestSettings
-    from services.orchestration.compose.settings import BrokerSettings, ControllerSettings
+    from services.orchestration.compose.settings import (
+        BrokerSettings,
+        ControllerSettings,
+        CredentialsSettings,
+    )
     from services.orchestration.local.settings import UpSettings
     from services.outer.settings import OuterSettings
 
@@ -50,6 +54,7 @@ def _settings(cls, args: argparse.Namespace):
     for settings_cls in (
         BrokerSettings,
         ControllerSettings,
+        CredentialsSettings,
         UpSettings,
         LearnerSettings,
         OuterSettings,
@@ -128,6 +133,21 @@ def _cmd_broker(args: argparse.Namespace) -> int:
     return run_broker(settings, stop)
 
 
+def _cmd_credentials(args: argparse.Namespace) -> int:
+    from services.orchestration.compose.join import learner_credentials
+    from services.orchestration.compose.settings import CredentialsSettings
+    from shared.nats_auth import CredentialsError
+
+    settings = _settings(CredentialsSettings, args)
+    try:
+        path = learner_credentials(settings)
+    except CredentialsError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    sys.stdout.write(path.read_text())
+    return 0
+
+
 def _cmd_controller(args: argparse.Namespace) -> int:
     from services.orchestration.compose.controller import run_controller
     from services.orchestration.compose.settings import ControllerSettings
@@ -185,7 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     from services.learner.settings import LearnerSettings
     from services.link.settings import LinkSettings
     from services.loadtest.settings import LoadtestSettings
-    from services.orchestration.compose.settings import BrokerSettings, ControllerSettings
+    from services.orchestration.compose.settings import (
+        BrokerSettings,
+        ControllerSettings,
+        CredentialsSettings,
+    )
     from services.orchestration.local.settings import UpSettings
     from services.outer.settings import OuterSettings
 
@@ -216,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
             ControllerSettings,
             _cmd_controller,
             "start and supervise the containers of REST-created jobs (docker-compose.yml)",
+        ),
+        (
+            "credentials",
+            CredentialsSettings,
+            _cmd_credentials,
+            "make the NATS user of a unit that joins a compose cluster from outside; print it",
         ),
         (
             "loadtest",

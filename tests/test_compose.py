@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,6 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.compose]
 ROOT = Path(__file__).resolve().parent.parent
 #: The images a build may start FROM, in order: the default one, or a local Debian base.
 BASE_IMAGES = ("python:3.11-slim-bookworm", "diloco-base:bookworm")
+CA = "/secrets/tls/ca.pem"  # the cluster's CA, in the secrets volume
 DIRS = ("up", "down")
 SPEC = {"model": "tiny", "units": 2, "h_steps": 10, "seed": 1}
 # Reads the job's books in the controller's container, which connects as the admin.
@@ -46,7 +48,8 @@ async def main():
     await nc.close()
     books = ledger.balance(status.outer_record(), status.unit_records())
     print(json.dumps({"balanced": books.balanced, "published": books.published,
-                      "problems": books.problems}))
+                      "problems": books.problems,
+                      "applied": {u: b.applied for u, b in books.per_unit.items()}}))
 asyncio.run(main())
 """
 
@@ -108,10 +111,13 @@ class Compose:
         self.project = f"diloco-test-{uuid.uuid4().hex[:8]}"
         self.env_file = env_file
         self.port = free_port()
+        self.nats_port = free_port()
         self.env = {
             key: value for key, value in os.environ.items() if not key.startswith("DILOCO_")
         }
-        self.env.update({"DILOCO_GATEWAY_PORT": str(self.port), **env})
+        self.env.update(
+            {"DILOCO_GATEWAY_PORT": str(self.port), "DILOCO_NATS_PORT": str(self.nats_port), **env}
+        )
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __call__(self, *args: str, timeout: float = 600, check: bool = True) -> str:
@@ -302,12 +308,7 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
         interval_s=2,
     )
 
-    def books() -> dict | None:
-        out = cluster("exec", "-T", "controller", "python", "-c", BOOKS, job)
-        found = json.loads(out.strip().splitlines()[-1])
-        return found if found["balanced"] else None
-
-    balanced = wait_for(books, 120, "the books to balance", interval_s=2)
+    balanced = wait_for(lambda: books_of(cluster, job), 120, "the books to balance", interval_s=2)
     assert balanced["published"] >= 10
     view = job_view(client, job)
     print(
@@ -317,6 +318,68 @@ def test_a_rest_job_trains_in_containers_survives_a_docker_kill_and_balances(new
     )
     assert view["eval_nats_per_byte"] < view["eval_init_nats_per_byte"] - 1.0, view
     assert view["version"] >= 10
+    stop(cluster)
+
+
+def books_of(cluster: Compose, job: str) -> dict | None:
+    """The job's books, read in the controller's container; None until they balance."""
+    out = cluster("exec", "-T", "controller", "python", "-c", BOOKS, job)
+    found = json.loads(out.strip().splitlines()[-1])
+    return found if found["balanced"] else None
+
+
+@pytest.mark.timeout(900)
+def test_a_unit_on_another_machine_joins_a_running_job(new_cluster, tmp_path, jax_cache):
+    """README, "Join a unit from another machine": a job of one unit trains in containers; a
+    learner outside compose (here: a process on the host) gets its NATS user from
+    ``diloco credentials`` in the controller's container and the CA, connects over TLS to the
+    published NATS port, trains and uploads as unit 1; the outer applies its uploads and the
+    books balance."""
+    cluster = new_cluster()
+    client = start(cluster)
+    assert cluster("port", "nats", "4222").strip() == f"127.0.0.1:{cluster.nats_port}"
+    job = "jtest"
+    spec = {**SPEC, "units": 1, "max_steps": 400}
+    assert client.post("/jobs", json={"job": job, **spec}).status_code == 201
+    assert client.post(f"/jobs/{job}/start").status_code == 200
+    wait_for(lambda: (job_view(client, job)["version"] or 0) >= 1, 300, "the first merge")
+    made = "credentials", "--job", job, "--unit", "1"
+    (tmp_path / "learner.json").write_text(cluster("exec", "-T", "controller", "diloco", *made))
+    (tmp_path / "learner.json").chmod(0o600)  # as the README says: a learner refuses it otherwise
+    (tmp_path / "ca.pem").write_text(cluster("exec", "-T", "controller", "cat", CA))
+    joined = subprocess.run(
+        [
+            *(sys.executable, "-m", "services.cli", "learner"),
+            *("--nats-url", f"tls://127.0.0.1:{cluster.nats_port}"),
+            *("--nats-credentials", str(tmp_path / "learner.json")),
+            *("--nats-ca-file", str(tmp_path / "ca.pem")),
+            *("--job", job, "--model", "tiny", "--seed", "1", "--h-steps", "10"),
+            *("--unit", "1", "--num-units", "2", "--max-steps", "60"),
+            *("--checkpoint-dir", str(tmp_path / "units")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "DILOCO_JAX_CACHE": str(jax_cache)},
+    )
+    assert joined.returncode == 0, joined.stdout[-3000:] + joined.stderr[-3000:]
+    seen: list[str] = []
+
+    def joined_and_balanced() -> dict | None:
+        out = cluster("exec", "-T", "controller", "python", "-c", BOOKS, job)
+        seen.append(out.strip().splitlines()[-1])
+        books = json.loads(seen[-1])
+        return books if books["balanced"] and books["applied"].get("1", 0) >= 5 else None
+
+    try:
+        balanced = wait_for(
+            joined_and_balanced, 180, "the outer to apply the joined unit's uploads", interval_s=2
+        )
+    except AssertionError:
+        print(joined.stderr[-4000:], seen[-1:], job_view(client, job), sep="\n")
+        raise
+    print(f"compose job {job} with a unit from outside: books {balanced}")
     stop(cluster)
 
 

@@ -14,6 +14,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tarfile
 import tempfile
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from services.orchestration.compose.settings import BrokerSettings, ControllerSe
 from shared import liveness, nats_auth
 from shared.nats_auth import Credentials, CredentialsError, Identity
 from tests.fake_docker import FakeDockerServer
-from tests.helpers import wait_for
+from tests.helpers import REPO, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,6 +80,36 @@ def test_users_another_process_adds_are_loaded_and_bad_files_skipped(tmp_path: P
     assert any("learner-my-job-3" in p for p in problems)
     with pytest.raises(CredentialsError, match="another identity"):
         Credentials(tmp_path).ensure(Identity("outer", "x"))
+
+
+def test_diloco_credentials_makes_a_joining_units_user_the_broker_loads(tmp_path: Path) -> None:
+    """``diloco credentials`` (README, a unit on another machine): the unit's user is made in
+    the secrets folder, where the broker loads it, and its file is printed; asked again, the
+    same user; a malformed job name is refused with the reason."""
+    broker = make_secrets(BrokerSettings(secrets_dir=tmp_path, tls=False))[0]
+    command = [sys.executable, "-m", "services.cli", "credentials", "--secrets-dir", str(tmp_path)]
+    made = subprocess.run(
+        [*command, "--job", "demo", "--unit", "4"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    printed = json.loads(made.stdout)
+    assert (printed["user"], printed["role"], printed["unit"]) == ("learner-demo-4", "learner", 4)
+    assert broker.load() == (["learner-demo-4"], [])
+    again = subprocess.run(
+        [*command, "--job", "demo", "--unit", "4"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    assert json.loads(again.stdout) == printed
+    refused = subprocess.run(
+        [*command, "--job", "no job", "--unit", "4"], capture_output=True, cwd=REPO
+    )
+    assert refused.returncode == 2 and b"--job" in refused.stderr
 
 
 def test_a_credentials_file_names_its_identity() -> None:

@@ -14,6 +14,7 @@ policy starts it again on the same store).
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import socket
 import threading
@@ -39,6 +40,15 @@ def credentials_of(secrets_dir: Path) -> nats_auth.Credentials:
     credentials = nats_auth.Credentials(secrets_dir / CREDENTIALS_DIR)
     _load(credentials, set())
     return credentials
+
+
+def hand_to_broker(path: Path) -> None:
+    """Give a credentials file made by root (the controller, for the Docker socket; ``diloco
+    credentials`` in its container) to the credentials folder's owner, the broker's user,
+    which must read it."""
+    if os.getuid() == 0:
+        folder = path.parent.stat()
+        os.chown(path, folder.st_uid, folder.st_gid)
 
 
 def _load(credentials: nats_auth.Credentials, reported: set[str]) -> list[str]:

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 from services.orchestration import commands, reconcile
 from services.orchestration.children import Child, log_path_of
+from services.orchestration.compose.broker import hand_to_broker
 from services.orchestration.compose.docker_api import (
     ENGINE_ERRORS,
     LIVENESS_VARIABLE,
@@ -96,11 +97,8 @@ class Controller:
         """The environment that makes a container connect as ``who``; a new user is waited
         for until the broker accepts it."""
         path, new = self.credentials.ensure(who)
-        if new and os.getuid() == 0:
-            # Run as root for the Docker socket: the file goes to the folder's owner (the
-            # broker's user), which must read it.
-            folder = path.parent.stat()
-            os.chown(path, folder.st_uid, folder.st_gid)
+        if new:
+            hand_to_broker(path)  # this process runs as root, for the Docker socket
         env = {"DILOCO_NATS_CREDENTIALS": str(path)}
         if who.role in ("outer", "learner"):
             env[LIVENESS_VARIABLE] = JOB_LIVENESS_FILE  # a health check on their heartbeat

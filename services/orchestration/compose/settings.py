@@ -8,6 +8,7 @@ from pathlib import Path
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.records import MAX_OUTER_UNITS, JobName
 from shared.settings import ENV_PREFIX
 from shared.settings.link import ShapedLinkSettings
 from shared.settings.nats import LivenessSettings, NatsSettings
@@ -74,6 +75,21 @@ class BrokerSettings(BaseSettings):
                     f"expected nats-route://host:port (comma-separated), got {route!r}"
                 )
         return value
+
+
+class CredentialsSettings(BaseSettings):
+    """Options of ``diloco credentials``: the NATS user of a learner unit that runs outside
+    the compose cluster (on another machine), made in the secrets volume, where the brokers
+    load it within their ``--poll-s``; its credentials file is printed (run it in the
+    controller's container: ``docker compose exec -T controller diloco credentials ...``)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+
+    secrets_dir: Path = Field(
+        Path("/secrets"), description="the broker's secrets folder (the user's file goes here)"
+    )
+    job: JobName = Field(description="the job the unit joins")
+    unit: int = Field(ge=0, lt=MAX_OUTER_UNITS, description="the unit's index")
 
 
 class ControllerSettings(NatsSettings, LivenessSettings, ShapedLinkSettings, LearnerThreads):
