@@ -88,28 +88,18 @@ def test_diloco_credentials_makes_a_joining_units_user_the_broker_loads(tmp_path
     same user; a malformed job name is refused with the reason."""
     broker = make_secrets(BrokerSettings(secrets_dir=tmp_path, tls=False))[0]
     command = [sys.executable, "-m", "services.cli", "credentials", "--secrets-dir", str(tmp_path)]
-    made = subprocess.run(
-        [*command, "--job", "demo", "--unit", "4"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=REPO,
-    )
-    printed = json.loads(made.stdout)
+
+    def credentials(job: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*command, "--job", job, "--unit", "4"], capture_output=True, text=True, cwd=REPO
+        )
+
+    printed = json.loads(credentials("demo").stdout)
     assert (printed["user"], printed["role"], printed["unit"]) == ("learner-demo-4", "learner", 4)
     assert broker.load() == (["learner-demo-4"], [])
-    again = subprocess.run(
-        [*command, "--job", "demo", "--unit", "4"],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=REPO,
-    )
-    assert json.loads(again.stdout) == printed
-    refused = subprocess.run(
-        [*command, "--job", "no job", "--unit", "4"], capture_output=True, cwd=REPO
-    )
-    assert refused.returncode == 2 and b"--job" in refused.stderr
+    assert json.loads(credentials("demo").stdout) == printed
+    refused = credentials("no job")
+    assert refused.returncode == 2 and "--job" in refused.stderr
 
 
 def test_a_credentials_file_names_its_identity() -> None:
