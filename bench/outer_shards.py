@@ -86,17 +86,12 @@ class Pair:
 
 def pairs(results: ShardsResults) -> list[Pair]:
     """Every seed measured with both one outer and two shards."""
-    out = []
-    for run in results.runs:
-        two = next(
-            (r for r in results.runs if r.seed == run.seed and r.shards == 2 and r.stage()), None
-        )
-        one = run.stage()
-        if run.shards == 1 and one is not None and two is not None:
-            stage_two = two.stage()
-            assert stage_two is not None
-            out.append(Pair(run.seed, one, stage_two))
-    return out
+    stages = {(run.seed, run.shards): run.stage() for run in results.runs}
+    return [
+        Pair(seed, one, two)
+        for (seed, shards), one in stages.items()
+        if shards == 1 and one is not None and (two := stages.get((seed, 2))) is not None
+    ]
 
 
 def cores_used(stage: LoadtestStage) -> float:
@@ -110,11 +105,14 @@ def cpu_s_per_mb(stage: LoadtestStage) -> float | None:
 
 
 def claims(results: ShardsResults) -> list[Claim]:
-    """What the section and docs/SCALING.md claim, checked against the stored runs."""
+    """What the section and docs/NETWORK.md claim, checked against the stored runs."""
     wanted = int(results.provenance.configuration.get("repeats", 1))
     cores = float(results.provenance.configuration.get("cores") or os.cpu_count() or 1)
-    failed = [f"seed {r.seed}, {r.shards} shard(s): exit {r.returncode}" for r in results.runs]
-    failed = [text for text, r in zip(failed, results.runs, strict=True) if r.returncode]
+    failed = [
+        f"seed {r.seed}, {r.shards} shard(s): exit {r.returncode}"
+        for r in results.runs
+        if r.returncode
+    ]
     found = pairs(results)
     out = [
         Claim(

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shared import kv, subjects
+from shared.fragments import shard_of_fragment
 from shared.ledger import RoundSet
 from shared.records import Stamped
 from shared.records.outer import DownlinkCounts, OuterState, OuterStatus, UnitLedger
@@ -54,10 +55,7 @@ def combine_shards(shards: Sequence[OuterStatus]) -> OuterStatus:
     )
     state = next(s for s in _STATE_ORDER if s in states)
     versions = [
-        by_shard[p % count].versions[p]
-        if p % count in by_shard and p < len(by_shard[p % count].versions)
-        else 0
-        for p in range(len(first.versions))
+        _version(by_shard.get(shard_of_fragment(p, count)), p) for p in range(len(first.versions))
     ]
     merges = sorted(
         (merge for record in present for merge in record.merge_history), key=lambda m: m.at
@@ -134,6 +132,11 @@ async def read_outer_status(status_kv: Any, job: str) -> OuterStatus | None:
         if record is not None and record.shard == shard:
             records.append(record)
     return combine_shards(records)
+
+
+def _version(owner: OuterStatus | None, fragment: int) -> int:
+    """A fragment's version as its owning shard reports it (0 before the shard reported)."""
+    return owner.versions[fragment] if owner is not None and fragment < len(owner.versions) else 0
 
 
 def _union(ranges: Any) -> list[tuple[int, int]]:
