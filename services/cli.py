@@ -25,6 +25,7 @@ import signal
 import sys
 import threading
 
+from shared.memory import keep_freed_memory
 from shared.runtime import setup_logging
 from shared.settings import SettingsError
 from shared.settings.cli import add_settings_arguments, settings_from_args
@@ -92,6 +93,7 @@ def _cmd_outer(args: argparse.Namespace) -> int:
 
     settings = _settings(OuterSettings, args)
     setup_logging(args.log_level, "outer")
+    keep_freed_memory()  # the outer allocates fragment-sized arrays for every upload
 
     async def main() -> None:
         stop = asyncio.Event()

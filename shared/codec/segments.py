@@ -127,12 +127,36 @@ def run(function: Callable[[Any], Any], items: list, threads: int) -> list:
     """``[function(x) for x in items]``, on ``threads`` worker threads if more than one.
 
     The kernels release the GIL (Numba ``nogil``) and so does zstd, so threads really run
-    in parallel; each worker thread keeps its own scratch buffers and zstd context.
+    in parallel. The workers live as long as the process (one pool per thread count), so each
+    keeps its scratch buffers and zstd context from one payload to the next: fresh threads
+    would allocate and page-fault them again for every payload.
     """
     if threads <= 1 or len(items) <= 1:
         return [function(item) for item in items]
-    with ThreadPoolExecutor(min(threads, len(items)), thread_name_prefix="codec") as pool:
-        return list(pool.map(function, items))
+    return list(_pool(threads).map(function, items))
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """The process's pool of ``threads`` codec workers (made on first use)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(threads)
+        if pool is None:
+            pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="codec")
+        return pool
+
+
+def _forget_pools() -> None:
+    """A forked child has none of its parent's threads: it makes its own pools."""
+    global _POOLS_LOCK
+    _POOLS.clear()
+    _POOLS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
 
 
 class SegmentEncoder:
