@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+import threading
 from itertools import accumulate, pairwise
 
 import ml_dtypes
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from shared.codec import api
+from shared.codec import api, segments
 from shared.codec import description as description_module
 from shared.codec.api import (
     CodecState,
@@ -325,6 +326,34 @@ def test_segments_split_tensors_and_blocks_into_frames() -> None:
         out = decode(payload, description)
         for name, arr in tensors.items():
             assert_within_bound(codec, arr, out[name], block_size)
+
+
+def test_codec_workers_outlive_a_payload() -> None:
+    """The worker threads (with their scratch buffers and zstd contexts) serve every payload
+    of the process, not one each."""
+
+    def worker(_: int) -> int:
+        return threading.get_ident()
+
+    first = set(segments.run(worker, list(range(64)), 2))
+    second = set(segments.run(worker, list(range(64)), 2))
+    assert threading.get_ident() not in first
+    assert len(first) <= 2 and second <= first
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "read-only", "strided", "float64"])
+def test_sum_of_squares_is_the_float64_sum(layout: str) -> None:
+    x = np.random.default_rng(3).laplace(0, 0.01, 100_003).astype(np.float32)
+    exact = float(np.sum(x.astype(np.float64) ** 2))
+    if layout == "read-only":
+        x.setflags(write=False)
+    elif layout == "strided":
+        x = x[::3]
+        exact = float(np.sum(x.astype(np.float64) ** 2))
+    elif layout == "float64":
+        x = x.astype(np.float64)  # taken as float32, as the outer's pieces are
+    assert api.sum_of_squares(x) == pytest.approx(exact, rel=1e-12)
+    assert api.sum_of_squares(np.zeros((0, 4), np.float32)) == 0.0
 
 
 def test_large_payload_on_threads() -> None:

@@ -152,9 +152,9 @@ def test_store_reads_what_it_wrote_and_detects_torn_or_corrupt(memory_nats) -> N
             with pytest.raises(checkpoint.CheckpointError, match="belongs to"):
                 await store.read(pointer)
             newer = await store.write(blob, epoch=1, seq=3, slot=1, versions=[5])
-            bad_crc = newer.model_copy(update={"crc": newer.crc ^ 1})
-            with pytest.raises(checkpoint.CheckpointError, match="CRC"):
-                await store.read(bad_crc)
+            bad_checksum = newer.model_copy(update={"checksum": newer.checksum ^ 1})
+            with pytest.raises(checkpoint.CheckpointError, match="checksum"):
+                await store.read(bad_checksum)
             with pytest.raises(checkpoint.CheckpointError, match="missing"):
                 await store.read(newer.model_copy(update={"epoch": 9}))
             await store.write(blob, epoch=2, seq=1, slot=0, versions=[6])
@@ -168,7 +168,7 @@ def test_store_reads_what_it_wrote_and_detects_torn_or_corrupt(memory_nats) -> N
 
 
 def _pointer(name: str) -> CheckpointPointer:
-    return CheckpointPointer(id=name, epoch=1, slot=0, chunks=1, size=0, crc=0, versions=[0])
+    return CheckpointPointer(id=name, epoch=1, slot=0, chunks=1, size=0, checksum=0, versions=[0])
 
 
 def test_lease_one_holder_takeover_and_fencing(memory_nats) -> None:

@@ -60,7 +60,9 @@ def test_one_fragment_reproduces_the_non_fragmented_outer_step_exactly():
     core.offer(0, arrival(0, delta))
     core.merge(0)
     optimizer = make_outer_optimizer("nesterov", 0.7, 0.9)
-    expected = make_outer_step(optimizer)(named, optimizer.init(named), delta).params
+    # As a merge calls it: the freshness and count of one arrival, its weight (1) as the scale.
+    step = make_outer_step(optimizer)
+    expected = step(named, optimizer.init(named), delta, 1.0, 1, 1.0).params
     for key, value in core.full_params().items():
         np.testing.assert_array_equal(value, np.asarray(expected[key]))
 

@@ -91,7 +91,9 @@ def test_a_leader_whose_record_is_overwritten_with_garbage_loses_the_lease() -> 
         store = MemoryKv()
         lease = Lease(store, "job", "a", lease_s=0.5)
         assert await lease.acquire(lambda: False, lambda holder: None)
-        pointer = CheckpointPointer(id="p", epoch=1, slot=0, chunks=1, size=0, crc=0, versions=[0])
+        pointer = CheckpointPointer(
+            id="p", epoch=1, slot=0, chunks=1, size=0, checksum=0, versions=[0]
+        )
         await lease.commit(pointer)
         await store.put("job", b"{garbage")
         with pytest.raises(LeaseLost):

@@ -492,7 +492,7 @@ def test_a_restored_outer_reviews_as_the_one_before_and_records_a_redelivered_up
             )
         )
     )
-    pointer = CheckpointPointer(id="c", epoch=1, slot=0, chunks=1, size=1, crc=0, versions=[3])
+    pointer = CheckpointPointer(id="c", epoch=1, slot=0, chunks=1, size=1, checksum=0, versions=[3])
     restored = core()
     restore.from_checkpoint(
         snapshot, pointer, "j", "tiny", restored, OuterLedger(), Progress(), [0]

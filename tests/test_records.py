@@ -117,7 +117,7 @@ def test_records_round_trip() -> None:
             epoch=2,
             beat=9,
             pointer=CheckpointPointer(
-                id="J.e2.s1", epoch=2, slot=1, chunks=3, size=100, crc=7, versions=[4]
+                id="J.e2.s1", epoch=2, slot=1, chunks=3, size=100, checksum=7, versions=[4]
             ),
         ),
         JobRecord(spec=JobSpec(job="demo"), state="created", units=4, created=1.0, updated=2.0),

@@ -17,7 +17,7 @@ books, in a checkpoint of its own.
 ``diloco.J.ckpt.<shard>.e<epoch>.<slot>.chunk.<i>`` in the ``DILOCO_CKPT`` stream (file storage, one
 message per subject), alternating between two slots so that the slot being written is never
 the one the pointer names. The *pointer* (``shared.records.CheckpointPointer``: which slot, how
-many chunks, the CRC-32, the versions) lives in the outer's lease record
+many chunks, the XXH3-64 checksum, the versions) lives in the outer's lease record
 (``services/outer/lease.py``; one per shard) and is replaced with a compare-and-set on that record's
 revision. Writing the pointer is the commit: a crash at any moment leaves either the old
 pointer with its intact slot or the new one. A deposed leader's compare-and-set fails
@@ -27,7 +27,6 @@ writing chunks cannot tear its successor's checkpoint.
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +34,7 @@ import msgpack
 import nats.errors
 import nats.js.errors
 import numpy as np
+import xxhash
 from pydantic import ValidationError
 
 from services.outer.peers import Latest
@@ -162,7 +162,7 @@ def dumps(snapshot: OuterSnapshot) -> bytes:
     return msgpack.packb(body, use_bin_type=True)
 
 
-def loads(blob: bytes) -> OuterSnapshot:
+def loads(blob: bytes | memoryview) -> OuterSnapshot:
     """Parse :func:`dumps` output.
 
     Raises:
@@ -250,12 +250,12 @@ class CheckpointStore:
             slot=slot,
             chunks=len(sequences),
             size=len(blob),
-            crc=zlib.crc32(blob),
+            checksum=xxhash.xxh3_64_intdigest(blob),
             versions=versions,
         )
 
-    async def read(self, pointer: CheckpointPointer) -> bytes:
-        """The blob a pointer names, checked against its id, size and CRC.
+    async def read(self, pointer: CheckpointPointer) -> memoryview:
+        """The blob a pointer names, checked against its id, size and checksum.
 
         Raises:
             CheckpointError: torn (a chunk of another checkpoint), missing or corrupt.
@@ -264,7 +264,7 @@ class CheckpointStore:
         if pointer.size > self.max_bytes:
             raise CheckpointError(f"checkpoint of {pointer.size} bytes exceeds {self.max_bytes}")
         reassembler = Reassembler(max_upload_bytes=max(1, pointer.size), max_pending_uploads=1)
-        blob: bytes | None = b"" if pointer.size == 0 else None
+        blob: memoryview | None = memoryview(b"") if pointer.size == 0 else None
         for index in range(pointer.chunks):
             subject = subjects.checkpoint_chunk_subject(
                 self.job, self.shard, pointer.epoch, pointer.slot, index
@@ -282,8 +282,12 @@ class CheckpointStore:
                 blob = reassembler.add(info, msg.data)
             except WireError as exc:
                 raise CheckpointError(f"checkpoint chunk {index}: {exc}") from exc
-        if blob is None or len(blob) != pointer.size or zlib.crc32(blob) != pointer.crc:
-            raise CheckpointError(f"checkpoint {pointer.id} is incomplete or fails its CRC")
+        if (
+            blob is None
+            or len(blob) != pointer.size
+            or xxhash.xxh3_64_intdigest(blob) != pointer.checksum
+        ):
+            raise CheckpointError(f"checkpoint {pointer.id} is incomplete or fails its checksum")
         return blob
 
     async def purge_epochs_before(self, epoch: int) -> None:

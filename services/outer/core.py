@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -101,11 +101,23 @@ class MergeResult:
 
 @dataclass
 class _UnitSum:
-    """One unit's arrivals in a merge: their staleness-weighted sum, tokens and inner steps."""
+    """One unit's arrivals in a merge: their pseudo-gradients with staleness weights, tokens
+    and inner steps."""
 
-    update: Any = None
+    parts: list[tuple[Any, float]] = field(default_factory=list)
     tokens: int = 0
     steps: int = 0
+
+    def summed(self) -> tuple[Any, float]:
+        """The unit's update and the scale still to apply to it: a lone arrival unscaled with
+        its weight (the merge scales it), several as their weighted sum with scale 1."""
+        if len(self.parts) == 1:
+            return self.parts[0]
+        total = None
+        for update, weight in self.parts:
+            scaled = jax.tree_util.tree_map(lambda x, c=weight: x * c, update)
+            total = scaled if total is None else jax.tree_util.tree_map(jnp.add, total, scaled)
+        return total, 1.0
 
 
 @dataclass
@@ -187,7 +199,9 @@ class OuterCore:
         zeros_like = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree))
         for fragment in self.fragments:
             zeros = zeros_like(fragment.params)
-            jax.block_until_ready(self._step(fragment.params, fragment.opt_state, zeros))
+            # The arguments of a merge's call (a default left out compiles another program).
+            step = self._step(fragment.params, fragment.opt_state, zeros, 1.0, 1, 1.0)
+            jax.block_until_ready(step)
 
     def _new_policy(self) -> MergePolicy:
         a = self.algorithm
@@ -483,30 +497,33 @@ class OuterCore:
         # whenever a backlog of its uploads is merged at once.
         per_unit: dict[int, _UnitSum] = {}
         for arr, s in zip(arrivals, staleness, strict=True):
-            scale = float(a.staleness.weight(s))
-            scaled = jax.tree_util.tree_map(lambda x, c=scale: x * c, arr.pseudo_grad)
             entry = per_unit.setdefault(arr.unit, _UnitSum())
-            entry.update = (
-                scaled
-                if entry.update is None
-                else jax.tree_util.tree_map(jnp.add, entry.update, scaled)
-            )
+            entry.parts.append((arr.pseudo_grad, float(a.staleness.weight(s))))
             entry.tokens += arr.tokens
             entry.steps += max(1, arr.inner_steps)
-        updates = [entry.update for entry in per_unit.values()]
+        updates, scales = zip(*(entry.summed() for entry in per_unit.values()), strict=True)
         weights = [
             merge.token_weight(a.token_weighting, entry.tokens, entry.steps)
             for entry in per_unit.values()
         ]
-        merged = merge.combine(a.combine, updates, weights, [1.0] * len(updates))
+        # One update (the usual asynchronous merge) is scaled inside the outer step, fused
+        # with it, rather than in passes of its own over the fragment.
+        if len(updates) == 1:
+            merged, factor = updates[0], scales[0]
+        else:
+            merged, factor = merge.combine(a.combine, updates, weights, scales), 1.0
         if a.participation_scale and a.optimizer != "delayed_nesterov":
             # An update from m of K units counts as m/K of a synchronous round (each unit's
             # work enters the global params with the same total weight however it is batched).
-            share = len(per_unit) / a.num_units
-            merged = jax.tree_util.tree_map(lambda x: x * share, merged)
+            factor *= len(per_unit) / a.num_units
         # Delayed Nesterov counts the merge as m of its N arrivals (m/N of a round) instead.
         step = self._step(
-            state.params, state.opt_state, merged, self._freshness(staleness), len(per_unit)
+            state.params,
+            state.opt_state,
+            merged,
+            self._freshness(staleness),
+            len(per_unit),
+            factor,
         )
         state.params, state.opt_state = step.params, step.opt_state
         state.params_norm = float(step.params_norm)

@@ -151,7 +151,7 @@ class Intake:
         self.ledger.reject(rejected.reason, unit_round)
         self.dead_letters.add(messages, str(rejected))
 
-    def _offer(self, upload: str, subject: str, blob: bytes, messages: list[Any]) -> None:
+    def _offer(self, upload: str, subject: str, blob: memoryview, messages: list[Any]) -> None:
         try:
             valid = validate(
                 upload, subject, blob, self.rules, arrived_at=time.monotonic(), messages=messages

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.outer.errors import Rejected
+from shared.codec import api as codec
 from shared.outer_choices import NORM_GUARDS
 from shared.settings.algorithm import INNER_B1, INNER_B2
 
@@ -97,13 +98,7 @@ class InnerBound:
 
 def update_norm(pseudo_grad: Mapping[str, np.ndarray]) -> float:
     """The L2 norm of a pseudo-gradient over all its pieces (summed in float64)."""
-    total = 0.0
-    for piece in pseudo_grad.values():
-        flat = np.asarray(piece, np.float32).ravel()
-        # einsum widens to float64 in small buffers as it goes: widening a whole piece first
-        # writes and reads twice its size again, and took most of an upload's intake time.
-        total += float(np.einsum("i,i->", flat, flat, dtype=np.float64))
-    return math.sqrt(total)
+    return math.sqrt(sum(codec.sum_of_squares(piece) for piece in pseudo_grad.values()))
 
 
 class NormGuard:

@@ -145,14 +145,21 @@ class OuterStep(NamedTuple):
 
 
 def make_outer_step(optimizer: optax.GradientTransformationExtraArgs):
-    """Return a jitted ``step(params, opt_state, pseudo_grad, freshness=1.0, arrivals=1) ->
-    OuterStep`` (``freshness`` and ``arrivals``: see :func:`delayed_nesterov`; the other
-    optimizers ignore them)."""
+    """Return a jitted ``step(params, opt_state, pseudo_grad, freshness=1.0, arrivals=1,
+    scale=1.0) -> OuterStep`` (``freshness`` and ``arrivals``: see :func:`delayed_nesterov`;
+    the other optimizers ignore them). The step applies ``scale * pseudo_grad``: the product
+    is fused into the update, with no pass of its own over the params' size."""
 
     @jax.jit
     def step(
-        params: Any, opt_state: Any, pseudo_grad: Any, freshness: Any = 1.0, arrivals: Any = 1
+        params: Any,
+        opt_state: Any,
+        pseudo_grad: Any,
+        freshness: Any = 1.0,
+        arrivals: Any = 1,
+        scale: Any = 1.0,
     ) -> OuterStep:
+        pseudo_grad = jax.tree_util.tree_map(lambda g: g * scale, pseudo_grad)
         updates, opt_state = optimizer.update(
             pseudo_grad, opt_state, params, freshness=freshness, arrivals=arrivals
         )

@@ -99,7 +99,7 @@ class Validated:
 def validate(
     upload: str,
     subject: str,
-    blob: bytes,
+    blob: bytes | memoryview,
     rules: UploadRules,
     *,
     arrived_at: float,

@@ -64,7 +64,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from shared.codec import quantize
+from shared.codec import floats, quantize
 from shared.codec.config import (
     BLOCK_CODECS,
     BLOCK_MULTIPLE,
@@ -97,6 +97,7 @@ __all__ = [
     "extend_state",
     "init_state",
     "make_codec",
+    "sum_of_squares",
     "warm_up",
 ]
 
@@ -172,6 +173,15 @@ def warm_up() -> None:
             payload, description, _ = encode(sample, config, state)
             decode_tensors(payload, description)
             encode(sample, CodecConfig(name, BLOCK_MULTIPLE))
+    for sample in (values, read_only):
+        sum_of_squares(sample)
+
+
+def sum_of_squares(array: Any) -> float:
+    """Σ x² over every value of ``array``, taken as float32, summed in float64 (a compiled
+    kernel: one pass at memory speed; the outer's norm of every upload)."""
+    flat = np.ascontiguousarray(np.asarray(array, _F32)).reshape(-1)
+    return float(floats.sum_of_squares(flat))
 
 
 # --------------------------------------------------------------------------- encoding

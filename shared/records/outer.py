@@ -231,7 +231,7 @@ class CheckpointPointer(Record):
     slot: Literal[0, 1]
     chunks: int = Field(ge=1, le=1 << 24)
     size: Count
-    crc: int = Field(ge=0, lt=1 << 32, description="zlib CRC-32 of the checkpoint blob")
+    checksum: int = Field(ge=0, lt=1 << 64, description="XXH3-64 of the checkpoint blob")
     versions: list[Count]
 
 

@@ -72,7 +72,7 @@ async def request_delta(
 
 async def read_delta(
     js: JetStreamContext, job: str, unit: int, fragment: int, reply: DownlinkReply, max_bytes: int
-) -> bytes:
+) -> memoryview:
     """Read the delta ``reply`` names (a ``delta`` reply) from ``unit``'s downlink subjects.
 
     Raises:

@@ -98,7 +98,7 @@ class TornRead(TransportError):
 
 async def read_latest_params(
     js: JetStreamContext, job: str, fragment: int, max_bytes: int, attempts: int = 5
-) -> tuple[ParamsHead, bytes] | None:
+) -> tuple[ParamsHead, memoryview] | None:
     """Fetch a fragment's newest global params blob: ``(head, blob)``, or None if none yet.
 
     The chunks are read by the sequences the head names, so the blob is exactly that version
@@ -110,7 +110,7 @@ async def read_latest_params(
         WireError: if the stored data is malformed.
     """
 
-    async def read_once() -> tuple[ParamsHead, bytes] | None:
+    async def read_once() -> tuple[ParamsHead, memoryview] | None:
         head = await read_params_head(js, job, fragment)
         if head is None:
             return None

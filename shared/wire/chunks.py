@@ -232,15 +232,18 @@ def byte_view(data: Any, what: str) -> memoryview:
         raise WireError(f"{what} must be contiguous bytes, got {type(data).__name__}") from exc
 
 
-def split_chunks(blob: bytes, chunk_size: int) -> list[bytes]:
+def split_chunks(blob: bytes | memoryview, chunk_size: int) -> list[memoryview]:
     """Cut a blob into chunks of ``chunk_size`` bytes (the last one may be shorter).
 
+    The chunks are views of ``blob``, not copies: the publisher copies each once anyway, into
+    its protocol command.
+
     Args:
-        blob: Bytes to send.
+        blob: Bytes to send; unchanged while the chunks are in use.
         chunk_size: Bytes per chunk, > 0.
 
     Returns:
-        At least one chunk; an empty blob gives ``[b""]``.
+        At least one chunk; an empty blob gives one empty chunk.
 
     Raises:
         WireError: if ``chunk_size`` is not a positive int.
@@ -249,8 +252,8 @@ def split_chunks(blob: bytes, chunk_size: int) -> list[bytes]:
         raise WireError(f"chunk_size must be a positive int, got {chunk_size!r:.100}")
     view = byte_view(blob, "blob")
     if not len(view):
-        return [b""]
-    return [view[i : i + chunk_size].tobytes() for i in range(0, len(view), chunk_size)]
+        return [view]
+    return [view[i : i + chunk_size] for i in range(0, len(view), chunk_size)]
 
 
 class _Upload:
@@ -334,7 +337,7 @@ class Reassembler:
         """Ids of the (up to 64) most recently evicted uploads, oldest first."""
         return tuple(self._recently_evicted)
 
-    def add(self, info: ChunkInfo, data: bytes) -> bytes | None:
+    def add(self, info: ChunkInfo, data: bytes) -> memoryview | None:
         """Store one chunk.
 
         A chunk that raises leaves the reassembler unchanged.
@@ -344,8 +347,9 @@ class Reassembler:
             data: The chunk bytes.
 
         Returns:
-            The whole blob when this chunk completes its upload, else ``None`` (also for a
-            chunk already received).
+            The whole blob (a read-only view of the buffer it was assembled in, not a copy)
+            when this chunk completes its upload, else ``None`` (also for a chunk already
+            received).
 
         Raises:
             WireError: if ``total_size`` exceeds ``max_upload_bytes``, ``count`` or
@@ -382,7 +386,7 @@ class Reassembler:
                 f"{upload.chunk_size} bytes, total {upload.total_size}"
             )
         if info.count == 1:
-            return view.tobytes()
+            return view.toreadonly()
         if upload is None:
             upload = _Upload(info.count, info.total_size, chunk_size)
             self._uploads[info.upload] = upload
@@ -400,7 +404,7 @@ class Reassembler:
         if upload.remaining:
             return None
         del self._uploads[info.upload]
-        return bytes(upload.buffer)
+        return memoryview(upload.buffer).toreadonly()
 
     def discard(self, upload: str) -> None:
         """Drop an incomplete upload (no error if unknown).
