@@ -291,12 +291,12 @@ def claims(results: LoadtestResults) -> list[Claim]:
     out.append(keep_up_claim(results, decision))
     out.append(saturated_claim(results, decision))
     out.extend(saturated_figures_claims(results, decision))
-    out.append(cpu_per_mb_claim(results))
+    out.append(cpu_per_mb_claim(results, decision))
     out.extend(commit_claims(results))
     return out
 
 
-def cpu_per_mb_claim(results: LoadtestResults) -> Claim:
+def cpu_per_mb_claim(results: LoadtestResults, decision: Decision | None) -> Claim:
     """At the largest stage that keeps up, the outer's CPU per applied MB against issue 28's
     figure (a saturated outer shares the cores with nats-server and the generator, and its
     figure shows that contention more than its own cost)."""
@@ -305,10 +305,13 @@ def cpu_per_mb_claim(results: LoadtestResults) -> Claim:
         f"applied MB than the {ISSUE_CPU_S_PER_MB:.4f} CPU-s of issue 28, in every run "
         "(docs/NETWORK.md)"
     )
-    stages = [m.stage for m in measurements(results, DOCUMENTED_KEPT)]
-    figures = [cpu_s_per_mb(stage) for stage in stages]
-    if not figures or None in figures:
-        return Claim(text, f"no stage of {DOCUMENTED_KEPT} units with CPU figures", None)
+    figures = [cpu_s_per_mb(m.stage) for m in measurements(results, DOCUMENTED_KEPT)]
+    if decision is None or not decision.complete:
+        return Claim(text, "not measured: a run failed or repeats are missing", None)
+    if not figures:
+        return Claim(text, f"no stage of {DOCUMENTED_KEPT} units", False)
+    if None in figures:
+        return Claim(text, "a stage applied nothing", False)
     gains = sorted(ISSUE_CPU_S_PER_MB / f for f in figures if f is not None)
     measured = (
         f"{max(f for f in figures if f is not None):.4f} CPU-s per MB at worst over "

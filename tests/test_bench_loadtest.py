@@ -246,6 +246,12 @@ def test_unbalanced_books_a_slow_stage_and_undocumented_figures_fail(lt):
     assert cpu.holds is False and cpu.measured.startswith(
         "0.0258 CPU-s per MB at worst over 2 runs"
     )
+    # A run without a stage of 64 units (as a quick run's) measured it: the claim fails, and a
+    # quick run, which fails only on what is not measured, passes it.
+    small = results(lt, report(stage(1), stage(2)), report(stage(2)), wanted=1)
+    cpu = next(c for c in lt.claims(small) if c.text.startswith("at 64 units"))
+    assert cpu.holds is False and cpu.measured == "no stage of 64 units"
+    assert cpu not in failures(lt.claims(small), quick=True)
 
 
 def test_the_cores_claim_needs_the_machine_busy_at_every_saturated_stage(lt):
