@@ -330,15 +330,17 @@ def test_segments_split_tensors_and_blocks_into_frames() -> None:
 
 def test_codec_workers_outlive_a_payload() -> None:
     """The worker threads (with their scratch buffers and zstd contexts) serve every payload
-    of the process, not one each."""
+    of the process, not one each: five runs on two threads see at most two threads (Linux
+    numbers every new thread afresh)."""
 
     def worker(_: int) -> int:
-        return threading.get_ident()
+        return threading.get_native_id()
 
-    first = set(segments.run(worker, list(range(64)), 2))
-    second = set(segments.run(worker, list(range(64)), 2))
-    assert threading.get_ident() not in first
-    assert len(first) <= 2 and second <= first
+    seen = set()
+    for _ in range(5):
+        seen |= set(segments.run(worker, list(range(64)), 2))
+    assert threading.get_native_id() not in seen
+    assert 1 <= len(seen) <= 2, seen
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "read-only", "strided", "float64"])
