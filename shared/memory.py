@@ -8,10 +8,9 @@ requests of over 32 MiB with a fresh ``mmap`` and gives them back with ``munmap`
 it trims a heap's free top above 128 KiB; and each thread allocates from an arena of its own
 whose heaps hold at most 64 MiB, so a larger buffer made on a worker thread is always a fresh
 ``mmap``. Every such buffer then costs page faults and the zeroing of all its pages, each
-time: in the load test that was about half of the outer's CPU time (``perf``:
-``clear_page_erms``). :func:`keep_freed_memory` has ``malloc`` serve every request from the
-one main heap and never give freed memory back: the process reuses it, and its resident size
-stays at its peak.
+time: in the load test that was the outer's largest cost (``perf``: ``clear_page_erms``).
+:func:`keep_freed_memory` has ``malloc`` serve every request from the one main heap and never
+give freed memory back: the process reuses it, and its resident size stays at its peak.
 """
 
 from __future__ import annotations
