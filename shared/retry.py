@@ -4,8 +4,8 @@ Every loop that retries a failed network call goes through :func:`retry`: the wa
 attempt n is ``min(max_s, initial_s * 2**(n-1) + uniform(0, jitter_s))``, so that after a
 nats-server restart the clients do not all come back on the same schedule. A call is
 retried only for the errors its caller names (NATS being unreachable, by default), for ever
-unless ``attempts`` says otherwise, and stops being retried once ``stopping()`` is true (the
-last error is then raised to the caller).
+unless ``attempts`` or ``within_s`` say otherwise, and stops being retried once ``stopping()``
+is true (the last error is then raised to the caller).
 """
 
 from __future__ import annotations
@@ -41,7 +41,11 @@ class Backoff:
 
 
 DEFAULT = Backoff()
-QUICK = Backoff(initial_s=0.2, max_s=2.0, jitter_s=0.2)
+#: For the calls a broker failover holds up (the outer's fetches, lease and checkpoint, every
+#: chunk publish). In a JetStream cluster a stream or consumer whose leader died answers "no
+#: responders" at once until nats-server's Raft elects a new leader, 4-9 s later; retrying
+#: every half second at most reaches the new leader within half a second of its election.
+QUICK = Backoff(initial_s=0.2, max_s=0.5, jitter_s=0.2)
 
 
 async def retry(
@@ -50,6 +54,7 @@ async def retry(
     *,
     on: tuple[type[BaseException], ...] | Callable[[BaseException], bool] = NATS_ERRORS,
     attempts: int | None = None,
+    within_s: float | None = None,
     stopping: Callable[[], bool] | None = None,
     on_error: Callable[[str], None] | None = None,
     backoff: Backoff = DEFAULT,
@@ -61,13 +66,14 @@ async def retry(
         what: names the call in the log and in ``on_error`` messages.
         on: the retryable error types, or a predicate on the error.
         attempts: the most attempts in all (None: no limit).
+        within_s: no attempt starts after this many seconds from the first (None: no limit).
         stopping: when it returns true after a failure, that failure is raised instead.
         on_error: told ``"<what>: <error>"`` after every retried failure.
         backoff: the waits between attempts.
 
     Raises:
-        Whatever ``call`` raised that is not retried, or the last error once ``attempts`` are
-        used up or ``stopping()`` is true.
+        Whatever ``call`` raised that is not retried, or the last error once ``attempts`` or
+        ``within_s`` are used up or ``stopping()`` is true.
     """
 
     def retryable(err: BaseException) -> bool:
@@ -82,7 +88,7 @@ async def retry(
     async for attempt in stamina.retry_context(
         on=retryable,
         attempts=attempts,
-        timeout=None,
+        timeout=within_s,
         wait_initial=backoff.initial_s,
         wait_max=backoff.max_s,
         wait_jitter=backoff.jitter_s,

@@ -546,9 +546,10 @@ def _create_streams(url: str, replicas: int) -> None:
     asyncio.run(create())
 
 
-# nats-server's Raft groups wait 4-9 s before they elect a new leader for a dead one; the
-# outer needs the leaders of several (its consumer, lease, checkpoint, params, status), and a
-# publish sent to a leader as it died waits for its 10 s timeout. Measured: 0.2-10.5 s.
+# nats-server's Raft groups wait 4-9 s (and campaign up to 0.8 s) before they elect a new
+# leader for a dead one; the outer needs the leaders of several (its consumer, uploads, lease,
+# checkpoint, params, status), each elected on its own random wait (docs/RELIABILITY.md).
+# Measured: 0.2-10.5 s.
 FAILOVER_S = 20.0
 
 

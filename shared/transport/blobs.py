@@ -35,6 +35,8 @@ PUBLISH_TIMEOUT_S = 10.0
 # 1 MiB chunk over a 1 Mbit/s link is not re-sent while it is still crossing.
 MIN_LINK_BITS_PER_S = 1e6
 
+#: A chunk is retried for as long as this many attempts that each time out would take: a
+#: failover's quick "no responders" answers (``shared.retry.QUICK``) do not use it up sooner.
 PUBLISH_ATTEMPTS = 6
 
 RETRYABLE_API_CODES = {429, 503}
@@ -103,14 +105,15 @@ async def publish_blob(
                     lambda: js.publish(target, data, headers=headers, timeout=timeout),
                     f"publish {upload} chunk {index}",
                     on=retryable,
-                    attempts=PUBLISH_ATTEMPTS,
+                    within_s=PUBLISH_ATTEMPTS * timeout,
                     backoff=QUICK,
                 )
             except nats.js.errors.APIError as err:
                 raise TransportError(f"server rejected {target}: {err}") from err
             except (TimeoutError, nats.errors.Error) as err:
                 raise TransportError(
-                    f"chunk {index} of {upload} failed after {PUBLISH_ATTEMPTS} tries: {err!r}"
+                    f"chunk {index} of {upload} failed for {PUBLISH_ATTEMPTS * timeout:.0f} s: "
+                    f"{err!r}"
                 ) from err
             finally:
                 in_flight_bytes -= len(data)
