@@ -244,8 +244,8 @@ class CountingTrainer:
     def __init__(self, trainer: InnerTrainer) -> None:
         self.trainer = trainer
 
-    def init(self, params):
-        return self.trainer.init(params)
+    def __getattr__(self, name):
+        return getattr(self.trainer, name)
 
     def step(self, state, batch_):
         state, loss = self.trainer.step(state, batch_)

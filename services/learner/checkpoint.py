@@ -235,10 +235,8 @@ def _read_arrays(
         if wrong:
             log.warning("ignoring the checkpoint's error-feedback residual (pieces %s)", wrong[:3])
             residual = None
-    state = InnerState(
-        jax.device_put(params_tree),
-        jax.device_put(anchor_tree),
-        jax.device_put(jax.tree_util.tree_unflatten(treedef, opt_leaves)),
+    state = core.trainer.place(
+        InnerState(params_tree, anchor_tree, jax.tree_util.tree_unflatten(treedef, opt_leaves))
     )
     return state, residual
 

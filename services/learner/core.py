@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from services.learner.trainer import InnerState, InnerTrainer
@@ -163,6 +164,7 @@ class LearnerCore:
         self.adoptions: collections.deque[Adoption] = collections.deque(maxlen=ADOPTION_HISTORY)
         # Losses of the steps since the last read, on the device, in step order.
         self._unread_losses: list[jax.Array] = []
+        self._takers: dict[tuple[int, ...], Any] = {}
 
     def stagger(self, h_steps: int) -> None:
         """Spread the fragments' next uploads evenly over the next ``h_steps`` steps: fragment p
@@ -228,19 +230,20 @@ class LearnerCore:
         if not fragments:
             return []
         self.read_losses()
-        params = pytree.flatten_named(self.state.params)
-        anchor = pytree.flatten_named(self.state.anchor)
+        # Δ = anchor − θ of the fragments' pieces, computed where the state lives and brought
+        # to the host in one transfer; their anchor pieces become θ's on the devices.
+        deltas, anchor = self._taker(tuple(fragments))(self.state.params, self.state.anchor)
+        deltas = jax.device_get(deltas)
+        self.state = InnerState(self.state.params, anchor, self.state.opt_state)
         uploads = []
         for p in fragments:
             sync = self.syncs[p]
-            local = self.plan.extract(params, p)
-            base = self.plan.extract(anchor, p)
             layout = self.layouts[p]
             values = np.empty(layout.size, np.float32)
             delta = layout.views(values)
-            for k, view in delta.items():
-                np.subtract(base[k], local[k], out=view)
-            self.plan.insert(anchor, p, local)
+            for piece in self.plan.fragments[p]:
+                rows = deltas[piece.name]
+                delta[piece.key][...] = rows if piece.layer is None else rows[piece.layer]
             uploads.append(
                 Upload(
                     p,
@@ -258,8 +261,50 @@ class LearnerCore:
             sync.steps = sync.tokens = 0
             sync.loss_sum = 0.0
             sync.target = next_h
-        self._set(params=None, anchor=anchor)
         return uploads
+
+    def _taker(self, fragments: tuple[int, ...]) -> Any:
+        """The jitted program that takes ``fragments``' pseudo-gradients: (params, anchor) →
+        ({tensor name: Δ, all layers of a stacked tensor}, the new anchor); one per set of
+        fragments taken together (a handful: one fragment, or all)."""
+        if fragments not in self._takers:
+            # A stacked tensor's Δ has every layer; only the fragments' layers are used, and
+            # only those become θ's in the anchor.
+            layers: dict[str, list[int] | None] = {}
+            for p in fragments:
+                for piece in self.plan.fragments[p]:
+                    if piece.layer is None:
+                        layers[piece.name] = None
+                    else:
+                        rows = layers.setdefault(piece.name, [])
+                        assert rows is not None, "a tensor is whole in one fragment or split"
+                        rows.append(piece.layer)
+            paths = [
+                jax.tree_util.keystr(path)
+                for path, _ in jax.tree_util.tree_flatten_with_path(self.template)[0]
+            ]
+            treedef = jax.tree_util.tree_structure(self.template)
+
+            def take(params: Any, anchor: Any) -> tuple[dict[str, jax.Array], Any]:
+                deltas, new_anchor = {}, []
+                for name, local, base in zip(
+                    paths, jax.tree.leaves(params), jax.tree.leaves(anchor), strict=True
+                ):
+                    if name not in layers:
+                        new_anchor.append(base)
+                        continue
+                    deltas[name] = base - local
+                    rows = layers[name]
+                    if rows is None:
+                        new_anchor.append(local)
+                    else:
+                        index = jnp.asarray(sorted(rows))
+                        new_anchor.append(base.at[index].set(local[index]))
+                return deltas, jax.tree_util.tree_unflatten(treedef, new_anchor)
+
+            shardings = self.trainer.devices.shardings(self.template)
+            self._takers[fragments] = jax.jit(take, out_shardings=(None, shardings))
+        return self._takers[fragments]
 
     def newest_version(self, fragment: int) -> int:
         """The newest version of ``fragment`` this unit has: held (offered, not yet adopted) or
@@ -333,19 +378,11 @@ class LearnerCore:
             self.adoptions.append(Adoption(self.step, p, version, sync.base_version))
             sync.base_version = version
             sync.pending = None
-        self._set(params=params, anchor=anchor)
+        # Back on the devices, in the unit's layout.
+        shardings = self.trainer.devices.shardings(self.template)
+        self.state = InnerState(
+            jax.device_put(pytree.unflatten_named(self.template, params), shardings),
+            jax.device_put(pytree.unflatten_named(self.template, anchor), shardings),
+            self.state.opt_state,
+        )
         return ready
-
-    def _set(self, params: dict | None, anchor: dict | None) -> None:
-        state = self.state
-        new_params = (
-            state.params
-            if params is None
-            else jax.device_put(pytree.unflatten_named(self.template, params))
-        )
-        new_anchor = (
-            state.anchor
-            if anchor is None
-            else jax.device_put(pytree.unflatten_named(self.template, anchor))
-        )
-        self.state = InnerState(new_params, new_anchor, state.opt_state)

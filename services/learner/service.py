@@ -31,6 +31,7 @@ from services.learner import adversary
 from services.learner.accounting import TrainingAccount
 from services.learner.checkpoint import CHECKPOINT_FILE, CheckpointWriter, Restored, load_checkpoint
 from services.learner.core import LearnerCore, Upload, dynamic_h
+from services.learner.devices import UnitDevices, local_devices
 from services.learner.handoff import Handoff
 from services.learner.link import LearnerLink
 from services.learner.records import UnitIdentity
@@ -59,17 +60,19 @@ def build_core(settings: LearnerSettings) -> tuple[LearnerCore, data.BatchSample
         data.load_corpus(settings.corpus, settings.corpus_max_bytes), settings.heldout_fraction
     )
     shard = data.shard_for_unit(corpus.train, settings.unit, settings.num_units)
+    devices = UnitDevices(local_devices(settings.devices), settings.shard_params)
+    # The unit's global batch: --batch-size sequences per device.
     sampler = data.BatchSampler(
-        shard, cfg.seq_len, settings.batch_size, settings.seed, settings.unit
+        shard, cfg.seq_len, settings.batch_size * devices.count, settings.seed, settings.unit
     )
     # Every unit and the outer build the same version-0 params from the job seed, so a unit can
     # start training before it has heard from the outer (no start-up barrier either).
     params = model.init_params(cfg, jax.random.PRNGKey(settings.seed))
-    trainer = InnerTrainer(cfg, settings.optimizer(settings.max_steps))
+    trainer = InnerTrainer(cfg, settings.optimizer(settings.max_steps), devices)
     schedule = settings.sync_schedule(
         settings.fragments, adversary.own_h(settings.adversary, settings.h_steps)
     )
-    core = LearnerCore(trainer, params, schedule, settings.tokens_per_step())
+    core = LearnerCore(trainer, params, schedule, settings.tokens_per_step() * devices.count)
     return core, sampler, 4 * model.param_count(params)
 
 

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from shared.settings.algorithm import InnerAlgorithmSettings, SyncSettings, check_sync_overlap
 from shared.settings.codec import DownlinkSettings, UploadCodecSettings
 from shared.settings.nats import ServiceSettings
-from shared.settings.resources import LearnerResources
+from shared.settings.resources import LearnerDevices, LearnerResources
 from shared.settings.workload import UnitsSettings, WorkloadSettings
 
 #: The attacks a unit can be made to send (``services/learner/adversary.py``).
@@ -39,6 +39,7 @@ class LearnerSettings(
     UploadCodecSettings,
     DownlinkSettings,
     LearnerResources,
+    LearnerDevices,
     CheckpointSettings,
 ):
     """One learner unit: which shard it trains on, its inner optimizer and how it syncs."""

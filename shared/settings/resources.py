@@ -1,4 +1,4 @@
-"""What each process of a job may use of the machine: threads."""
+"""What each process of a job may use of the machine: threads and devices."""
 
 from __future__ import annotations
 
@@ -17,6 +17,26 @@ class LearnerResources(BaseModel):
         ge=-1,
         le=256,
         description="threads encoding uploads of 8 MiB or more (-1: one per CPU)",
+    )
+
+
+class LearnerDevices(BaseModel):
+    """The accelerators (or CPU devices) one learner unit trains on as one island
+    (``services/learner/devices.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    devices: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="local devices this unit trains on, the batch split over them "
+        "(0: all of them); each inner step trains --batch-size sequences per device",
+    )
+    shard_params: bool = Field(
+        False,
+        description="split the params and optimizer state over the unit's devices (FSDP), "
+        "for a model that does not fit one device; otherwise every device holds a copy",
     )
 
 
