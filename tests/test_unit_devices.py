@@ -17,6 +17,8 @@ import pytest
 from services.learner.devices import UnitDevices, local_devices
 from services.learner.settings import LearnerSettings
 from shared.codec.api import decode_tensors, encode_tensors
+from shared.model_config import get_config
+from tests.helpers import run_up_to_end
 
 DEVICES = 4
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,3 +107,29 @@ def test_devices_and_shard_params_are_learner_settings():
     settings = LearnerSettings(devices=2, shard_params=True)
     assert (settings.devices, settings.shard_params) == (2, True)
     assert LearnerSettings().devices == 0  # all of the process's devices
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(540)
+def test_up_with_two_devices_per_unit_trains_end_to_end(tmp_path, jax_cache):
+    """``diloco up --devices-per-unit 2`` with the default settings (tiny model): each unit
+    trains on two CPU devices of its own, twice the sequences per step, and the outer takes its
+    uploads' token counts; the run finishes, the model learns, the books balance."""
+    summary, output = run_up_to_end(
+        tmp_path,
+        jax_cache,
+        *("--devices-per-unit", "2", "--max-steps", "60", "--h-steps", "10"),
+    )
+    line = next(x for x in output.splitlines() if x.startswith("held-out eval loss"))
+    init_loss, final_loss = (float(x) for x in line.split()[3:6:2])
+    assert final_loss < init_loss - 1.0, output
+    batch = LearnerSettings().batch_size
+    seq_len = get_config("tiny").seq_len
+    for unit in (0, 1):
+        status = summary.units[unit]
+        assert status.tokens_per_step == 2 * batch * seq_len, status
+        assert status.step == 60 and status.tokens == 60 * 2 * batch * seq_len, status
+        log = (tmp_path / "cluster-data" / "logs" / f"learner-{unit}.log").read_text()
+        assert "trains on 2 device(s)" in log, log[-2000:]
+    # No upload refused: the outer allows the units' tokens per step (implausible_work).
+    assert summary.ledger.rejected == 0, summary.ledger

@@ -61,6 +61,13 @@ def build_core(settings: LearnerSettings) -> tuple[LearnerCore, data.BatchSample
     )
     shard = data.shard_for_unit(corpus.train, settings.unit, settings.num_units)
     devices = UnitDevices(local_devices(settings.devices), settings.shard_params)
+    log.info(
+        "unit %d trains on %d device(s) (%s), state %s",
+        settings.unit,
+        devices.count,
+        ", ".join(map(str, devices.devices)),
+        "sharded" if settings.shard_params and devices.count > 1 else "replicated",
+    )
     # The unit's global batch: --batch-size sequences per device.
     sampler = data.BatchSampler(
         shard, cfg.seq_len, settings.batch_size * devices.count, settings.seed, settings.unit

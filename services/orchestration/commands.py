@@ -19,7 +19,7 @@ from shared.settings.cli import flags_for
 
 #: Options a launcher sets per process instead of passing them on as they are.
 LEARNER_OWN = frozenset(
-    {"unit", "num_units", "max_steps", "slowdown", "checkpoint_dir", "adversary"}
+    {"unit", "num_units", "max_steps", "slowdown", "checkpoint_dir", "adversary", "devices"}
 )
 OUTER_OWN = frozenset({"num_units", "learner_steps", "shard", "shards"})
 
@@ -53,9 +53,28 @@ def threads_env(threads: int) -> dict[str, str]:
     return {"XLA_FLAGS": f"--xla_cpu_multi_thread_eigen={eigen}", "OMP_NUM_THREADS": str(threads)}
 
 
-def learner_env(settings: UpSettings) -> dict[str, str]:
-    """Environment of a learner: the cache and bounded XLA threads."""
-    return {**cache_env(settings), **threads_env(settings.learner_threads)}
+def devices_env(devices: int, unit: int) -> dict[str, str]:
+    """Environment that gives learner unit ``unit`` its ``devices`` devices: GPUs
+    ``unit * devices`` onwards of those the launcher sees (``$CUDA_VISIBLE_DEVICES``, else
+    all), and as many CPU devices of its own (XLA makes one by default), which JAX uses where
+    there is no GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range((unit + 1) * devices)]
+    return {
+        "CUDA_VISIBLE_DEVICES": ",".join(gpus[unit * devices : (unit + 1) * devices]),
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+    }
+
+
+def learner_env(settings: UpSettings, unit: int | None = None) -> dict[str, str]:
+    """Environment of a learner: the cache, bounded XLA threads, and, for one of the run's
+    own units (``unit``), its devices (a REST job's learner takes what its process finds)."""
+    env = {**cache_env(settings), **threads_env(settings.learner_threads)}
+    if unit is not None:
+        devices = devices_env(settings.devices_per_unit, unit)
+        env["XLA_FLAGS"] = f"{env['XLA_FLAGS']} {devices.pop('XLA_FLAGS')}"
+        env.update(devices)
+    return env
 
 
 def outer_args(settings: UpSettings, nats_url: str, shard: int = 0) -> list[str]:
@@ -64,11 +83,14 @@ def outer_args(settings: UpSettings, nats_url: str, shard: int = 0) -> list[str]
         "outer",
         "--nats-url",
         nats_url,
-        *flags_for(settings, OuterSettings, OUTER_OWN),
+        *flags_for(settings, OuterSettings, OUTER_OWN | {"batch_size"}),
         "--num-units",
         str(settings.learners),
         "--learner-steps",
         ",".join(str(steps) for steps in settings.unit_steps()),
+        # The most sequences a unit's inner step trains: --batch-size on each of its devices.
+        "--batch-size",
+        str(settings.batch_size * settings.devices_per_unit),
         "--shards",
         str(settings.outer_shards),
         "--shard",
@@ -132,5 +154,7 @@ def learner_args(settings: UpSettings, nats_url: str, unit: int) -> list[str]:
         str(settings.unit_steps()[unit]),
         "--checkpoint-dir",
         str(checkpoint_dir(settings)),
+        "--devices",
+        str(settings.devices_per_unit),
         *(("--adversary", settings.adversary) if unit < settings.adversaries else ()),
     ]

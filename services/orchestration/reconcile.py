@@ -95,6 +95,9 @@ def learner_args(record: JobRecord, unit: int, checkpoint_dir: str) -> list[str]
         str(unit_max_steps(spec, record.units)),
         "--checkpoint-dir",
         checkpoint_dir,
+        # One device per unit: the job's batch size is what its outer expects per step.
+        "--devices",
+        "1",
     ]
 
 

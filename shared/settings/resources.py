@@ -20,11 +20,20 @@ class LearnerResources(BaseModel):
     )
 
 
-class LearnerDevices(BaseModel):
-    """The accelerators (or CPU devices) one learner unit trains on as one island
-    (``services/learner/devices.py``)."""
+class DeviceLayout(BaseModel):
+    """How a learner unit lays its state out over its devices (``services/learner/devices.py``)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    shard_params: bool = Field(
+        False,
+        description="split the params and optimizer state over the unit's devices (FSDP), "
+        "for a model that does not fit one device; otherwise every device holds a copy",
+    )
+
+
+class LearnerDevices(DeviceLayout):
+    """The accelerators (or CPU devices) one learner unit trains on as one island."""
 
     devices: int = Field(
         0,
@@ -33,10 +42,18 @@ class LearnerDevices(BaseModel):
         description="local devices this unit trains on, the batch split over them "
         "(0: all of them); each inner step trains --batch-size sequences per device",
     )
-    shard_params: bool = Field(
-        False,
-        description="split the params and optimizer state over the unit's devices (FSDP), "
-        "for a model that does not fit one device; otherwise every device holds a copy",
+
+
+class DevicesPerUnit(DeviceLayout):
+    """The devices a launcher (``diloco up``) gives each learner unit."""
+
+    devices_per_unit: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="devices each learner unit trains on, --batch-size sequences per device "
+        "per step: unit u gets the GPUs u*N .. u*N+N-1 (of $CUDA_VISIBLE_DEVICES, if set), "
+        "or, without GPUs, N CPU devices of its own",
     )
 
 
@@ -61,5 +78,5 @@ class LearnerThreads(BaseModel):
     )
 
 
-class ResourceSettings(LearnerResources, OuterResources, LearnerThreads):
-    """Every process's threads, as ``diloco up`` sets them."""
+class ResourceSettings(LearnerResources, OuterResources, LearnerThreads, DevicesPerUnit):
+    """Every process's threads and each unit's devices, as ``diloco up`` sets them."""

@@ -225,7 +225,6 @@ class Cluster:
         """Start the learner processes (after ``start_services``), each behind its shaped link
         when the run has links; the chaos clock (``chaos.py``) starts now."""
         s = self.settings
-        env = commands.learner_env(s)
         links = s.unit_links()
         self.chaos = s.chaos_schedule()
         self.chaos_clock = ChaosClock(self.chaos)
@@ -239,6 +238,7 @@ class Cluster:
             [user] = self.identity_env(nats_auth.Identity("learner", s.job, unit=unit))
             # A learner that exits 0 has trained all its steps.
             name = f"learner-{unit}"
+            env = commands.learner_env(s, unit)
             self.learners.append(self.spawn(name, args, {**env, **user}, may_finish=True))
         self.print(
             f"{s.learners} learners     model {s.model}, {s.max_steps} steps each, H={s.h_steps}"

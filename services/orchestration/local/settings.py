@@ -17,7 +17,7 @@ from services.orchestration.supervisor import DEFAULT_MAX_RESTARTS
 from services.outer.settings import EvaluationSettings
 from shared.fragments import check_shards
 from shared.link_spec import LinkSpec, parse_link, parse_links, parse_outages
-from shared.records import MAX_OUTER_SHARDS, MAX_UNITS
+from shared.records import MAX_BATCH_SIZE, MAX_OUTER_SHARDS, MAX_UNITS
 from shared.settings import ENV_PREFIX, SECRET
 from shared.settings.algorithm import AlgorithmSettings
 from shared.settings.codec import CodecSettings
@@ -251,6 +251,11 @@ class UpSettings(
         if len(factors) != self.learners or any(not 1 <= f <= 100 for f in factors):
             raise ValueError(
                 f"slowdowns needs {self.learners} factors in [1, 100], got {self.slowdowns!r}"
+            )
+        if self.batch_size * self.devices_per_unit > MAX_BATCH_SIZE:
+            raise ValueError(
+                f"batch-size {self.batch_size} on each of devices-per-unit "
+                f"{self.devices_per_unit} is more than {MAX_BATCH_SIZE} sequences per step"
             )
         if self.link and self.links:
             raise ValueError("give --link (every unit the same) or --links (per unit), not both")
