@@ -13,12 +13,19 @@
   work on the machine disturbed least), and the ratio is the median of the ratios of the blocks
   run next to each other.
 
+* Devices per unit: one learner unit on 1, 2 and 4 devices (``--devices``; on this machine
+  CPU devices forced with ``--xla_force_host_platform_device_count``, one process each), the
+  service's core and sampler as in the standalone part, ``--batch-size`` sequences per device.
+  The unit counts run in turn, ABC then CBA, ...; a row's ratio is the median, over the rounds,
+  of its tokens/s over one device's in the same round.
+
 Raw figures (each configuration's tokens/s and eval, each block's tokens/s), each part with its
 own provenance: ``bench/results/throughput.json``; running one part keeps the other's. Both
 tables are rendered from that file, with ratios to their first row and the claims below them.
 
     .venv/bin/python bench/throughput.py --write
     .venv/bin/python bench/throughput.py --only standalone --write
+    .venv/bin/python bench/throughput.py --only devices --write
     .venv/bin/python bench/throughput.py --render --write   # the sections from the stored file
     .venv/bin/python bench/throughput.py --quick            # the smoke version (tiny model)
 """
@@ -62,6 +69,13 @@ STANDALONE_ROWS = [
     ("loss read every step", True),
     ("loss read at upload boundaries", False),
 ]
+DEVICES_SECTION = "## Devices per learner unit"
+DEVICE_COUNTS = (1, 2, 4)
+#: Per device: a unit of N devices trains N times the sequences per step.
+DEVICES_BATCH = 16
+#: A unit of 2 or 4 devices sharing this machine's cores against one device using them all:
+#: splitting the batch over the mesh must not cost more than this share of the tokens/s.
+MIN_DEVICES_RATIO = 0.7
 NAME = "throughput"
 PROGRAM = ".venv/bin/python bench/throughput.py"
 MIN_CLUSTER_RATIO = 0.9  # 4 learners sharing the cores against 1 learner using them all
@@ -82,11 +96,20 @@ class StandalonePart(BaseModel):
     blocks: dict[str, list[float]] = {}
 
 
+class DevicesPart(BaseModel):
+    """Per unit size (devices), its tokens/s in each round (the rounds in the order run)."""
+
+    provenance: Provenance
+    platform: str = "cpu"
+    rounds: dict[str, list[float]] = {}
+
+
 class ThroughputResults(BaseModel):
     """``bench/results/throughput.json``."""
 
     cluster: ClusterPart | None = None
     standalone: StandalonePart | None = None
+    devices: DevicesPart | None = None
 
 
 def run_config(extra: list[str], common: list[str], cache: Path) -> dict[str, float]:
@@ -151,6 +174,120 @@ def standalone_rates(args: argparse.Namespace) -> dict[bool, list[float]]:
             rates[read_every_step].append(block(read_every_step))
             note(f"{name:32s} {rates[read_every_step][-1]:10,.0f} tokens/s")
     return rates
+
+
+def unit_rate(model: str, devices: int, steps: int, h_steps: int) -> float:
+    """Tokens/s of one unit of ``devices`` devices over ``steps`` inner steps (after a warm-up
+    of as many), as the service's loop runs them: in a process of its own, whose XLA has that
+    many CPU devices."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count="
+    env["XLA_FLAGS"] += str(devices)
+    child = [sys.executable, __file__, "--unit-child", str(devices), "--model", model]
+    child += ["--block-steps", str(steps), "--h-steps", str(h_steps)]
+    done = subprocess.run(child, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"the {devices}-device unit failed:\n{done.stderr[-3000:]}")
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def unit_child(args: argparse.Namespace) -> None:
+    """``--unit-child N``: print the tokens/s of a unit on N devices (``unit_rate``)."""
+    import jax
+
+    from services.learner.service import build_core
+    from services.learner.settings import LearnerSettings
+    from shared.runtime import configure_jax
+
+    configure_jax()
+    settings = LearnerSettings(
+        job="bench",
+        model=args.model,
+        h_steps=args.h_steps,
+        max_steps=2 * args.block_steps,
+        dynamic_h=False,
+        batch_size=DEVICES_BATCH,
+        devices=args.unit_child,
+    )
+    core, sampler, _ = build_core(settings)
+    rates = []
+    for _ in range(2):  # the first block compiles and warms up
+        started = time.perf_counter()
+        for _ in range(args.block_steps):
+            core.train_step(sampler.batch(core.step))
+            core.due_uploads()
+        jax.block_until_ready(core.state)
+        rates.append(args.block_steps * core.tokens_per_step / (time.perf_counter() - started))
+    print(rates[-1])
+
+
+def devices_part(args: argparse.Namespace, path: Path) -> DevicesPart:
+    configuration = {k: getattr(args, k) for k in ("model", "h_steps", "block_steps", "repeats")}
+    configuration["batch_per_device"] = DEVICES_BATCH
+    part = DevicesPart(provenance=Provenance.start(PROGRAM, configuration, path))
+    started = time.monotonic()
+    rounds = max(2, args.repeats // 4)
+    for round_ in range(rounds):
+        order = DEVICE_COUNTS if round_ % 2 == 0 else DEVICE_COUNTS[::-1]
+        for count in order:
+            rate = unit_rate(args.model, count, args.block_steps, args.h_steps)
+            part.rounds.setdefault(str(count), []).append(rate)
+            note(f"round {round_}: {count} device(s) {rate:10,.0f} tokens/s")
+    part.provenance.seconds = round(time.monotonic() - started, 1)
+    return part
+
+
+def devices_ratio(part: DevicesPart, count: int) -> float | None:
+    """The median over the rounds of a unit of ``count`` devices' tokens/s over one device's."""
+    one, many = part.rounds.get("1", []), part.rounds.get(str(count), [])
+    if not one or len(one) != len(many):
+        return None
+    return statistics.median(m / o for m, o in zip(many, one, strict=True))
+
+
+def devices_table(part: DevicesPart, path: Path) -> str:
+    c = part.provenance.configuration
+    lines = [
+        DEVICES_SECTION,
+        "",
+        part.provenance.line(path) + f" One learner unit (the service's core and sampler, no "
+        f"NATS), model `{c['model']}`, {c['batch_per_device']} sequences per device per step, "
+        f"H={c['h_steps']}, on 1, 2 and 4 devices ({part.platform.upper()} devices forced with "
+        "`--xla_force_host_platform_device_count`, each in a process of its own): every row "
+        "runs on this machine's 2 cores, so a ratio says what splitting the batch over a "
+        "mesh costs or gains on the same hardware (XLA runs each CPU device's share on its "
+        "own thread), not what more hardware gains. Each round runs {c['block_steps']} steps per "
+        "unit size after as many to warm up; the ratio is the median over the rounds of the "
+        "row's tokens/s over one device's in the same round. No GPU row: this run had no GPU.",
+        "",
+        "| devices per unit | sequences per step | tokens/s (best round) | every round | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for count in DEVICE_COUNTS:
+        rates = part.rounds.get(str(count), [])
+        if not rates:
+            continue
+        ratio = devices_ratio(part, count)
+        shown = ", ".join(f"{rate:,.0f}" for rate in rates)
+        lines.append(
+            f"| {count} | {count * c['batch_per_device']} | {max(rates):,.0f} | {shown} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}×'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def devices_claims(results: ThroughputResults) -> list[Claim]:
+    part = results.devices
+    return [
+        at_least(
+            f"a unit on {count} forced CPU devices keeps ≥ {MIN_DEVICES_RATIO:g}× one device's "
+            "tokens/s",
+            devices_ratio(part, count) if part else None,
+            MIN_DEVICES_RATIO,
+            ".2f",
+        )
+        for count in DEVICE_COUNTS[1:]
+    ]
 
 
 def standalone_part(args: argparse.Namespace, path: Path) -> StandalonePart:
@@ -267,8 +404,9 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=120, help="cluster: steps per unit")
     parser.add_argument("--h-steps", type=int, default=30)
     parser.add_argument(
-        "--only", choices=["cluster", "standalone"], help="run one of the two tables only"
+        "--only", choices=["cluster", "standalone", "devices"], help="run one of the tables only"
     )
+    parser.add_argument("--unit-child", type=int, help=argparse.SUPPRESS)
     parser.add_argument(
         "--block-steps", type=int, default=30, help="standalone: inner steps per block"
     )
@@ -277,6 +415,9 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help="update BENCHMARKS.md")
     parser.add_argument("--quick", action="store_true", help="smoke run (results elsewhere)")
     args = parser.parse_args()
+    if args.unit_child:
+        unit_child(args)
+        return
     if args.quick:
         vars(args).update(QUICK)
     path = results_path(NAME, args.quick)
@@ -287,11 +428,14 @@ def main() -> None:
     else:
         results = ThroughputResults()
     if not args.render:
-        if args.only != "standalone":
+        if args.only in (None, "cluster"):
             results.cluster = cluster_part(args, path)
             save(path, results)
-        if args.only != "cluster":
+        if args.only in (None, "standalone"):
             results.standalone = standalone_part(args, path)
+            save(path, results)
+        if args.only in (None, "devices"):
+            results.devices = devices_part(args, path)
             save(path, results)
     parts = []
     if results.cluster is not None:
@@ -299,6 +443,9 @@ def main() -> None:
     if results.standalone is not None:
         table = standalone_table(results.standalone, path)
         parts.append((STANDALONE_SECTION, table, standalone_claims(results)))
+    if results.devices is not None:
+        table = devices_table(results.devices, path)
+        parts.append((DEVICES_SECTION, table, devices_claims(results)))
     checked = [claim for _, _, part_claims in parts for claim in part_claims]
     for section, table, part_claims in parts:
         text = table + "\n" + render_claims(part_claims)
