@@ -256,7 +256,7 @@ def devices_table(part: DevicesPart, path: Path) -> str:
         "`--xla_force_host_platform_device_count`, each in a process of its own): every row "
         "runs on this machine's 2 cores, so a ratio says what splitting the batch over a "
         "mesh costs or gains on the same hardware (XLA runs each CPU device's share on its "
-        "own thread), not what more hardware gains. Each round runs {c['block_steps']} steps per "
+        f"own thread), not what more hardware gains. Each round runs {c['block_steps']} steps per "
         "unit size after as many to warm up; the ratio is the median over the rounds of the "
         "row's tokens/s over one device's in the same round. No GPU row: this run had no GPU.",
         "",

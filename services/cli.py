@@ -79,7 +79,8 @@ def _cmd_learner(args: argparse.Namespace) -> int:
     from services.learner.settings import LearnerSettings
 
     settings = _settings(LearnerSettings, args)
-    setup_logging(args.log_level, f"learner-{settings.unit}")
+    process = f".{settings.process_id}" if settings.num_processes > 1 else ""
+    setup_logging(args.log_level, f"learner-{settings.unit}{process}")
     stop = threading.Event()
     install_stop_signals(stop)
     run_learner(settings, stop)

@@ -4,6 +4,8 @@ sharded, and the uploads carry the same pseudo-gradients."""
 
 from __future__ import annotations
 
+import ast
+import asyncio
 import json
 import os
 import subprocess
@@ -11,14 +13,19 @@ import sys
 from pathlib import Path
 
 import jax
+import nats
 import numpy as np
 import pytest
 
-from services.learner.devices import UnitDevices, local_devices
+from services.learner.devices import UnitDevices, unit_devices
 from services.learner.settings import LearnerSettings
+from services.orchestration.nats_server import free_port
+from shared import kv, subjects
 from shared.codec.api import decode_tensors, encode_tensors
 from shared.model_config import get_config
-from tests.helpers import run_up_to_end
+from shared.records.jobs import DesiredRecord
+from tests.helpers import run_up_to_end, wait_for
+from tests.test_faults import assert_books_balance, unit_status, wait_caught_up
 
 DEVICES = 4
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,9 +105,9 @@ def test_a_tensor_is_split_along_its_largest_axis_that_the_devices_divide(runs):
 
 def test_asking_for_more_devices_than_present_is_refused_with_what_is_present():
     present = len(jax.local_devices())
-    assert len(local_devices(0)) == present
+    assert len(unit_devices(0)) == present
     with pytest.raises(ValueError, match=f"this process has {present}"):
-        local_devices(present + 1)
+        unit_devices(present + 1)
 
 
 def test_devices_and_shard_params_are_learner_settings():
@@ -133,3 +140,61 @@ def test_up_with_two_devices_per_unit_trains_end_to_end(tmp_path, jax_cache):
         assert "trains on 2 device(s)" in log, log[-2000:]
     # No upload refused: the outer allows the units' tokens per step (implausible_work).
     assert summary.ledger.rejected == 0, summary.ledger
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_unit_of_two_processes_trains_as_one_and_only_process_0_speaks_on_nats(
+    nats_server, services, tmp_path
+):
+    """A unit spanning two processes (``--num-processes 2``, jax.distributed over Gloo, one
+    CPU device each): process 0 uploads, reports and fetches the globals; process 1 trains the
+    same steps on its half of each batch, adopts what process 0 adopts, and never connects to
+    NATS. Created idle, it starts when told; the two end with the same params, every round is
+    applied and the books balance."""
+    job, steps, batch = "twoprocs", 40, 8
+    flags = ["--nats-url", nats_server.url, "--job", job, "--model", "tiny", "--seed", "1"]
+    services.start("outer", "outer", *flags, "--num-units", "1", "--batch-size", str(2 * batch))
+    unit = [
+        *("--unit", "0", "--num-units", "1", "--max-steps", str(steps), "--h-steps", "10"),
+        *("--batch-size", str(batch), "--no-dynamic-h", "--status-interval-s", "0.5"),
+        *("--num-processes", "2", "--coordinator", f"127.0.0.1:{free_port()}"),
+    ]
+    # Created idle: both wait (process 0 tells process 1 so, step after step) until started.
+    unit += ["--initial-state", "idle"]
+    leader = services.start("learner-0", "learner", *flags, *unit, "--process-id", "0")
+    follower = services.start("learner-0-1", "learner", *flags, *unit, "--process-id", "1")
+    wait_for(lambda: "unit 0 idle at step 0" in services.log("learner-0"), 120, "an idle unit")
+    asyncio.run(_set_desired(nats_server.url, job, 0, "running"))
+    assert leader.wait(timeout=300) == 0, services.logs()
+    assert follower.wait(timeout=60) == 0, services.logs()
+    follower_log = services.log("learner-0-1")
+    assert "process 1 follows process 0 of unit 0" in follower_log, follower_log
+    assert "nats" not in follower_log.lower(), follower_log
+    leader_end = _summary(services.log("learner-0"), "unit 0 done: ")
+    follower_end = _summary(follower_log, "process 1 of unit 0 done: ")
+    assert leader_end["steps"] == follower_end["steps"] == steps
+    # Both trained the same steps and adopted the same globals: they end with the same bits.
+    assert follower_end["adopted"] >= 1, follower_end
+    assert follower_end["params_checksum"] == leader_end["params_checksum"]
+    status = unit_status(nats_server.url, job, 0)
+    assert status is not None and status.step == steps, status
+    assert status.tokens_per_step == 2 * batch * get_config("tiny").seq_len, status
+    wait_caught_up(nats_server.url, job)
+    books = assert_books_balance(nats_server.url, job)
+    assert books.applied >= steps // 10 and books.rejected == 0, books
+
+
+def _summary(log: str, prefix: str) -> dict:
+    """The summary dict a learner process logs as it ends (after ``prefix``)."""
+    line = next(x for x in reversed(log.splitlines()) if prefix in x)
+    return ast.literal_eval(line.split(prefix, 1)[1])
+
+
+async def _set_desired(url: str, job: str, unit: int, state: str) -> None:
+    nc = await nats.connect(url)
+    try:
+        bucket = await nc.jetstream().key_value(subjects.DESIRED_BUCKET)
+        await kv.put(bucket, subjects.desired_key(job, unit), DesiredRecord(state=state))
+    finally:
+        await nc.close()

@@ -348,13 +348,18 @@ class LearnerCore:
         sync.pending = (version, pieces)
         return True
 
-    def adopt_globals(self) -> list[int]:
-        """Mix in held global fragments whose overlap τ has passed; returns their indices."""
-        ready = [
-            p
+    def ready_globals(self) -> list[tuple[int, int, dict[str, np.ndarray]]]:
+        """The held global fragments whose overlap τ has passed, which :meth:`adopt_globals`
+        mixes in now: ``(fragment, version, pieces)`` of each."""
+        return [
+            (p, s.pending[0], s.pending[1])
             for p, s in enumerate(self.syncs)
             if s.pending is not None and s.steps >= self.schedule.overlap_tau
         ]
+
+    def adopt_globals(self) -> list[int]:
+        """Mix in held global fragments whose overlap τ has passed; returns their indices."""
+        ready = [p for p, _, _ in self.ready_globals()]
         if not ready:
             return []
         keep = 1.0 - self.schedule.mix_alpha

@@ -78,18 +78,20 @@ class UnitDevices:
         return jax.device_put(batch, self.batch)
 
 
-def local_devices(count: int) -> list[jax.Device]:
-    """The first ``count`` of this process's devices (0: all of them).
+def unit_devices(count: int) -> list[jax.Device]:
+    """The devices a unit trains on: the first ``count`` of each of its processes' devices
+    (0: all of them; a unit of one process has only its own).
 
     Raises:
-        ValueError: fewer devices than ``count`` are present.
+        ValueError: this process has fewer devices than ``count``.
     """
     present = jax.local_devices()
-    if count == 0:
-        return present
     if count > len(present):
         raise ValueError(
             f"--devices {count}: this process has {len(present)} "
             f"{present[0].platform.upper()} device(s) ({', '.join(map(str, present))})"
         )
-    return present[:count]
+    by_process: dict[int, list[jax.Device]] = {}
+    for device in jax.devices():
+        by_process.setdefault(device.process_index, []).append(device)
+    return [d for p in sorted(by_process) for d in by_process[p][: count or None]]

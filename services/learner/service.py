@@ -30,8 +30,18 @@ import jax
 from services.learner import adversary
 from services.learner.accounting import TrainingAccount
 from services.learner.checkpoint import CHECKPOINT_FILE, CheckpointWriter, Restored, load_checkpoint
+from services.learner.collective import (
+    END,
+    TRAIN,
+    WAIT,
+    StepPlan,
+    UnitCollective,
+    follow,
+    initialize,
+    state_checksum,
+)
 from services.learner.core import LearnerCore, Upload, dynamic_h
-from services.learner.devices import UnitDevices, local_devices
+from services.learner.devices import UnitDevices, unit_devices
 from services.learner.handoff import Handoff
 from services.learner.link import LearnerLink
 from services.learner.records import UnitIdentity
@@ -60,7 +70,7 @@ def build_core(settings: LearnerSettings) -> tuple[LearnerCore, data.BatchSample
         data.load_corpus(settings.corpus, settings.corpus_max_bytes), settings.heldout_fraction
     )
     shard = data.shard_for_unit(corpus.train, settings.unit, settings.num_units)
-    devices = UnitDevices(local_devices(settings.devices), settings.shard_params)
+    devices = UnitDevices(unit_devices(settings.devices), settings.shard_params)
     log.info(
         "unit %d trains on %d device(s) (%s), state %s",
         settings.unit,
@@ -113,6 +123,8 @@ class Unit:
     link: LearnerLink
     writer: CheckpointWriter | None
     restored: Restored | None
+    # With several processes: what process 0 shares with the others (collective.py).
+    collective: UnitCollective | None = None
 
 
 def start_unit(settings: LearnerSettings) -> Unit:
@@ -135,6 +147,10 @@ def start_unit(settings: LearnerSettings) -> Unit:
     # Compile the inner step now (the result is discarded), so that the first real step is as
     # fast as the others and a unit's reported speed and slowdown are right from the start.
     core.trainer.step(core.state, sampler.batch(0))[1].block_until_ready()
+    collective = None
+    if settings.num_processes > 1:
+        collective = UnitCollective(core)
+        collective.share_start()
     # The codec compiles on the encoder thread meanwhile; nothing trained is thrown away
     # while it cannot encode yet (see LearnerLink.wait_codec_ready).
     waited = link.wait_codec_ready()
@@ -155,7 +171,7 @@ def start_unit(settings: LearnerSettings) -> Unit:
         unit_state.next_round,
         link.outer_next_round,
     )
-    return Unit(settings, core, sampler, unit_state, link, writer, restored)
+    return Unit(settings, core, sampler, unit_state, link, writer, restored, collective)
 
 
 def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) -> dict:
@@ -166,6 +182,10 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         stop: optional event that ends training early (set by SIGTERM/SIGINT in the CLI).
     """
     configure_jax()
+    if settings.num_processes > 1:
+        initialize(settings.coordinator or "", settings.num_processes, settings.process_id)
+        if settings.process_id > 0:
+            return run_follower(settings)
     stop = stop or threading.Event()
     unit = start_unit(settings)
     core, link = unit.core, unit.link
@@ -173,6 +193,7 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
     account = TrainingAccount(unit.unit_state, tokens, to_host=jax.device_get)
     status = StatusReport(settings, core, account, link)
     handoff = Handoff(core, link, unit.unit_state, unit.writer, settings.checkpoint_every_s)
+    stagger_h = 0
 
     while core.step < settings.max_steps and not stop.is_set():
         desired = link.desired_state
@@ -188,6 +209,8 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
                 status.state = desired
                 log.info("unit %d %s at step %d", settings.unit, desired, core.step)
                 status.report(force=True)
+            if unit.collective is not None:
+                unit.collective.share(StepPlan(WAIT))
             stop.wait(PAUSE_POLL_S)
             continue
         if status.state != "running":
@@ -197,18 +220,48 @@ def run_learner(settings: LearnerSettings, stop: threading.Event | None = None) 
         account.start_running()
 
         offer_globals(core, link)
+        next_h = unit_h(unit, account)
+        if unit.collective is not None:
+            plan = StepPlan(TRAIN, next_h, stagger_h, core.ready_globals())
+            unit.collective.share(plan)
+            stagger_h = 0
         if settings.mode != "sync":
             # Synchronous DiLoCo adopts a global only at a sync point (wait_for_merge), so that
             # a unit dropped from a round goes on from the round's global in step with the rest.
             core.adopt_globals()
         train_step(unit, account, stop)
-        uploads = due_uploads(unit, account)
+        was_staggered = core.staggered
+        uploads = due_uploads(unit, account, next_h)
+        if core.staggered and not was_staggered:
+            stagger_h = core.current_h  # the other processes stagger before the next step
         handoff.after_step(uploads, account.tokens)
         if uploads and settings.mode == "sync":
             account.waited_at_sync(wait_for_merge(uploads, core, link, settings, stop))
         status.report()
 
+    if unit.collective is not None:
+        unit.collective.share(StepPlan(END))  # the others take the last uploads with this one
     return finish(unit, account, status, handoff)
+
+
+def run_follower(settings: LearnerSettings) -> dict:
+    """A process of a unit other than process 0: the same state and steps as process 0, on its
+    own devices, as process 0's plans say (``collective.py``); never on NATS."""
+    core, sampler, _ = build_core(settings)
+    core.trainer.step(core.state, sampler.batch(0))[1].block_until_ready()
+    collective = UnitCollective(core)
+    collective.share_start()
+    log.info("process %d follows process 0 of unit %d", settings.process_id, settings.unit)
+    adopted = follow(core, sampler, collective)
+    summary = {
+        "unit": settings.unit,
+        "process": settings.process_id,
+        "steps": core.step,
+        "adopted": adopted,
+        "params_checksum": state_checksum(core),
+    }
+    log.info("process %d of unit %d done: %s", settings.process_id, settings.unit, summary)
+    return summary
 
 
 def offer_globals(core: LearnerCore, link: LearnerLink) -> None:
@@ -237,16 +290,21 @@ def train_step(unit: Unit, account: TrainingAccount, stop: threading.Event) -> N
     account.trained(core.tokens_per_step, loss)
 
 
-def due_uploads(unit: Unit, account: TrainingAccount) -> list[Upload]:
-    """The uploads due after this step: with DyLU (``--dynamic-h``) H shrinks with this unit's
-    speed relative to its peers'; rounds skip ahead to the outer's record of this unit. When
-    the fragments, due together, took too long to upload last time, they are staggered from
-    now on (``--stagger auto``, ``stagger_rule.py``)."""
-    settings, core, link = unit.settings, unit.core, unit.link
+def unit_h(unit: Unit, account: TrainingAccount) -> int:
+    """The H of the uploads due after the next step: with DyLU (``--dynamic-h``) it shrinks
+    with this unit's speed relative to its peers'."""
+    settings = unit.settings
     next_h = settings.h_steps
     if settings.dynamic_h:
-        next_h = dynamic_h(settings.h_steps, account.tokens_per_s(), link.unit_rates)
-    next_h = adversary.own_h(settings.adversary, next_h)
+        next_h = dynamic_h(settings.h_steps, account.tokens_per_s(), unit.link.unit_rates)
+    return adversary.own_h(settings.adversary, next_h)
+
+
+def due_uploads(unit: Unit, account: TrainingAccount, next_h: int) -> list[Upload]:
+    """The uploads due after this step at H = ``next_h`` (``unit_h``); rounds skip ahead to
+    the outer's record of this unit. When the fragments, due together, took too long to upload
+    last time, they are staggered from now on (``--stagger auto``, ``stagger_rule.py``)."""
+    settings, core, link = unit.settings, unit.core, unit.link
     if link.outer_next_round > core.round:
         # The outer's record arrived after the start-up wait (NATS was slow): skip ahead.
         log.warning("skipping to round %d (outer's record)", link.outer_next_round)
@@ -333,6 +391,8 @@ def finish(unit: Unit, account: TrainingAccount, status: StatusReport, handoff: 
         "counters": link.counters.as_dict(),
         "restored_from_step": None if unit.restored is None else unit.restored.step,
     }
+    if unit.collective is not None:  # the unit's other processes end with the same
+        summary["params_checksum"] = state_checksum(core)
     log.info("unit %d done: %s", settings.unit, summary)
     return summary
 

@@ -93,4 +93,6 @@ class LearnerSettings(
         if self.unit >= self.num_units:
             raise ValueError(f"unit {self.unit} must be < num-units {self.num_units}")
         check_sync_overlap(self.mode, self.overlap_tau)
+        if self.num_processes > 1 and self.mode == "sync":
+            raise ValueError("--mode sync runs units of one process: leave out --num-processes")
         return self

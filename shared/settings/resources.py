@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from shared.codec.config import CodecConfig
 
@@ -39,9 +39,37 @@ class LearnerDevices(DeviceLayout):
         0,
         ge=0,
         le=1024,
-        description="local devices this unit trains on, the batch split over them "
+        description="devices of this process the unit trains on, the batch split over them "
         "(0: all of them); each inner step trains --batch-size sequences per device",
     )
+    num_processes: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="processes (hosts) the unit spans, each started with the same flags and "
+        "its own --process-id; process 0 speaks for the unit on NATS, the others follow it",
+    )
+    process_id: int = Field(0, ge=0, description="this process's index in the unit")
+    coordinator: str | None = Field(
+        None,
+        description="host:port where process 0 of the unit coordinates its processes "
+        "(jax.distributed); needed with --num-processes > 1",
+    )
+
+    @model_validator(mode="after")
+    def _check_processes(self) -> LearnerDevices:
+        if self.process_id >= self.num_processes:
+            raise ValueError(
+                f"process-id {self.process_id} must be < num-processes {self.num_processes}"
+            )
+        if self.num_processes > 1 and not self.coordinator:
+            raise ValueError("a unit of several processes needs --coordinator host:port")
+        if self.num_processes > 1 and self.shard_params:
+            raise ValueError(
+                "--shard-params splits the state over one process's devices only: "
+                "leave it out with --num-processes > 1"
+            )
+        return self
 
 
 class DevicesPerUnit(DeviceLayout):
