@@ -48,3 +48,29 @@ def test_a_part_not_run_is_not_measured(throughput):
     empty = throughput.ThroughputResults()
     claims = throughput.cluster_claims(empty) + throughput.standalone_claims(empty)
     assert [c.holds for c in claims] == [None, None]
+
+
+def test_devices_claims_take_the_median_of_the_rounds_and_render_every_row(throughput):
+    provenance = throughput.Provenance(
+        commit="c",
+        command="x",
+        machine="m",
+        started="s",
+        configuration={"model": "small", "h_steps": 30, "block_steps": 30, "repeats": 8}
+        | {"batch_per_device": throughput.DEVICES_BATCH},
+    )
+    part = throughput.DevicesPart(
+        provenance=provenance,
+        # Medians of the rounds' ratios: 2 devices 0.9 (0.8, 0.9, 1.0); 4 devices 0.6.
+        rounds={"1": [100.0, 100.0, 100.0], "2": [80.0, 90.0, 100.0], "4": [60.0, 50.0, 70.0]},
+    )
+    claims = throughput.devices_claims(throughput.ThroughputResults(devices=part))
+    assert [c.holds for c in claims] == [True, False]
+    assert [c.measured for c in claims] == ["0.90", "0.60"]
+    table = throughput.devices_table(part, throughput.results_path("throughput", False))
+    assert "| 2 | 32 | 100 | 80, 90, 100 | 0.90× |" in table
+    assert "30 steps per unit size" in table
+    assert [c.holds for c in throughput.devices_claims(throughput.ThroughputResults())] == [
+        None,
+        None,
+    ]
