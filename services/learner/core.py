@@ -164,7 +164,7 @@ class LearnerCore:
         self.adoptions: collections.deque[Adoption] = collections.deque(maxlen=ADOPTION_HISTORY)
         # Losses of the steps since the last read, on the device, in step order.
         self._unread_losses: list[jax.Array] = []
-        self._takers: dict[tuple[int, ...], Any] = {}
+        self._takers: dict[tuple[int, ...], tuple[Any, dict[str, dict[int, int]]]] = {}
 
     def stagger(self, h_steps: int) -> None:
         """Spread the fragments' next uploads evenly over the next ``h_steps`` steps: fragment p
@@ -232,7 +232,8 @@ class LearnerCore:
         self.read_losses()
         # Δ = anchor − θ of the fragments' pieces, computed where the state lives and brought
         # to the host in one transfer; their anchor pieces become θ's on the devices.
-        deltas, anchor = self._taker(tuple(fragments))(self.state.params, self.state.anchor)
+        take, rows = self._taker(tuple(fragments))
+        deltas, anchor = take(self.state.params, self.state.anchor)
         deltas = jax.device_get(deltas)
         self.state = InnerState(self.state.params, anchor, self.state.opt_state)
         uploads = []
@@ -242,8 +243,10 @@ class LearnerCore:
             values = np.empty(layout.size, np.float32)
             delta = layout.views(values)
             for piece in self.plan.fragments[p]:
-                rows = deltas[piece.name]
-                delta[piece.key][...] = rows if piece.layer is None else rows[piece.layer]
+                taken = deltas[piece.name]
+                delta[piece.key][...] = (
+                    taken if piece.layer is None else taken[rows[piece.name][piece.layer]]
+                )
             uploads.append(
                 Upload(
                     p,
@@ -263,22 +266,24 @@ class LearnerCore:
             sync.target = next_h
         return uploads
 
-    def _taker(self, fragments: tuple[int, ...]) -> Any:
-        """The jitted program that takes ``fragments``' pseudo-gradients: (params, anchor) →
-        ({tensor name: Δ, all layers of a stacked tensor}, the new anchor); one per set of
-        fragments taken together (a handful: one fragment, or all)."""
+    def _taker(self, fragments: tuple[int, ...]) -> tuple[Any, dict[str, dict[int, int]]]:
+        """The jitted program that takes ``fragments``' pseudo-gradients, (params, anchor) →
+        ({tensor name: Δ}, the new anchor), and where each layer of a stacked tensor is in its
+        Δ (the fragments' layers only, in order); one per set of fragments taken together (a
+        handful: one fragment, or all)."""
         if fragments not in self._takers:
-            # A stacked tensor's Δ has every layer; only the fragments' layers are used, and
-            # only those become θ's in the anchor.
-            layers: dict[str, list[int] | None] = {}
+            whole: set[str] = set()
+            layers: dict[str, list[int]] = {}
             for p in fragments:
                 for piece in self.plan.fragments[p]:
                     if piece.layer is None:
-                        layers[piece.name] = None
+                        whole.add(piece.name)
                     else:
-                        rows = layers.setdefault(piece.name, [])
-                        assert rows is not None, "a tensor is whole in one fragment or split"
-                        rows.append(piece.layer)
+                        layers.setdefault(piece.name, []).append(piece.layer)
+            rows = {
+                name: {layer: i for i, layer in enumerate(sorted(ls))}
+                for name, ls in layers.items()
+            }
             paths = [
                 jax.tree_util.keystr(path)
                 for path, _ in jax.tree_util.tree_flatten_with_path(self.template)[0]
@@ -290,20 +295,19 @@ class LearnerCore:
                 for name, local, base in zip(
                     paths, jax.tree.leaves(params), jax.tree.leaves(anchor), strict=True
                 ):
-                    if name not in layers:
-                        new_anchor.append(base)
-                        continue
-                    deltas[name] = base - local
-                    rows = layers[name]
-                    if rows is None:
+                    if name in whole:
+                        deltas[name] = base - local
                         new_anchor.append(local)
-                    else:
-                        index = jnp.asarray(sorted(rows))
+                    elif name in rows:
+                        index = jnp.asarray(sorted(rows[name]))
+                        deltas[name] = base[index] - local[index]
                         new_anchor.append(base.at[index].set(local[index]))
+                    else:
+                        new_anchor.append(base)
                 return deltas, jax.tree_util.tree_unflatten(treedef, new_anchor)
 
             shardings = self.trainer.devices.shardings(self.template)
-            self._takers[fragments] = jax.jit(take, out_shardings=(None, shardings))
+            self._takers[fragments] = (jax.jit(take, out_shardings=(None, shardings)), rows)
         return self._takers[fragments]
 
     def newest_version(self, fragment: int) -> int:
