@@ -91,7 +91,12 @@ def test_pause_stops_one_unit_while_the_rest_go_on_then_resume(nats_server, serv
             outer, units = read_status(nats_server.url, JOB)
             ledger = outer.unit_ledger(1)
             applied = ledger.applied if ledger is not None else 0
-            return (outer, units) if applied == units[1].counter("published") else None
+            unit = units[1]
+            # Every upload handed to the link has met its fate (a paused unit's queue still
+            # drains), and every published one is applied.
+            fates = sum(unit.counter(c) for c in ("published", "dropped_unsent", "rejected_local"))
+            settled = fates == unit.counter("queued")
+            return (outer, units) if settled and applied == unit.counter("published") else None
 
         # Whatever unit 1 uploaded before the pause gets applied; after that, nothing more.
         outer_before, units_before = wait_for(

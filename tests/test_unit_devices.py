@@ -152,22 +152,41 @@ def test_a_unit_of_two_processes_trains_as_one_and_only_process_0_speaks_on_nats
     """A unit spanning two processes (``--num-processes 2``, jax.distributed over Gloo, one
     CPU device each): process 0 uploads, reports and fetches the globals; process 1 trains the
     same steps on its half of each batch, adopts what process 0 adopts, and never connects to
-    NATS. Created idle, it starts when told; the two end with the same params, every round is
-    applied and the books balance."""
-    job, steps, batch = "twoprocs", 40, 8
+    NATS. Created idle, it starts when told; killed (both processes) and started again, it goes
+    on from process 0's checkpoint; the two end with the same params, every round is applied
+    and the books balance."""
+    job, steps, batch = "twoprocs", 60, 8
     flags = ["--nats-url", nats_server.url, "--job", job, "--model", "tiny", "--seed", "1"]
     services.start("outer", "outer", *flags, "--num-units", "1", "--batch-size", str(2 * batch))
     unit = [
         *("--unit", "0", "--num-units", "1", "--max-steps", str(steps), "--h-steps", "10"),
         *("--batch-size", str(batch), "--no-dynamic-h", "--status-interval-s", "0.5"),
+        *("--slowdown", "3", "--checkpoint-dir", str(tmp_path / "units")),
+        *("--checkpoint-every-s", "1"),
         *("--num-processes", "2", "--coordinator", f"127.0.0.1:{free_port()}"),
     ]
+
+    def start(*extra: str) -> tuple:
+        leader = services.start("learner-0", "learner", *flags, *unit, *extra, "--process-id", "0")
+        follower = services.start(
+            "learner-0-1", "learner", *flags, *unit, *extra, "--process-id", "1"
+        )
+        return leader, follower
+
     # Created idle: both wait (process 0 tells process 1 so, step after step) until started.
-    unit += ["--initial-state", "idle"]
-    leader = services.start("learner-0", "learner", *flags, *unit, "--process-id", "0")
-    follower = services.start("learner-0-1", "learner", *flags, *unit, "--process-id", "1")
+    leader, follower = start("--initial-state", "idle")
     wait_for(lambda: "unit 0 idle at step 0" in services.log("learner-0"), 120, "an idle unit")
     asyncio.run(_set_desired(nats_server.url, job, 0, "running"))
+
+    def trained(at_least: int) -> bool:
+        status = unit_status(nats_server.url, job, 0)
+        return status is not None and status.step >= at_least
+
+    wait_for(lambda: trained(25), 120, "25 steps")
+    for process in (leader, follower):
+        process.kill()
+        process.wait(timeout=30)
+    leader, follower = start()
     assert leader.wait(timeout=300) == 0, services.logs()
     assert follower.wait(timeout=60) == 0, services.logs()
     follower_log = services.log("learner-0-1")
@@ -175,6 +194,7 @@ def test_a_unit_of_two_processes_trains_as_one_and_only_process_0_speaks_on_nats
     assert "nats" not in follower_log.lower(), follower_log
     leader_end = _summary(services.log("learner-0"), "unit 0 done: ")
     follower_end = _summary(follower_log, "process 1 of unit 0 done: ")
+    assert leader_end["restored_from_step"] >= 20, leader_end
     assert leader_end["steps"] == follower_end["steps"] == steps
     # Both trained the same steps and adopted the same globals: they end with the same bits.
     assert follower_end["adopted"] >= 1, follower_end

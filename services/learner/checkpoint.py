@@ -162,8 +162,12 @@ def save_checkpoint(path: Path, snapshot: Snapshot, identity: UnitIdentity) -> N
     atomic_write(path, lambda handle: np.savez(handle, **arrays))
 
 
-def load_checkpoint(path: Path, core: LearnerCore) -> Restored | None:
+def load_checkpoint(path: Path, core: LearnerCore, on_devices: bool = True) -> Restored | None:
     """Restore ``core`` (step, round, syncs, params, anchor, optimizer state) from ``path``.
+
+    With ``on_devices`` False the restored state stays in host arrays, for the caller to place:
+    a unit of several processes sends it to the others first, and all place it together
+    (``collective.UnitCollective.share_start``).
 
     A missing checkpoint returns None; one that cannot be read or does not match the core's
     model, optimizer or fragments is ignored with a logged warning (None; the core is then
@@ -186,7 +190,7 @@ def load_checkpoint(path: Path, core: LearnerCore) -> Restored | None:
         log.warning("ignoring checkpoint %s: %s", path, err)
         return None
     core.read_losses()  # losses of steps before the restore are not part of the restored sums
-    core.state = state
+    core.state = core.trainer.place(state) if on_devices else state
     core.step, core.round, core.current_h = meta.step, meta.round, meta.current_h
     for sync, stored_sync in zip(core.syncs, meta.syncs, strict=True):
         sync.base_version, sync.steps = stored_sync.base_version, stored_sync.steps
@@ -206,7 +210,8 @@ def load_checkpoint(path: Path, core: LearnerCore) -> Restored | None:
 def _read_arrays(
     stored: Any, meta: LearnerCheckpointMeta, core: LearnerCore
 ) -> tuple[InnerState, dict[str, np.ndarray] | None]:
-    """The inner state and residual of a checkpoint, checked against ``core``'s fresh state."""
+    """The inner state (host arrays) and residual of a checkpoint, checked against ``core``'s
+    fresh state."""
     names = meta.param_names
     params = {name: stored[f"params_{i}"] for i, name in enumerate(names)}
     anchor = {name: stored[f"anchor_{i}"] for i, name in enumerate(names)}
@@ -235,9 +240,7 @@ def _read_arrays(
         if wrong:
             log.warning("ignoring the checkpoint's error-feedback residual (pieces %s)", wrong[:3])
             residual = None
-    state = core.trainer.place(
-        InnerState(params_tree, anchor_tree, jax.tree_util.tree_unflatten(treedef, opt_leaves))
-    )
+    state = InnerState(params_tree, anchor_tree, jax.tree_util.tree_unflatten(treedef, opt_leaves))
     return state, residual
 
 

@@ -98,7 +98,8 @@ def restore_core(settings: LearnerSettings, core: LearnerCore) -> Restored | Non
     if settings.checkpoint_dir is None:
         return None
     path = unit_dir(settings.checkpoint_dir, settings.job, settings.unit) / CHECKPOINT_FILE
-    return load_checkpoint(path, core)
+    # A unit of several processes places the state once all have it (share_start).
+    return load_checkpoint(path, core, on_devices=settings.num_processes == 1)
 
 
 def checkpoint_writer(settings: LearnerSettings, link: LearnerLink) -> CheckpointWriter | None:
@@ -137,6 +138,10 @@ def start_unit(settings: LearnerSettings) -> Unit:
     core, sampler, param_bytes = build_core(settings)
     unit_state = UnitState.for_unit(settings.checkpoint_dir, settings.job, settings.unit)
     restored = restore_core(settings, core)
+    collective = None
+    if settings.num_processes > 1:
+        collective = UnitCollective(core)
+        collective.share_start()
     link = LearnerLink(settings, 2 * param_bytes + (1 << 20), unit_state)
     if restored is not None:
         link.restore_from(restored.step, restored.residual)
@@ -147,10 +152,6 @@ def start_unit(settings: LearnerSettings) -> Unit:
     # Compile the inner step now (the result is discarded), so that the first real step is as
     # fast as the others and a unit's reported speed and slowdown are right from the start.
     core.trainer.step(core.state, sampler.batch(0))[1].block_until_ready()
-    collective = None
-    if settings.num_processes > 1:
-        collective = UnitCollective(core)
-        collective.share_start()
     # The codec compiles on the encoder thread meanwhile; nothing trained is thrown away
     # while it cannot encode yet (see LearnerLink.wait_codec_ready).
     waited = link.wait_codec_ready()
@@ -248,9 +249,9 @@ def run_follower(settings: LearnerSettings) -> dict:
     """A process of a unit other than process 0: the same state and steps as process 0, on its
     own devices, as process 0's plans say (``collective.py``); never on NATS."""
     core, sampler, _ = build_core(settings)
-    core.trainer.step(core.state, sampler.batch(0))[1].block_until_ready()
     collective = UnitCollective(core)
     collective.share_start()
+    core.trainer.step(core.state, sampler.batch(0))[1].block_until_ready()
     log.info("process %d follows process 0 of unit %d", settings.process_id, settings.unit)
     adopted = follow(core, sampler, collective)
     summary = {
