@@ -102,7 +102,8 @@ class LoadtestResults(BaseModel):
     provenance: Provenance
     sweep: LoadtestRun | None = None
     repeats: list[LoadtestRun] = []
-    commit_each: list[LoadtestRun] = []  # repeat i's saturated stage with a commit per fetch
+    # Repeat i's saturated stage (the largest, when none saturated) with a commit per fetch.
+    commit_each: list[LoadtestRun] = []
 
 
 @dataclass(frozen=True)
@@ -581,8 +582,8 @@ def render(results: LoadtestResults, checked: list[Claim], path: Path) -> str:
             "Batched commits: while uploads keep coming, the outer merges them as they come and "
             "commits (then publishes the params and acknowledges the uploads) once nothing more "
             "is waiting or its last commit is `--commit-every-s` (2 s) old. The saturated stage "
-            "again with a commit after every fetch (`--commit-every-s 0`), on each repeat's "
-            "seed, against that repeat's stage:",
+            "(the largest, when none saturated) again with a commit after every fetch "
+            "(`--commit-every-s 0`), on each repeat's seed, against that repeat's stage:",
             "",
             *pairs_table(results),
             "",
@@ -669,11 +670,11 @@ def measure(args: argparse.Namespace, path: Path) -> LoadtestResults:
                 checkpoint()
                 if run.returncode:
                     break
-            # The saturated stage again with the outer committing after every fetch (what
-            # it did before commits were batched), on each repeat's seed: the pairs compare
-            # the two within this run.
-            point = sweep.report.saturation_units
-            for index in range(1, args.repeats + 1 if point is not None else 1):
+            # The saturated stage (the largest, when none saturated) again with the outer
+            # committing after every fetch (what it did before commits were batched), on each
+            # repeat's seed: the pairs compare the two within this run.
+            point = deciding(sweep.report)[-1]
+            for index in range(1, args.repeats + 1):
                 folder = Path(data_dir, f"commit-each-{index}")
                 run = invoke(
                     args,

@@ -220,3 +220,43 @@ async def _set_desired(url: str, job: str, unit: int, state: str) -> None:
         await kv.put(bucket, subjects.desired_key(job, unit), DesiredRecord(state=state))
     finally:
         await nc.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"num_processes": 2, "process_id": 2, "coordinator": "h:1"}, "must be < num-processes"),
+        ({"num_processes": 2}, "needs --coordinator"),
+        ({"num_processes": 2, "coordinator": "h:1", "shard_params": True}, "one process's"),
+        ({"num_processes": 2, "coordinator": "h:1", "mode": "sync"}, "--mode sync"),
+    ],
+)
+def test_what_a_unit_of_several_processes_cannot_do_is_refused_with_the_reason(flags, message):
+    with pytest.raises(ValueError, match=message):
+        LearnerSettings(**flags)
+
+
+def test_up_refuses_more_sequences_per_step_than_a_unit_may_train():
+    from services.orchestration.local.settings import UpSettings
+    from shared.records import MAX_BATCH_SIZE
+
+    UpSettings(batch_size=16, devices_per_unit=4)
+    with pytest.raises(ValueError, match=f"more than {MAX_BATCH_SIZE} sequences"):
+        UpSettings(batch_size=MAX_BATCH_SIZE, devices_per_unit=2)
+
+
+def test_up_gives_each_unit_its_devices_and_the_outer_their_batch(monkeypatch):
+    from services.orchestration import commands
+    from services.orchestration.local.settings import UpSettings
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    settings = UpSettings(batch_size=8, devices_per_unit=2)
+    env = commands.learner_env(settings, 1)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert "--xla_force_host_platform_device_count=2" in env["XLA_FLAGS"]
+    args = commands.learner_args(settings, "nats://x", 1)
+    assert args[args.index("--devices") + 1] == "2"
+    outer = commands.outer_args(settings, "nats://x")
+    assert outer[outer.index("--batch-size") + 1] == "16"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert commands.learner_env(settings, 1)["CUDA_VISIBLE_DEVICES"] == "6,7"
