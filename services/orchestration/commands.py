@@ -59,9 +59,10 @@ def devices_env(devices: int, unit: int) -> dict[str, str]:
     all), and as many CPU devices of its own (XLA makes one by default), which JAX uses where
     there is no GPU."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(i) for i in range((unit + 1) * devices)]
+    first = unit * devices
+    gpus = visible.split(",")[first : first + devices] if visible else range(first, first + devices)
     return {
-        "CUDA_VISIBLE_DEVICES": ",".join(gpus[unit * devices : (unit + 1) * devices]),
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
     }
 
