@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,41 @@ class NatsServer:
     die_with_parent: bool = False
     log_offset: int = 0
     base_config: str = ""  # the configuration without its authorization block
+    http_port: int | None = None  # the monitoring port on 127.0.0.1, if served
+
+    def healthy(self, timeout_s: float = 2.0) -> bool:
+        """Whether the server's ``/healthz`` answers 200 (never raises). On a node of a
+        cluster this holds once it is current with the JetStream metadata leader and every
+        stream and consumer replica it holds has caught up with its leader: only then may
+        another node go down without a group losing its quorum of current replicas.
+
+        Raises:
+            BrokerError: if the server serves no monitoring port.
+        """
+        if self.http_port is None:
+            raise BrokerError("nats-server serves no monitoring port: start it with http_port")
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{self.http_port}/healthz", timeout=timeout_s
+            ) as response:
+                return int(response.status) == 200
+        except (OSError, ValueError):
+            return False
+
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        """Wait until :meth:`healthy`, e.g. after a node's restart, before the next node of a
+        rolling restart goes down.
+
+        Raises:
+            BrokerError: on timeout, or as :meth:`healthy`.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if time.monotonic() > deadline:
+                raise BrokerError(
+                    f"nats-server not healthy (caught up) after {timeout_s}s; see {self.log_path}"
+                )
+            time.sleep(0.1)
 
     @property
     def url(self) -> str:
@@ -344,6 +380,7 @@ def start_nats_server(
         die_with_parent=die_with_parent,
         log_offset=offset,
         base_config=base,
+        http_port=http_port,
     )
     server.wait_ready(ready_timeout_s)
     return server
@@ -355,11 +392,14 @@ def start_nats_cluster(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
+    monitor: bool = False,
     **options: Any,
 ) -> list[NatsServer]:
     """Start a JetStream cluster of ``nodes`` servers on ``host``, routed to each other, each
     with its own store under ``store_root/n<i>`` (``port``: node i's client port is
-    ``port + i``, 0: free ports; ``options``: as :func:`start_nats_server`'s, for every node).
+    ``port + i``, 0: free ports; ``monitor``: each node serves its monitoring endpoints on a
+    free port, so :meth:`NatsServer.wait_healthy` can tell when a restarted node has caught up;
+    ``options``: as :func:`start_nats_server`'s, for every node).
     Streams created with ``num_replicas = nodes`` keep every message on every node: any one
     node of three may die (``kill -9``) and the others elect new stream leaders and go on.
     Returns once every node knows the JetStream metadata leader (streams can be created).
@@ -371,6 +411,7 @@ def start_nats_cluster(
         raise BrokerError(f"a cluster needs at least one node, got {nodes}")
     ports = free_ports(2 * nodes, host)
     clients, routes = ports[:nodes], ports[nodes:]
+    monitoring = free_ports(nodes) if monitor else [None] * nodes
     if port:
         clients = [port + index for index in range(nodes)]
     servers: list[NatsServer] = []
@@ -383,7 +424,14 @@ def start_nats_cluster(
             )
             store = Path(store_root) / f"n{index}"
             servers.append(
-                start_nats_server(store, host=host, port=clients[index], cluster=node, **options)
+                start_nats_server(
+                    store,
+                    host=host,
+                    port=clients[index],
+                    cluster=node,
+                    http_port=monitoring[index],
+                    **options,
+                )
             )
         deadline = time.monotonic() + options.get("ready_timeout_s", 20.0)
         while not all(server.knows_meta_leader() for server in servers):
