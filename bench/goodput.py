@@ -608,7 +608,7 @@ def parser() -> argparse.ArgumentParser:
 
 QUICK = dict(
     model="tiny", learners=2, steps=40, h_steps=10, seeds=[], rates="20", mttr_s=3.0,
-    extra_seeds=[], throttled="20mbit/25ms", dp_max_s=120.0,
+    extra_seeds=[], throttled="50mbit/10ms", dp_max_s=120.0,
 )  # fmt: skip
 
 

@@ -395,7 +395,7 @@ def standalone_claims(results: ThroughputResults) -> list[Claim]:
     return [at_least(text, ratio, MIN_BOUNDARY_RATIO, ".3f")]
 
 
-QUICK = {"model": "tiny", "max_steps": 400, "h_steps": 10, "block_steps": 10, "repeats": 2}
+QUICK = {"model": "tiny", "max_steps": 150, "h_steps": 10, "block_steps": 10, "repeats": 2}
 
 
 def main() -> None:
