@@ -203,3 +203,25 @@ def test_a_killed_nats_server_restarts_on_its_port_with_its_jetstream_store(tmp_
     finally:
         server.stop()
     assert nats_names(1) == ["nats-server"] and nats_names(3) == ["nats-0", "nats-1", "nats-2"]
+
+
+@pytest.mark.slow  # a real nats-server
+def test_a_served_monitoring_port_tells_whether_the_server_is_healthy(tmp_path):
+    port = nats_server.free_port()
+    server = nats_server.start_nats_server(tmp_path / "nats", http_port=port)
+    try:
+        assert server.http_port == port and server.healthy()
+        server.kill()
+        assert not server.healthy()
+        with pytest.raises(nats_server.BrokerError, match="not healthy"):
+            server.wait_healthy(0.3)
+        server.restart()
+        server.wait_healthy(20)
+    finally:
+        server.stop()
+    bare = nats_server.start_nats_server(tmp_path / "bare")
+    try:
+        with pytest.raises(nats_server.BrokerError, match="no monitoring port"):
+            bare.healthy()
+    finally:
+        bare.stop()

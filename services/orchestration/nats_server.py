@@ -125,10 +125,11 @@ class NatsServer:
     http_port: int | None = None  # the monitoring port on 127.0.0.1, if served
 
     def healthy(self, timeout_s: float = 2.0) -> bool:
-        """Whether the server's ``/healthz`` answers 200 (never raises). On a node of a
-        cluster this holds once it is current with the JetStream metadata leader and every
-        stream and consumer replica it holds has caught up with its leader: only then may
-        another node go down without a group losing its quorum of current replicas.
+        """Whether the server's ``/healthz`` answers 200 (False while it is down or answers
+        anything else). On a node of a cluster this holds once it is current with the
+        JetStream metadata leader and every stream and consumer replica it holds has caught up
+        with its leader: only then may another node go down without a group losing its quorum
+        of current replicas.
 
         Raises:
             BrokerError: if the server serves no monitoring port.
