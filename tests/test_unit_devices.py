@@ -19,10 +19,13 @@ import pytest
 
 from services.learner.devices import UnitDevices, unit_devices
 from services.learner.settings import LearnerSettings
+from services.orchestration import commands
+from services.orchestration.local.settings import UpSettings
 from services.orchestration.nats_server import free_port
 from shared import kv, subjects
 from shared.codec.api import decode_tensors, encode_tensors
 from shared.model_config import get_config
+from shared.records import MAX_BATCH_SIZE
 from shared.records.jobs import DesiredRecord
 from tests.helpers import run_up_to_end, wait_for
 from tests.test_faults import assert_books_balance, unit_status, wait_caught_up
@@ -237,18 +240,12 @@ def test_what_a_unit_of_several_processes_cannot_do_is_refused_with_the_reason(f
 
 
 def test_up_refuses_more_sequences_per_step_than_a_unit_may_train():
-    from services.orchestration.local.settings import UpSettings
-    from shared.records import MAX_BATCH_SIZE
-
     UpSettings(batch_size=16, devices_per_unit=4)
     with pytest.raises(ValueError, match=f"more than {MAX_BATCH_SIZE} sequences"):
         UpSettings(batch_size=MAX_BATCH_SIZE, devices_per_unit=2)
 
 
 def test_up_gives_each_unit_its_devices_and_the_outer_their_batch(monkeypatch):
-    from services.orchestration import commands
-    from services.orchestration.local.settings import UpSettings
-
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     settings = UpSettings(batch_size=8, devices_per_unit=2)
     env = commands.learner_env(settings, 1)
