@@ -113,12 +113,23 @@ def test_bad_checkpoints_are_refused() -> None:
         core.import_state(snapshot.versions, snapshot.params, snapshot.opt_leaves)
 
 
+def _header_and_data(blob: memoryview) -> tuple[dict, bytes]:
+    length = int.from_bytes(blob[:8], "little")
+    return msgpack.unpackb(blob[8 : 8 + length], raw=False), bytes(blob[8 + length :])
+
+
+def _rebuilt(header: dict, data: bytes) -> bytes:
+    packed = msgpack.packb(header, use_bin_type=True)
+    return len(packed).to_bytes(8, "little") + packed + data
+
+
 def test_a_checkpoint_with_malformed_books_is_refused() -> None:
     """The ledger and evaluation parts are validated on load, like every other record."""
     core = _core()
-    body = msgpack.unpackb(
-        checkpoint.dumps(checkpoint.OuterSnapshot("j", "tiny", *core.export_state())), raw=False
+    body, data = _header_and_data(
+        checkpoint.dumps(checkpoint.OuterSnapshot("j", "tiny", *core.export_state()))
     )
+    checkpoint.loads(_rebuilt(body, data))
     for part, bad in (
         ("ledger", {"applied": -1}),
         ("ledger", {"applied_rounds": {"0": [[3, "x"]]}}),
@@ -126,7 +137,29 @@ def test_a_checkpoint_with_malformed_books_is_refused() -> None:
         ("evaluation", "not a record"),
     ):
         with pytest.raises(checkpoint.CheckpointError, match=part):
-            checkpoint.loads(msgpack.packb({**body, part: bad}, use_bin_type=True))
+            checkpoint.loads(_rebuilt({**body, part: bad}, data))
+
+
+def test_an_array_the_header_places_outside_the_data_is_refused() -> None:
+    """The header is read as hostile: an array must lie inside the data, with a plain dtype."""
+    core = _core()
+    body, data = _header_and_data(
+        checkpoint.dumps(checkpoint.OuterSnapshot("j", "tiny", *core.export_state()))
+    )
+    name, entry = next(iter(body["params"][0].items()))
+    for bad in (
+        {**entry, "offset": len(data)},
+        {**entry, "offset": -4},
+        {**entry, "shape": [len(data)]},
+        {**entry, "shape": [-1]},
+        {**entry, "dtype": "|O"},
+        {**entry, "dtype": "no such dtype"},
+    ):
+        params = [{**body["params"][0], name: bad}, *body["params"][1:]]
+        with pytest.raises(checkpoint.CheckpointError, match="malformed array"):
+            checkpoint.loads(_rebuilt({**body, "params": params}, data))
+    with pytest.raises(checkpoint.CheckpointError, match="header"):
+        checkpoint.loads((1 << 40).to_bytes(8, "little") + data)
 
 
 async def _connect(url: str):
