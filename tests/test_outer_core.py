@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import threading
 import time
 
@@ -175,12 +176,65 @@ def test_participation_scale_makes_one_of_k_arrivals_a_1_over_k_step():
 def test_each_policy_merges_arrivals_one_at_a_time():
     policy = MergePolicy("each", 1, 0.5, 0.0, 30.0)
     assert policy.deadline() is None
-    policy.add(arrival(0, {}, at=1.0))
-    policy.add(arrival(1, {}, at=1.0))
+    for unit in range(3):
+        policy.add(arrival(unit, {}, at=1.0))
     assert policy.ready(1.0)
     assert [a.unit for a in policy.take()] == [0]
-    assert [a.unit for a in policy.take()] == [1]
+    assert [a.unit for a in policy.take(4)] == [1, 2]
     assert not policy.ready(2.0)
+
+
+def test_a_backlog_under_each_is_applied_in_turn_as_the_arrivals_would_be_alone():
+    """Three arrivals waiting under ``each``: one program applies the oldest two, each in its
+    own outer step with its own staleness, then the third; the params, the versions and the
+    staleness are those of merging each as it came (up to float rounding)."""
+    named = tiny_named()
+    rng = np.random.default_rng(7)
+    deltas = [
+        {k: rng.normal(0, 1e-4, v.shape).astype(np.float32) for k, v in named.items()}
+        for _ in range(3)
+    ]
+    algorithm = outer_algorithm(4, peer_review=False)
+    alone, backlog = OuterCore(named, algorithm), OuterCore(named, algorithm)
+    merged_alone = []
+    for unit, delta in enumerate(deltas):
+        alone.offer(0, arrival(unit, delta))
+        merged_alone.append(alone.merge(0))
+    for unit, delta in enumerate(deltas):
+        backlog.offer(0, arrival(unit, delta))
+    first, second = backlog.merge(0), backlog.merge(0)
+    assert [a.unit for a in first.arrivals] == [0, 1] and first.staleness == [0, 1]
+    assert [a.unit for a in second.arrivals] == [2] and second.staleness == [2]
+    assert [r.staleness for r in merged_alone] == [[0], [1], [2]]
+    assert (first.version, second.version) == (2, 3) and backlog.version(0) == 3
+    assert not backlog.due(time.monotonic())
+    want = alone.full_params()
+    for key, value in backlog.full_params().items():
+        np.testing.assert_allclose(value, want[key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_warm_up_compiles_the_programs_of_a_backlog_beside_the_first_step(caplog):
+    """The one-arrival program compiles before ``warm_up`` returns; those of a backlog (2 and
+    4 arrivals) on its thread, so that no merge of a backlog waits for a compilation."""
+    named = tiny_named()
+    core = OuterCore(named, outer_algorithm(4, peer_review=False))
+    thread = core.warm_up()
+    assert thread is not None
+    thread.join(120)
+    zero = {k: np.zeros_like(v) for k, v in named.items()}
+    for round_ in range(2):
+        for unit in range(4 - round_):
+            core.offer(0, arrival(unit, zero, round_=round_))
+    jax.config.update("jax_log_compiles", True)
+    try:
+        with caplog.at_level(logging.WARNING):
+            merged = [len(core.merge(0).arrivals) for _ in range(3)]
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert merged == [4, 2, 1]
+    assert not [r.message for r in caplog.records if "Compiling jit(steps)" in r.message]
+    quorum = OuterCore(named, outer_algorithm(4, peer_review=False, merge_policy="quorum"))
+    assert quorum.warm_up() is None
 
 
 def test_quorum_waits_for_k_then_for_active_units_inside_the_grace_window():

@@ -16,6 +16,7 @@ from services.outer.optimizer import (
     DelayedNesterovState,
     make_outer_optimizer,
     make_outer_step,
+    make_outer_steps,
     momentum_of,
 )
 from services.outer.staleness import StalenessRule
@@ -590,3 +591,39 @@ def test_outer_step_reports_the_size_of_its_change_of_the_momentum_and_of_the_pa
         else:
             expected = np.sqrt(sum(np.sum(v**2) for v in to_np(momentum).values()))
             np.testing.assert_allclose(float(momentum_norm), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["sgd", "nesterov", "delayed_nesterov"])
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_steps_run_together_equal_the_steps_one_by_one(name, count):
+    """``make_outer_steps`` applies updates in turn, each with its own freshness and scale, as
+    the one-step program would one by one (up to float rounding: XLA fuses their arithmetic);
+    it reports the norm of their change together, of the momentum left and of the params."""
+    opt = make_outer_optimizer(name, 0.7, 0.9, 3)
+    step, steps = make_outer_step(opt), make_outer_steps(opt)
+    rng = np.random.default_rng(80 + count)
+    start = rand_tree(rng)
+    state = opt.init(start)
+    for _ in range(2):  # a momentum to carry, and a milestone of Delayed Nesterov inside
+        start, state, *_ = step(start, state, rand_tree(rng))
+    grads = [rand_tree(rng) for _ in range(count)]
+    freshness = tuple(float(f) for f in rng.uniform(0, 1, count))
+    scales = tuple(float(f) for f in rng.uniform(0.2, 1, count))
+    params, one_by_one = start, state
+    for g, f, c in zip(grads, freshness, scales, strict=True):
+        params, one_by_one, *_ = step(params, one_by_one, g, f, 1, c)
+    out = steps(start, state, tuple(grads), freshness, (1,) * count, scales)
+    assert_tree_close(out.params, params, rtol=1e-5, atol=1e-6)
+    for got, want in zip(
+        jax.tree_util.tree_leaves(out.opt_state), jax.tree_util.tree_leaves(one_by_one), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    change = np.sqrt(sum(np.sum((to_np(params)[k] - to_np(start)[k]) ** 2) for k in SHAPES))
+    np.testing.assert_allclose(float(out.update_norm), change, rtol=1e-4)
+    size = np.sqrt(sum(np.sum(to_np(params)[k] ** 2) for k in SHAPES))
+    np.testing.assert_allclose(float(out.params_norm), size, rtol=1e-5)
+    momentum = momentum_of(one_by_one)
+    expected = (
+        0.0 if momentum is None else np.sqrt(sum(np.sum(v**2) for v in to_np(momentum).values()))
+    )
+    np.testing.assert_allclose(float(out.momentum_norm), expected, rtol=1e-5)

@@ -8,7 +8,9 @@ v_p that counts outer steps. An arrival for p computed against base version b ha
 s = v_p − b. At merge time each buffered arrival gets a staleness weight s(·) and a token
 weight w (``merge.token_weight``); they are combined (weighted or radial-directional average),
 optionally scaled by the share of units that took part, and applied with the outer optimizer:
-v_p += 1. Before an arrival is buffered, the norm guard (``norm_guard.py``) rejects or clips one
+v_p += 1. Under the ``each`` policy every arrival is a merge and an outer step of its own; when
+several wait, up to ``EACH_BATCH`` of them are applied in turn by one program (v_p += each).
+Before an arrival is buffered, the norm guard (``norm_guard.py``) rejects or clips one
 whose norm is far above what the fragment's merges have seen, and peer review (``peers.py``)
 judges its pace, direction and size against the other units' latest uploads; one without
 enough peers yet is held (not merged) until :meth:`OuterCore.settle` can judge it.
@@ -17,6 +19,7 @@ enough peers yet is held (not merged) until :meth:`OuterCore.settle` can judge i
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,11 +32,15 @@ import optax
 from services.outer import merge
 from services.outer.errors import Rejected
 from services.outer.norm_guard import InnerBound, NormGuard, update_norm
-from services.outer.optimizer import make_outer_optimizer, make_outer_step
+from services.outer.optimizer import make_outer_optimizer, make_outer_step, make_outer_steps
 from services.outer.peers import MIN_PEERS, PeerReview
 from services.outer.policy import Arrival, MergePolicy
 from services.outer.staleness import StalenessRule
 from shared.fragments import FragmentPlan, plan_fragments
+
+#: Most waiting arrivals the ``each`` policy applies in one program (a power of two: a
+#: backlog runs programs of 4, 2 and 1 arrivals, each compiled once).
+EACH_BATCH = 4
 
 
 @dataclass(frozen=True)
@@ -161,6 +168,7 @@ class OuterCore:
             algorithm.optimizer, algorithm.lr, algorithm.momentum, algorithm.dn_period
         )
         self._step = make_outer_step(self.optimizer)
+        self._steps = make_outer_steps(self.optimizer)
         self.guard = NormGuard(
             self.plan.count,
             algorithm.norm_guard,
@@ -193,15 +201,46 @@ class OuterCore:
                 _Fragment.of(pieces, init_opt_state(pieces), 0, self._new_policy())
             )
 
-    def warm_up(self) -> None:
+    def warm_up(self) -> threading.Thread | None:
         """Compile the outer step of every fragment now (state unchanged), so that the first
-        merge is as fast as the others and no backlog builds up behind a compilation."""
+        merge is as fast as the others and no backlog builds up behind a compilation. Under
+        ``each``, the programs of a backlog (2 .. ``EACH_BATCH`` arrivals at once; seconds each
+        at ``medium``) compile on a daemon thread meanwhile, returned (None under ``quorum``)."""
         zeros_like = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree))
+        backlogs = []
         for fragment in self.fragments:
             zeros = zeros_like(fragment.params)
             # The arguments of a merge's call (a default left out compiles another program).
-            step = self._step(fragment.params, fragment.opt_state, zeros, 1.0, 1, 1.0)
-            jax.block_until_ready(step)
+            if fragment.policy.kind == "each":
+                jax.block_until_ready(self._each_steps(fragment, (zeros,)))
+                backlogs.append((fragment, zeros))
+            else:
+                step = self._step(fragment.params, fragment.opt_state, zeros, 1.0, 1, 1.0)
+                jax.block_until_ready(step)
+        if not backlogs:
+            return None
+
+        def compile_backlogs() -> None:
+            for count in (1 << i for i in range(1, EACH_BATCH.bit_length())):
+                for fragment, zeros in backlogs:
+                    jax.block_until_ready(self._each_steps(fragment, (zeros,) * count))
+
+        thread = threading.Thread(target=compile_backlogs, name="outer-step-warm-up", daemon=True)
+        thread.start()
+        return thread
+
+    def _each_steps(self, fragment: _Fragment, pseudo_grads: tuple[Any, ...]) -> Any:
+        """The steps of a warm-up: ``pseudo_grads`` applied to ``fragment`` as arrivals of
+        the current version, the result dropped."""
+        count = len(pseudo_grads)
+        return self._steps(
+            fragment.params,
+            fragment.opt_state,
+            pseudo_grads,
+            (1.0,) * count,
+            (1,) * count,
+            (1.0,) * count,
+        )
 
     def _new_policy(self) -> MergePolicy:
         a = self.algorithm
@@ -486,8 +525,13 @@ class OuterCore:
         return min(pending) if pending else None
 
     def merge(self, fragment: int) -> MergeResult:
-        """Merge the buffered arrivals of ``fragment`` and apply one outer step."""
+        """Merge the buffered arrivals of ``fragment``: under ``quorum`` all of them in one
+        outer step, under ``each`` the oldest ones each in a step of its own
+        (:meth:`_merge_in_turn`)."""
         state = self.fragments[fragment]
+        if state.policy.kind == "each":
+            waiting = min(len(state.policy.buffer), EACH_BATCH)
+            return self._merge_in_turn(fragment, state.policy.take(1 << (waiting.bit_length() - 1)))
         arrivals = state.policy.take()
         a = self.algorithm
         staleness = [state.version - arr.base_version for arr in arrivals]
@@ -528,6 +572,46 @@ class OuterCore:
         state.params, state.opt_state = step.params, step.opt_state
         state.params_norm = float(step.params_norm)
         state.version += 1
+        self.guard.merged(
+            fragment, [(arr.unit, arr.norm) for arr in arrivals if arr.norm is not None]
+        )
+        return MergeResult(
+            fragment,
+            state.version,
+            arrivals,
+            staleness,
+            float(step.update_norm),
+            float(step.momentum_norm),
+            self._shares[fragment],
+        )
+
+    def _merge_in_turn(self, fragment: int, arrivals: list[Arrival]) -> MergeResult:
+        """Apply ``arrivals`` (oldest first) to ``fragment``, each in an outer step of its own
+        as if it had come alone, the steps run as one program (``make_outer_steps``: the
+        state is read and written once for all of them). A backlog of uploads costs the outer
+        less per upload this way, and the steps are the ones each upload would have had;
+        each arrival's staleness counts the arrivals applied before it."""
+        state = self.fragments[fragment]
+        a = self.algorithm
+        staleness = [state.version + i - arr.base_version for i, arr in enumerate(arrivals)]
+        freshness, scales = [], []
+        for s in staleness:
+            factor = float(a.staleness.weight(s))
+            if a.participation_scale and a.optimizer != "delayed_nesterov":
+                factor *= 1 / a.num_units  # one unit's update: 1/K of a synchronous round
+            freshness.append(self._freshness([s]))
+            scales.append(factor)
+        step = self._steps(
+            state.params,
+            state.opt_state,
+            tuple(arr.pseudo_grad for arr in arrivals),
+            tuple(freshness),
+            (1,) * len(arrivals),
+            tuple(scales),
+        )
+        state.params, state.opt_state = step.params, step.opt_state
+        state.params_norm = float(step.params_norm)
+        state.version += len(arrivals)
         self.guard.merged(
             fragment, [(arr.unit, arr.norm) for arr in arrivals if arr.norm is not None]
         )

@@ -166,11 +166,13 @@ class MergePolicy:
         deadline = self.deadline()
         return deadline is not None and now >= deadline
 
-    def take(self) -> list[Arrival]:
-        """Remove and return what the next merge uses: the oldest arrival under ``each``,
-        everything buffered under ``quorum``."""
+    def take(self, most: int = 1) -> list[Arrival]:
+        """Remove and return what the next merge uses: the ``most`` oldest arrivals under
+        ``each`` (each is applied in a step of its own), everything buffered under
+        ``quorum``."""
         if self.kind == "each":
-            return [self.buffer.pop(0)] if self.buffer else []
+            taken, self.buffer = self.buffer[:most], self.buffer[most:]
+            return taken
         taken, self.buffer, self.quorum_at = self.buffer, [], None
         self.fresh_units = set()
         return taken
