@@ -1,8 +1,10 @@
-"""Process-wide set-up every service does once at start: logging and JAX's compile cache."""
+"""Process-wide set-up every service does once at start: logging, JAX's compile cache and the
+garbage collector."""
 
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import signal
@@ -48,3 +50,17 @@ def setup_logging(level: str = "INFO", name: str = "") -> None:
     )
     # nats-py logs every reconnect attempt at INFO; keep our own logs readable.
     logging.getLogger("nats").setLevel(logging.WARNING)
+
+
+def freeze_startup_heap() -> None:
+    """Take every object alive now out of the garbage collector's walks, for good.
+
+    A service holds hundreds of thousands of objects from its start-up that live as long as it
+    does (imported modules, JAX's and pydantic's tables, the model), and every full collection
+    walks them all again. The outer allocates fast under load (NATS messages, retries,
+    futures), so collections come often: py-spy on the outer of ``diloco loadtest --units 32``
+    found the collector in 7.8% of its threads' busy samples. Frozen, these objects are never
+    walked. Call this once, after the start-up's allocations.
+    """
+    gc.collect()
+    gc.freeze()

@@ -62,7 +62,7 @@ from shared.records.outer import (
     StandbyStatus,
 )
 from shared.retry import NATS_ERRORS, QUICK, retry
-from shared.runtime import configure_jax
+from shared.runtime import configure_jax, freeze_startup_heap
 from shared.transport import TransportError
 from shared.transport.blobs import chunk_size_for
 from shared.transport.connection import connect_with_retry
@@ -222,6 +222,7 @@ class OuterService:
                 restarts it as a standby).
         """
         await asyncio.get_running_loop().run_in_executor(None, self.build_math)
+        freeze_startup_heap()
         nc = await connect_with_retry(
             self.settings, f"outer-{self.settings.job}", stopping=self.stop.is_set
         )
