@@ -92,8 +92,10 @@ class OuterAlgorithm:
 
 @dataclass
 class MergeResult:
-    """One outer step: which fragment, its new version, what went into it, and the L2 norms of
-    the change it made to the fragment's params and of the momentum it leaves. ``share`` is the
+    """One merge: which fragment, its new version, what went into it, and the L2 norms of the
+    change it made to the fragment's params and of the momentum it leaves. A merge is one outer
+    step, or under ``each`` the steps of a backlog run together (``version`` is then the last
+    step's, ``update_norm`` the norm of their change together). ``share`` is the
     fragment's share of the model's parameters: an upload of it carries that share of the
     training its tokens stand for (the books count its tokens × share)."""
 
