@@ -72,6 +72,9 @@ log = logging.getLogger(__name__)
 
 ACK_WAIT_S = 300.0
 DESIRED_POLL_S = 2.0  # seconds between reads of the units' desired states
+# A pause this long without any upload message lets the outer commit what it merged (under a
+# steady stream of uploads it commits every --commit-every-s instead).
+IDLE_COMMIT_S = 0.1
 
 
 class OuterService:
@@ -370,11 +373,13 @@ class OuterService:
     async def _serve_once(
         self, js: Any, sub: Any, store: checkpoint.CheckpointStore
     ) -> bool | None:
-        """Fetch, take and merge once; commit, publish and acknowledge when nothing more is
-        waiting or the last commit is ``--commit-every-s`` old. Returns whether nothing came
-        (idle), or None when stopping."""
+        """Fetch, take and merge once; commit, publish and acknowledge when the uploads pause
+        (no message for ``IDLE_COMMIT_S``) or the last commit is ``--commit-every-s`` old.
+        Returns whether nothing came (idle), or None when stopping."""
         deadline = self.core.next_deadline()
         wait_s = 1.0 if deadline is None else min(1.0, max(0.05, deadline - time.monotonic()))
+        if self._dirty:
+            wait_s = min(wait_s, IDLE_COMMIT_S)
         try:
             msgs = await retry(
                 lambda w=wait_s: self._fetch(sub, w),
@@ -396,13 +401,14 @@ class OuterService:
             self.intake.reject_held(arrival, rejected)
             self._dirty = True
         self._uncommitted += await self.merge_due(time.monotonic())
-        # More may be waiting when the fetch came back full: go on taking and merging, and
-        # commit once for all of them, unless the last commit is older than the budget.
-        more_waiting = len(msgs) >= self.settings.fetch_batch
+        # While uploads keep coming, go on taking and merging, and commit once for all of them
+        # when the budget is spent: a checkpoint of the whole state for every few uploads cost
+        # the outer more CPU than the uploads themselves (docs/NETWORK.md, "Load test").
+        idle = not msgs
         due = time.monotonic() - self._committed_at >= self.settings.commit_every_s
-        if self._dirty and (due or not more_waiting) and not await self._settle_up(js, store):
+        if self._dirty and (due or idle) and not await self._settle_up(js, store):
             return None
-        return not msgs
+        return idle
 
     async def _settle_up(self, js: Any, store: checkpoint.CheckpointStore) -> bool:
         """Commit, then publish every fragment merged since the last commit, acknowledge the
