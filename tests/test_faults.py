@@ -411,7 +411,7 @@ def test_waiting_uploads_share_one_commit_and_merge_as_they_would_one_by_one(
 ) -> None:
     """The same stored uploads, one message per fetch so that more are always waiting: an outer
     that commits after every fetch (``--commit-every-s 0``) and one whose commit budget outlasts
-    them (60 s: it commits once nothing more is waiting) end at the same params bit for bit;
+    them (60 s: it commits once the uploads pause) end at the same params bit for bit;
     the second committed a handful of checkpoints, not one per upload, and acknowledged every
     message after its commit."""
     count = 24

@@ -7,13 +7,13 @@ Protocol per fetched batch of chunk messages (docs/ARCHITECTURE.md, "life of a p
    by reason in the books (``ledger.py``);
 2. offer each good one to ``OuterCore``, whose merge policy decides when a fragment is merged
    (every arrival alone, or a quorum plus an adaptive grace window);
-3. when nothing more is waiting (the fetch came back short), or the last commit is
+3. when the uploads pause (no message for ``IDLE_COMMIT_S``), or the last commit is
    ``--commit-every-s`` old: commit a checkpoint of the whole outer state (``checkpoint.py``;
    fenced by the leader lease, ``lease.py``), then publish the new global params of every
    fragment merged since the last commit, then ack the chunks of every upload that went into
    those merges and terminate (after copying them to the dead-letter subject) those of every
    rejected upload (``publishing.py``). While uploads keep coming, many merges thus share one
-   commit and one publish of the params: the merges are the same, in the same order.
+   commit and one publish of the params: the uploads are applied in the same order.
 
 So a message is acknowledged only once what it changed is durable, and a restarted outer
 resumes from the last commit: uploads applied before it are recognised by (unit, round) and
