@@ -402,8 +402,8 @@ class OuterService:
             self._dirty = True
         self._uncommitted += await self.merge_due(time.monotonic())
         # While uploads keep coming, go on taking and merging, and commit once for all of them
-        # when the budget is spent: a checkpoint of the whole state for every few uploads cost
-        # the outer more CPU than the uploads themselves (docs/NETWORK.md, "Load test").
+        # when the budget is spent: a checkpoint of the whole state every few uploads cost the
+        # outer as much CPU as the uploads themselves (docs/NETWORK.md, "Load test").
         idle = not msgs
         due = time.monotonic() - self._committed_at >= self.settings.commit_every_s
         if self._dirty and (due or idle) and not await self._settle_up(js, store):
