@@ -32,7 +32,12 @@ import optax
 from services.outer import merge
 from services.outer.errors import Rejected
 from services.outer.norm_guard import InnerBound, NormGuard, update_norm
-from services.outer.optimizer import make_outer_optimizer, make_outer_step, make_outer_steps
+from services.outer.optimizer import (
+    OuterStep,
+    make_outer_optimizer,
+    make_outer_step,
+    make_outer_steps,
+)
 from services.outer.peers import MIN_PEERS, PeerReview
 from services.outer.policy import Arrival, MergePolicy
 from services.outer.staleness import StalenessRule
@@ -207,7 +212,9 @@ class OuterCore:
         """Compile the outer step of every fragment now (state unchanged), so that the first
         merge is as fast as the others and no backlog builds up behind a compilation. Under
         ``each``, the programs of a backlog (2 .. ``EACH_BATCH`` arrivals at once; seconds each
-        at ``medium``) compile on a daemon thread meanwhile, returned (None under ``quorum``)."""
+        at ``medium``) compile meanwhile on a thread of its own, returned (None under ``quorum``);
+        it is not a daemon: a process that exits mid-compilation waits for it (XLA aborts the
+        process when the interpreter shuts down under a compiling thread)."""
         zeros_like = jax.jit(lambda tree: jax.tree_util.tree_map(jnp.zeros_like, tree))
         backlogs = []
         for fragment in self.fragments:
@@ -227,7 +234,7 @@ class OuterCore:
                 for fragment, zeros in backlogs:
                     jax.block_until_ready(self._each_steps(fragment, (zeros,) * count))
 
-        thread = threading.Thread(target=compile_backlogs, name="outer-step-warm-up", daemon=True)
+        thread = threading.Thread(target=compile_backlogs, name="outer-step-warm-up")
         thread.start()
         return thread
 
@@ -571,21 +578,7 @@ class OuterCore:
             len(per_unit),
             factor,
         )
-        state.params, state.opt_state = step.params, step.opt_state
-        state.params_norm = float(step.params_norm)
-        state.version += 1
-        self.guard.merged(
-            fragment, [(arr.unit, arr.norm) for arr in arrivals if arr.norm is not None]
-        )
-        return MergeResult(
-            fragment,
-            state.version,
-            arrivals,
-            staleness,
-            float(step.update_norm),
-            float(step.momentum_norm),
-            self._shares[fragment],
-        )
+        return self._merged(fragment, arrivals, staleness, step, steps=1)
 
     def _merge_in_turn(self, fragment: int, arrivals: list[Arrival]) -> MergeResult:
         """Apply ``arrivals`` (oldest first) to ``fragment``, each in an outer step of its own
@@ -611,9 +604,22 @@ class OuterCore:
             (1,) * len(arrivals),
             tuple(scales),
         )
+        return self._merged(fragment, arrivals, staleness, step, steps=len(arrivals))
+
+    def _merged(
+        self,
+        fragment: int,
+        arrivals: list[Arrival],
+        staleness: list[int],
+        step: OuterStep,
+        steps: int,
+    ) -> MergeResult:
+        """Take the result of a merge's ``steps`` outer steps into ``fragment`` and the norm
+        guard's history; returns the merge's record."""
+        state = self.fragments[fragment]
         state.params, state.opt_state = step.params, step.opt_state
         state.params_norm = float(step.params_norm)
-        state.version += len(arrivals)
+        state.version += steps
         self.guard.merged(
             fragment, [(arr.unit, arr.norm) for arr in arrivals if arr.norm is not None]
         )
