@@ -207,6 +207,11 @@ def test_a_backlog_under_each_is_applied_in_turn_as_the_arrivals_would_be_alone(
     assert [a.unit for a in second.arrivals] == [2] and second.staleness == [2]
     assert [r.staleness for r in merged_alone] == [[0], [1], [2]]
     assert (first.version, second.version) == (2, 3) and backlog.version(0) == 3
+    assert (first.steps, second.steps) == (2, 1)  # the books count outer steps: the version
+    ledger = OuterLedger()
+    for result in (first, second):
+        ledger.merged(result.arrivals, result.staleness, result.share, result.steps)
+    assert (ledger.merges, ledger.applied) == (3, 3)
     assert not backlog.due(time.monotonic())
     want = alone.full_params()
     for key, value in backlog.full_params().items():

@@ -99,10 +99,10 @@ class OuterAlgorithm:
 class MergeResult:
     """One merge: which fragment, its new version, what went into it, and the L2 norms of the
     change it made to the fragment's params and of the momentum it leaves. A merge is one outer
-    step, or under ``each`` the steps of a backlog run together (``version`` is then the last
-    step's, ``update_norm`` the norm of their change together). ``share`` is the
-    fragment's share of the model's parameters: an upload of it carries that share of the
-    training its tokens stand for (the books count its tokens × share)."""
+    step, or under ``each`` the ``steps`` steps of a backlog run together, one per arrival
+    (``version`` is then the last step's, ``update_norm`` the norm of their change together).
+    ``share`` is the fragment's share of the model's parameters: an upload of it carries that
+    share of the training its tokens stand for (the books count its tokens × share)."""
 
     fragment: int
     version: int
@@ -111,6 +111,7 @@ class MergeResult:
     update_norm: float
     momentum_norm: float
     share: float = 1.0
+    steps: int = 1
 
 
 @dataclass
@@ -631,6 +632,7 @@ class OuterCore:
             float(step.update_norm),
             float(step.momentum_norm),
             self._shares[fragment],
+            steps,
         )
 
 

@@ -108,16 +108,22 @@ class OuterLedger:
         self.payload_bytes += payload_bytes
 
     def merged(
-        self, arrivals: Sequence[Arrival], staleness: Sequence[int], share: float = 1.0
+        self,
+        arrivals: Sequence[Arrival],
+        staleness: Sequence[int],
+        share: float = 1.0,
+        steps: int = 1,
     ) -> None:
-        """Enter one outer step and the uploads it applied (with their staleness).
+        """Enter a merge's outer steps (one, or under ``each`` one per upload of a backlog
+        applied together) and the uploads they applied (with their staleness): ``merges``
+        counts outer steps, so it equals the version.
 
         ``share``: the merged fragment's share of the parameters. With P fragments a unit's
         training reaches the model through P uploads, each of one fragment: each counts its
         tokens × share, so that the tokens applied add up to the tokens trained (not P times
         them), and goodput stays a share of the units' compute.
         """
-        self.merges += 1
+        self.merges += steps
         for arrival, stale in zip(arrivals, staleness, strict=True):
             tokens = round(arrival.tokens * share)
             self.applied_rounds.setdefault(arrival.unit, RoundSet()).add(arrival.round)

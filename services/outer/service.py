@@ -468,7 +468,7 @@ class OuterService:
         results = await loop.run_in_executor(None, self._merge_all_due, now)
         for result in results:
             self._dirty = True
-            self.ledger.merged(result.arrivals, result.staleness, result.share)
+            self.ledger.merged(result.arrivals, result.staleness, result.share, result.steps)
             self.intake.merged(result.arrivals)
             self.progress.merged(result, self.ledger.tokens_applied)
         return results
