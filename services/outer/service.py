@@ -75,6 +75,11 @@ DESIRED_POLL_S = 2.0  # seconds between reads of the units' desired states
 # A pause this long without any upload message lets the outer commit what it merged (under a
 # steady stream of uploads it commits every --commit-every-s instead).
 IDLE_COMMIT_S = 0.1
+# While uploads keep coming, commits (checkpoint, params publish, acknowledgements) take at most
+# this share of the outer's time: the next one waits for --commit-every-s, or for
+# (1 / COMMIT_SHARE - 1) times as long as the last one took, whichever is longer. A model whose
+# checkpoint takes seconds to write is then not checkpointed back to back.
+COMMIT_SHARE = 0.1
 
 
 class OuterService:
@@ -102,6 +107,7 @@ class OuterService:
         self.set_aside: set[int] = set()  # of those, the units peer review sets aside
         self._dirty = False  # the state changed since the last commit
         self._committed_at = 0.0  # time.monotonic() of the last commit
+        self._settle_s = 0.0  # seconds the last commit, publish and acknowledgement took
         self._uncommitted: list[MergeResult] = []  # merges since the last commit
         self._shard_tokens: dict[int, int] = {}  # tokens the other shards had applied
         self._shard_checkpoints: dict[int, str] = {}  # the other shards' checkpoints read
@@ -405,10 +411,20 @@ class OuterService:
         # when the budget is spent: a checkpoint of the whole state every few uploads cost the
         # outer as much CPU as the uploads themselves (docs/NETWORK.md, "Load test").
         idle = not msgs
-        due = time.monotonic() - self._committed_at >= self.settings.commit_every_s
-        if self._dirty and (due or idle) and not await self._settle_up(js, store):
-            return None
+        due = time.monotonic() - self._committed_at >= self._commit_interval()
+        if self._dirty and (due or idle):
+            started = time.monotonic()
+            if not await self._settle_up(js, store):
+                return None
+            self._settle_s = time.monotonic() - started
         return idle
+
+    def _commit_interval(self) -> float:
+        """Seconds of merging, while uploads keep coming, from one commit to the next:
+        ``--commit-every-s``, or longer where the last commit took more than ``COMMIT_SHARE``
+        of that (0: after every fetch)."""
+        every = self.settings.commit_every_s
+        return max(every, self._settle_s * (1 / COMMIT_SHARE - 1)) if every > 0 else 0.0
 
     async def _settle_up(self, js: Any, store: checkpoint.CheckpointStore) -> bool:
         """Commit, then publish every fragment merged since the last commit, acknowledge the
