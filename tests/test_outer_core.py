@@ -393,14 +393,15 @@ def test_the_outer_event_loop_keeps_running_while_a_merge_is_slow(tmp_path, monk
 
 @pytest.mark.parametrize(
     ("every", "settle_s", "interval"),
-    [(2.0, 0.0, 2.0), (2.0, 0.1, 2.0), (2.0, 0.5, 4.5), (0.0, 0.5, 0.0)],
+    [(2.0, 0.0, 2.0), (2.0, 0.1, 2.0), (2.0, 0.3, 2.7), (2.0, 3.0, 4.0), (0.0, 0.5, 0.0)],
 )
 def test_commits_take_at_most_their_share_of_the_outer_s_time(
     tmp_path, every: float, settle_s: float, interval: float
 ) -> None:
     """While uploads keep coming, the next commit waits for ``--commit-every-s``, or for nine
-    times as long as the last commit took where that is longer (``COMMIT_SHARE``); 0 still
-    commits after every fetch."""
+    times as long as the last commit took where that is longer (``COMMIT_SHARE``), but not
+    more than twice ``--commit-every-s`` (``COMMIT_STRETCH``: what was merged is held until
+    the commit); 0 still commits after every fetch."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(256)) * 40)
     settings = OuterSettings(job="share", model="tiny", corpus=str(corpus), commit_every_s=every)

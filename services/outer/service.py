@@ -77,9 +77,11 @@ DESIRED_POLL_S = 2.0  # seconds between reads of the units' desired states
 IDLE_COMMIT_S = 0.1
 # While uploads keep coming, commits (checkpoint, params publish, acknowledgements) take at most
 # this share of the outer's time: the next one waits for --commit-every-s, or for
-# (1 / COMMIT_SHARE - 1) times as long as the last one took, whichever is longer. A model whose
-# checkpoint takes seconds to write is then not checkpointed back to back.
+# (1 / COMMIT_SHARE - 1) times as long as the last one took, whichever is longer, but at most
+# COMMIT_STRETCH times --commit-every-s: everything merged since the last commit is held in
+# memory until it (unbounded, 128 units of `medium` held 15 GB and the kernel killed the outer).
 COMMIT_SHARE = 0.1
+COMMIT_STRETCH = 2.0
 
 
 class OuterService:
@@ -422,9 +424,10 @@ class OuterService:
     def _commit_interval(self) -> float:
         """Seconds of merging, while uploads keep coming, from one commit to the next:
         ``--commit-every-s``, or longer where the last commit took more than ``COMMIT_SHARE``
-        of that (0: after every fetch)."""
+        of that, up to ``COMMIT_STRETCH`` times as long (0: after every fetch)."""
         every = self.settings.commit_every_s
-        return max(every, self._settle_s * (1 / COMMIT_SHARE - 1)) if every > 0 else 0.0
+        stretched = min(self._settle_s * (1 / COMMIT_SHARE - 1), COMMIT_STRETCH * every)
+        return max(every, stretched)
 
     async def _settle_up(self, js: Any, store: checkpoint.CheckpointStore) -> bool:
         """Commit, then publish every fragment merged since the last commit, acknowledge the

@@ -112,7 +112,8 @@ class OuterSettings(
         description="while uploads keep coming, seconds of merging between two checkpoint "
         "commits (each followed by a params publish and the uploads' acknowledgements); the "
         "outer commits at once whenever the uploads pause (no message for 0.1 s), and waits "
-        "longer where a commit took more than a tenth of the interval. 0: after every fetch",
+        "up to twice as long where a commit took more than a tenth of the interval. 0: after "
+        "every fetch",
     )
     max_upload_bytes: int = Field(
         1 << 30, gt=0, description="largest pseudo-gradient message accepted"
