@@ -78,8 +78,8 @@ IDLE_COMMIT_S = 0.1
 # While uploads keep coming, commits (checkpoint, params publish, acknowledgements) take at most
 # this share of the outer's time: the next one waits for --commit-every-s, or for
 # (1 / COMMIT_SHARE - 1) times as long as the last one took, whichever is longer, but at most
-# COMMIT_STRETCH times --commit-every-s: everything merged since the last commit is held in
-# memory until it (unbounded, 128 units of `medium` held 15 GB and the kernel killed the outer).
+# COMMIT_STRETCH times --commit-every-s, which bounds the memory held: everything merged since
+# the last commit stays in memory until it.
 COMMIT_SHARE = 0.1
 COMMIT_STRETCH = 2.0
 
