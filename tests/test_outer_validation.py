@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import time
 from typing import Any
 
@@ -262,9 +263,13 @@ def core() -> OuterCore:
     return OuterCore(named, algorithm)
 
 
-def make_intake(core: OuterCore, max_pending_uploads: int = 4) -> Intake:
+def make_intake(
+    core: OuterCore, max_pending_uploads: int = 4, max_pending_bytes: int = 1 << 30
+) -> Intake:
     core.import_state(*core.export_state())  # empty buffers, same versions
-    return Intake(RULES, core, OuterLedger(), DeadLetters(JOB), max_pending_uploads)
+    return Intake(
+        RULES, core, OuterLedger(), DeadLetters(JOB), max_pending_uploads, max_pending_bytes
+    )
 
 
 def take(intake: Intake, messages: list[Message]) -> int:
@@ -392,7 +397,7 @@ def test_after_a_restart_the_books_give_each_units_newest_round(core: OuterCore)
     core.import_state(*core.export_state())  # empty buffers, same versions
     ledger = OuterLedger()
     ledger.reject("too_stale", (0, 12))  # as restored from a checkpoint
-    intake = Intake(RULES, core, ledger, DeadLetters(JOB), max_pending_uploads=4)
+    intake = Intake(RULES, core, ledger, DeadLetters(JOB), 4, 1 << 30)
     assert intake.order.newest(0) == 12 and intake.order.newest(1) == -1
     replay = chunks(envelope(unit=0, round=11, base_version=core.version(0)))
     assert take(intake, replay) == 1 and ledger.rejected["round_replayed"] == 1
@@ -424,7 +429,7 @@ def test_the_fingerprints_of_merged_uploads_survive_a_restart_and_buffered_ones_
     # The restarted outer: its books say unit 0's round 0 was applied.
     ledger = OuterLedger()
     ledger.merged([first], [0])
-    restarted = Intake(RULES, core, ledger, DeadLetters(JOB), max_pending_uploads=4)
+    restarted = Intake(RULES, core, ledger, DeadLetters(JOB), 4, 1 << 30)
     restarted.order.restore(snapshot.fingerprints)
     core.import_state(*core.export_state())  # empty buffers
     again = chunks(envelope(unit=1, round=0, base_version=version, tensors=tensors(0.02)))
@@ -447,10 +452,48 @@ def test_zero_updates_of_several_units_are_not_taken_for_replays(core: OuterCore
     assert intake.ledger.codecs == {"int8": 3} and not intake.ledger.rejected
 
 
+def test_uploads_of_128_units_interleaved_chunk_by_chunk_all_complete_by_default() -> None:
+    """Under the outer's default limits every unit of a 128-unit job can be mid-upload at once
+    (the load test's 128 units lost uploads as ``incomplete_upload`` when 64 were held)."""
+    from services.outer.settings import OuterSettings
+
+    fields = OuterSettings.model_fields
+    named = {name: np.zeros(shape, np.float32) for name, shape in SHAPES.items()}
+    fresh = OuterCore(named, outer_algorithm(128))
+    intake = Intake(
+        RULES,
+        fresh,
+        OuterLedger(),
+        DeadLetters(JOB),
+        fields["max_pending_uploads"].default,
+        fields["max_pending_bytes"].default,
+    )
+    uploads = [
+        chunks(envelope(unit=u, base_version=fresh.version(0), tensors=tensors(1e-4 * (u + 1))), 64)
+        for u in range(128)
+    ]
+    assert min(len(parts) for parts in uploads) >= 2
+    interleaved = [m for layer in itertools.zip_longest(*uploads) for m in layer if m]
+    assert take(intake, interleaved) == 0
+    assert len(intake.buffered) == 128 and intake.reassembler.evicted == 0
+
+
+def test_a_chunk_naming_another_unit_s_upload_is_refused_alone(core: OuterCore) -> None:
+    """Unit 1 sends a chunk that fits unit 0's upload, under its id: the chunk is rejected as
+    ``inconsistent_ids`` before it joins (or could evict) that upload, which completes."""
+    intake = make_intake(core)
+    honest = chunks(envelope(unit=0, round=7, base_version=core.version(0)))
+    forged = dataclasses.replace(honest[1], subject=subjects.grads_subject(JOB, 1, 0))
+    forged.data = b"\xff" * len(forged.data)
+    assert take(intake, [honest[0], forged, *honest[1:]]) == 1
+    assert dict(intake.ledger.rejected) == {"inconsistent_ids": 1}
+    assert intake.buffered == {upload_id(JOB, 0, 7, 0)}
+
+
 def test_an_upload_held_for_peers_and_then_rejected_is_counted_and_dead_lettered() -> None:
     named = {name: np.zeros(shape, np.float32) for name, shape in SHAPES.items()}
     reviewing = OuterCore(named, outer_algorithm(4, peer_review=True))
-    intake = Intake(RULES, reviewing, OuterLedger(), DeadLetters(JOB), 4)
+    intake = Intake(RULES, reviewing, OuterLedger(), DeadLetters(JOB), 4, 1 << 30)
 
     def agreeing(own: float) -> dict[str, np.ndarray]:
         return {

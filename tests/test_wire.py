@@ -574,11 +574,11 @@ def test_eviction_of_least_recently_active_upload() -> None:
     assert reassembler.pending == 2 and reassembler.evicted == 0
     reassembler.add(ChunkInfo("c", 0, 2, 20), b"c" * 10)  # evicts "a"
     assert reassembler.pending == 2 and reassembler.evicted == 1
-    assert reassembler.recently_evicted == ("a",)
+    assert reassembler.take_evicted() == ["a"] and reassembler.take_evicted() == []
     # "b" is touched again, so "c" is now the oldest and goes when "d" arrives.
     reassembler.add(ChunkInfo("b", 0, 2, 20), b"b" * 10)
     reassembler.add(ChunkInfo("d", 0, 2, 20), b"d" * 10)
-    assert reassembler.recently_evicted == ("a", "c") and reassembler.evicted == 2
+    assert reassembler.take_evicted() == ["c"] and reassembler.evicted == 2
     assert reassembler.add(ChunkInfo("b", 1, 2, 20), b"B" * 10) == b"b" * 10 + b"B" * 10
     # An evicted upload restarts from scratch: its second chunk alone does not complete it.
     assert reassembler.add(ChunkInfo("a", 1, 2, 20), b"A" * 10) is None
@@ -598,9 +598,36 @@ def test_discard_and_constructor_validation() -> None:
     reassembler.discard("a")
     reassembler.discard("never-seen")
     assert reassembler.pending == 0 and reassembler.evicted == 0
-    for args in ((-1, 1), (10, 0), (10.0, 1), (10, True)):
+    for args in ((-1, 1), (10, 0), (10.0, 1), (10, True), (10, 1, 9), (10, 1, 10.0)):
         with pytest.raises(WireError):
             Reassembler(*args)  # type: ignore[arg-type]
+
+
+def test_a_sender_over_the_limits_evicts_its_own_uploads_not_the_others() -> None:
+    """Three senders' uploads and one of "x" fit in 100 bytes; each further upload of "x"
+    goes over the limit, and as "x" holds the most uploads, its own least recently active one
+    is evicted. The others' uploads complete."""
+    reassembler = Reassembler(max_upload_bytes=40, max_pending_uploads=100, max_pending_bytes=100)
+    for sender in "abc":
+        assert reassembler.add(ChunkInfo(sender, 0, 2, 20), b"1" * 10, sender) is None
+    assert reassembler.add(ChunkInfo("x1", 0, 2, 40), b"x" * 20, "x") is None
+    assert reassembler.pending_bytes == 100 and reassembler.evicted == 0
+    assert reassembler.add(ChunkInfo("x2", 0, 2, 40), b"x" * 20, "x") is None
+    assert reassembler.take_evicted() == ["x1"] and reassembler.pending_bytes == 100
+    assert reassembler.add(ChunkInfo("x3", 0, 2, 40), b"x" * 20, "x") is None
+    assert reassembler.take_evicted() == ["x2"]
+    assert reassembler.add(ChunkInfo("x3", 1, 2, 40), b"x" * 20, "x") == b"x" * 40
+    for sender in "abc":
+        done = reassembler.add(ChunkInfo(sender, 1, 2, 20), b"2" * 10, sender)
+        assert done == b"1" * 10 + b"2" * 10
+    assert reassembler.pending == 0 and reassembler.pending_bytes == 0 and reassembler.evicted == 2
+
+
+def test_the_byte_limit_evicts_the_least_recently_active_upload_of_one_per_sender() -> None:
+    reassembler = Reassembler(max_upload_bytes=90, max_pending_uploads=100, max_pending_bytes=100)
+    reassembler.add(ChunkInfo("small", 0, 2, 20), b"s" * 10)
+    reassembler.add(ChunkInfo("huge", 0, 2, 90), b"h" * 45)
+    assert reassembler.take_evicted() == ["small"] and reassembler.pending_bytes == 90
 
 
 def test_empty_blob_round_trip() -> None:

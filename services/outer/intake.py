@@ -7,8 +7,10 @@ For each chunk message, in order:
    redelivery after a crash, or a retry) is acknowledged and counted as ``deduplicated``; one
    of a rejected upload is dead-lettered and terminated; one of an upload buffered in the core
    waits for that upload's merge;
-3. the chunk joins its upload (``bad_chunk`` if it does not fit; an upload evicted before it
-   was complete is ``incomplete_upload``);
+3. the chunk joins its upload (``inconsistent_ids`` if its id names another unit than its
+   subject, ``bad_chunk`` if it does not fit). Incomplete uploads are held up to
+   ``--max-pending-uploads`` and ``--max-pending-bytes``; beyond either, the least recently
+   active one of the unit holding the most is evicted and rejected as ``incomplete_upload``;
 4. a complete upload is validated (``validation.py``), checked against the unit's order of
    rounds and recent payloads (``order.py``: ``round_replayed``, ``payload_replayed``) and
    offered to the core (which may still reject it as too stale or from the future).
@@ -37,6 +39,7 @@ from services.outer.order import UploadOrder
 from services.outer.policy import Arrival
 from services.outer.publishing import DeadLetters
 from services.outer.validation import UploadRules, validate
+from shared import subjects
 from shared.wire.chunks import Reassembler, WireError, parse_chunk_headers, parse_upload_id
 
 log = logging.getLogger(__name__)
@@ -56,20 +59,22 @@ class Intake:
         ledger: OuterLedger,
         dead_letters: DeadLetters,
         max_pending_uploads: int,
+        max_pending_bytes: int,
     ) -> None:
         self.rules = rules
         self.core = core
         self.ledger = ledger
         self.dead_letters = dead_letters
         self.reassembler = Reassembler(
-            max_upload_bytes=rules.max_upload_bytes, max_pending_uploads=max_pending_uploads
+            max_upload_bytes=rules.max_upload_bytes,
+            max_pending_uploads=max_pending_uploads,
+            max_pending_bytes=max_pending_bytes,
         )
         self.order = UploadOrder(ledger)
         self.quarantined: set[int] = set()  # units whose uploads are refused (the service's)
         self.buffered: set[str] = set()
         self._rejected_uploads: set[str] = set()
         self._chunks: dict[str, list[Any]] = collections.defaultdict(list)
-        self._evictions_seen = 0
         self._rejections = 0
 
     async def take(self, messages: Iterable[Any]) -> int:
@@ -98,16 +103,24 @@ class Intake:
                 continue
             if info.upload in self.buffered:
                 continue  # acknowledged with the rest of its upload once merged
+            if not self._on_its_unit_s_subject(info.upload, msg.subject):
+                detail = f"a chunk of {info.upload} came on {msg.subject}"
+                self._reject([msg], Rejected("inconsistent_ids", detail), None)
+                continue
             self._chunks[info.upload].append(msg)
             try:
-                blob = self.reassembler.add(info, msg.data)
+                blob = self.reassembler.add(info, msg.data, _sender(msg.subject))
             except WireError as err:
                 self.reassembler.discard(info.upload)
                 upload_msgs = self._chunks.pop(info.upload)
                 self._reject(upload_msgs, Rejected("bad_chunk", str(err)), info.upload)
                 continue
-            for evicted in self._drain_evicted():
-                detail = f"{evicted} evicted before completion"
+            for evicted in self.reassembler.take_evicted():
+                detail = (
+                    f"{evicted} evicted before completion: more incomplete uploads than "
+                    "--max-pending-uploads, or more of their bytes than --max-pending-bytes; "
+                    "its unit held the most of them"
+                )
                 upload_msgs = self._chunks.pop(evicted, [])
                 self._reject(upload_msgs, Rejected("incomplete_upload", detail), evicted)
             if blob is not None:
@@ -173,6 +186,18 @@ class Intake:
         self.ledger.accept(valid.codec, valid.payload_bytes)
         self.buffered.add(upload)
 
+    def _on_its_unit_s_subject(self, upload: str, subject: str) -> bool:
+        """Whether a chunk of one of this job's uploads came on the subject of the unit its id
+        names: another unit's chunk must not join (or evict) that unit's upload. Other ids
+        pass; validation rejects their uploads whole."""
+        try:
+            job, unit, _, _ = parse_upload_id(upload)
+        except WireError:
+            return True
+        return job != self.rules.job or _sender(subject) == _sender(
+            subjects.grads_subject(job, unit, 0)
+        )
+
     def _done(self, upload: str) -> str | None:
         """Whether an upload of this job was applied or rejected before (by its id)."""
         try:
@@ -183,8 +208,8 @@ class Intake:
             return None
         return self.ledger.is_done(unit, round_)
 
-    def _drain_evicted(self) -> list[str]:
-        """Uploads the reassembler evicted since the last call."""
-        new = self.reassembler.evicted - self._evictions_seen
-        self._evictions_seen = self.reassembler.evicted
-        return list(self.reassembler.recently_evicted[-new:]) if new else []
+
+def _sender(subject: str) -> str:
+    """Who sent a chunk: the unit part of its subject (``diloco.<job>.grads.<unit>``), which
+    the unit's credentials alone may publish to."""
+    return subject.rpartition(".")[0]

@@ -152,7 +152,12 @@ class OuterService:
             batch_size=s.batch_size,
         )
         self.intake = Intake(
-            rules, self.core, self.ledger, self.dead_letters, s.max_pending_uploads
+            rules,
+            self.core,
+            self.ledger,
+            self.dead_letters,
+            s.max_pending_uploads,
+            s.max_pending_bytes,
         )
 
     @property

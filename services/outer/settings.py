@@ -119,7 +119,17 @@ class OuterSettings(
         1 << 30, gt=0, description="largest pseudo-gradient message accepted"
     )
     max_pending_uploads: int = Field(
-        64, ge=1, description="incomplete uploads kept in memory before the oldest is dropped"
+        1024,
+        ge=1,
+        description="incomplete uploads held in memory at once; beyond, one is dropped: the "
+        "least recently active one of the unit holding the most of them",
+    )
+    max_pending_bytes: int = Field(
+        4 << 30,
+        gt=0,
+        description="bytes the incomplete uploads hold in memory at once (each is allocated "
+        "whole at its first chunk); beyond, one is dropped as for --max-pending-uploads. At "
+        "least --max-upload-bytes",
     )
     status_interval_s: float = Field(1.0, gt=0, description="seconds between heartbeats")
     lease_s: float = Field(
@@ -149,6 +159,15 @@ class OuterSettings(
                 f"shard {self.shard} of {self.shards}: shards are 0..{self.shards - 1}"
             )
         check_shards(self.shards, self.fragments)
+        return self
+
+    @model_validator(mode="after")
+    def _check_pending_bytes(self) -> OuterSettings:
+        if self.max_pending_bytes < self.max_upload_bytes:
+            raise ValueError(
+                f"max-pending-bytes {self.max_pending_bytes} < max-upload-bytes "
+                f"{self.max_upload_bytes}: the largest upload would not fit"
+            )
         return self
 
     @model_validator(mode="after")

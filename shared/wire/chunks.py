@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numbers
 import re
-from collections import OrderedDict, deque
-from collections.abc import Mapping
+from collections import OrderedDict, defaultdict
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,13 +259,14 @@ def split_chunks(blob: bytes | memoryview, chunk_size: int) -> list[memoryview]:
 class _Upload:
     """Receive state of one incomplete upload."""
 
-    __slots__ = ("buffer", "chunk_size", "count", "received", "remaining", "total_size")
+    __slots__ = ("buffer", "chunk_size", "count", "received", "remaining", "sender", "total_size")
 
-    def __init__(self, count: int, total_size: int, chunk_size: int) -> None:
+    def __init__(self, count: int, total_size: int, chunk_size: int, sender: Hashable) -> None:
         self.count = count
         self.total_size = total_size
         self.chunk_size = chunk_size
-        # bytearray(n) is zero-filled lazily by the OS, so memory is committed as chunks land.
+        self.sender = sender
+        # Committed at once: bytearray(n) writes its n zero bytes.
         self.buffer = bytearray(total_size)
         self.received = bytearray(count)
         self.remaining = count
@@ -295,33 +296,50 @@ def _implied_chunk_size(info: ChunkInfo, length: int) -> int:
 class Reassembler:
     """Collects chunks (any order, duplicates allowed) and returns each blob once complete.
 
-    Memory is bounded by ``max_pending_uploads * max_upload_bytes``: a whole upload is
-    preallocated as one bytearray when its first chunk arrives, and when too many uploads are
-    incomplete the least recently active one is evicted. A completed upload is forgotten, so
-    redelivered chunks of it start it again; deduplicating whole uploads is the caller's job.
+    A whole upload is preallocated as one bytearray when its first chunk arrives, so memory is
+    bounded by ``max_pending_bytes``: when the incomplete uploads hold more than that, or are
+    more than ``max_pending_uploads``, one is evicted: the least recently active upload of the
+    sender holding the most incomplete uploads. One sender that floods the reassembler thus
+    evicts its own uploads, not the others'; among senders of one upload each, the least
+    recently active upload goes. A completed
+    upload is forgotten, so redelivered chunks of it start it again; deduplicating whole
+    uploads is the caller's job.
     """
 
-    def __init__(self, max_upload_bytes: int, max_pending_uploads: int) -> None:
+    def __init__(
+        self,
+        max_upload_bytes: int,
+        max_pending_uploads: int,
+        max_pending_bytes: int | None = None,
+    ) -> None:
         """Create an empty reassembler.
 
         Args:
             max_upload_bytes: Largest accepted ``total_size``.
             max_pending_uploads: Most incomplete uploads held at once, >= 1.
+            max_pending_bytes: Most bytes the incomplete uploads' buffers hold at once,
+                >= ``max_upload_bytes``; None: ``max_pending_uploads * max_upload_bytes``.
 
         Raises:
             WireError: if a limit is not a valid int.
         """
+        if max_pending_bytes is None and is_int(max_upload_bytes) and is_int(max_pending_uploads):
+            max_pending_bytes = max_pending_uploads * max_upload_bytes
         for name, value, low in (
             ("max_upload_bytes", max_upload_bytes, 0),
             ("max_pending_uploads", max_pending_uploads, 1),
+            ("max_pending_bytes", max_pending_bytes, max_upload_bytes),
         ):
             if not is_int(value) or value < low:
                 raise WireError(f"{name} must be an int >= {low}, got {value!r:.100}")
         self._max_upload_bytes = max_upload_bytes
         self._max_pending = max_pending_uploads
+        self._max_pending_bytes = max_pending_bytes
         # Insertion order doubles as recency order: each chunk moves its upload to the end.
         self._uploads: OrderedDict[str, _Upload] = OrderedDict()
-        self._recently_evicted: deque[str] = deque(maxlen=64)
+        self._sender_uploads: defaultdict[Hashable, int] = defaultdict(int)
+        self._pending_bytes = 0
+        self._evicted: list[str] = []
         self.evicted = 0
         """Number of incomplete uploads evicted so far."""
         self.duplicates = 0
@@ -333,11 +351,18 @@ class Reassembler:
         return len(self._uploads)
 
     @property
-    def recently_evicted(self) -> tuple[str, ...]:
-        """Ids of the (up to 64) most recently evicted uploads, oldest first."""
-        return tuple(self._recently_evicted)
+    def pending_bytes(self) -> int:
+        """Bytes the incomplete uploads' buffers hold."""
+        return self._pending_bytes
 
-    def add(self, info: ChunkInfo, data: bytes) -> memoryview | None:
+    def take_evicted(self) -> list[str]:
+        """Ids of the uploads evicted since the last call, oldest eviction first."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    def add(
+        self, info: ChunkInfo, data: bytes, sender: Hashable | None = None
+    ) -> memoryview | None:
         """Store one chunk.
 
         A chunk that raises leaves the reassembler unchanged.
@@ -345,6 +370,8 @@ class Reassembler:
         Args:
             info: The chunk's position, usually from :func:`parse_chunk_headers`.
             data: The chunk bytes.
+            sender: Who sent the upload (e.g. its unit, from an authenticated subject), for
+                the evictions; taken from the upload's first chunk. None: the upload id.
 
         Returns:
             The whole blob (a read-only view of the buffer it was assembled in, not a copy)
@@ -388,9 +415,13 @@ class Reassembler:
         if info.count == 1:
             return view.toreadonly()
         if upload is None:
-            upload = _Upload(info.count, info.total_size, chunk_size)
-            self._uploads[info.upload] = upload
-            self._evict_beyond_limit()
+            upload = _Upload(
+                info.count, info.total_size, chunk_size, info.upload if sender is None else sender
+            )
+            self._hold(info.upload, upload)
+            self._evict_beyond_limits()
+            if info.upload not in self._uploads:
+                return None  # evicted at once: its sender holds the most
         else:
             self._uploads.move_to_end(info.upload)
 
@@ -403,7 +434,7 @@ class Reassembler:
         upload.remaining -= 1
         if upload.remaining:
             return None
-        del self._uploads[info.upload]
+        self._release(info.upload)
         return memoryview(upload.buffer).toreadonly()
 
     def discard(self, upload: str) -> None:
@@ -412,10 +443,32 @@ class Reassembler:
         Args:
             upload: The upload id.
         """
-        self._uploads.pop(upload, None)
+        if upload in self._uploads:
+            self._release(upload)
 
-    def _evict_beyond_limit(self) -> None:
-        while len(self._uploads) > self._max_pending:
-            oldest, _ = self._uploads.popitem(last=False)
+    def _hold(self, upload_id: str, upload: _Upload) -> None:
+        self._uploads[upload_id] = upload
+        self._sender_uploads[upload.sender] += 1
+        self._pending_bytes += upload.total_size
+
+    def _release(self, upload_id: str) -> _Upload:
+        upload = self._uploads.pop(upload_id)
+        self._pending_bytes -= upload.total_size
+        self._sender_uploads[upload.sender] -= 1
+        if not self._sender_uploads[upload.sender]:
+            del self._sender_uploads[upload.sender]
+        return upload
+
+    def _evict_beyond_limits(self) -> None:
+        while (
+            len(self._uploads) > self._max_pending or self._pending_bytes > self._max_pending_bytes
+        ):
+            most = max(self._sender_uploads.values())
+            victim = next(
+                upload_id
+                for upload_id, upload in self._uploads.items()
+                if self._sender_uploads[upload.sender] == most
+            )
+            self._release(victim)
             self.evicted += 1
-            self._recently_evicted.append(oldest)
+            self._evicted.append(victim)
