@@ -1,4 +1,4 @@
-"""Load test of the outer and the broker: ``diloco loadtest`` with 4, 8, 16, 32 and 64 synthetic
+"""Load test of the outer and the broker: ``diloco loadtest`` with 4 to 160 synthetic
 units of the ``medium`` model, each uploading every 10 s through its own shaped link and
 fetching the params it would adopt; the stages' table, the outer's CPU-seconds per applied
 upload and MB, and the saturation point with its noise go into the "Load test" section of
@@ -7,7 +7,7 @@ BENCHMARKS.md.
 1. **Sweep**: one ``diloco loadtest`` over every unit count of ``--units`` (seed ``--seed``).
 2. **Repeats**: its deciding stages, the last stage that kept up and the first that saturated
    (the largest stage alone when none saturated), run again ``--repeats`` times, each a fresh
-   ``diloco loadtest --units 16,32`` with the next seed (other phases and payloads). The
+   ``diloco loadtest --units 128,160`` with the next seed (other phases and payloads). The
    saturation point is claimed only when the sweep and every repeat agree on both stages;
    otherwise it is not determined at the ``--saturation-share`` margin, and the claim fails.
 
@@ -16,7 +16,7 @@ figures). The outer's CPU-seconds per applied upload (and MB) are its CPU cores 
 (``/proc`` user + system time of its process, ``services/loadtest/stage.py``) over the uploads
 (MB) per second it applied in that window.
 
-    .venv/bin/python bench/loadtest.py --write            # sweep + 3 repeats (about 25 min)
+    .venv/bin/python bench/loadtest.py --write            # sweep + repeats (about an hour)
     .venv/bin/python bench/loadtest.py --render --write   # the section from the stored runs
     .venv/bin/python bench/loadtest.py --quick            # the smoke version (tiny, 2 stages)
 """
@@ -693,7 +693,7 @@ def measure(args: argparse.Namespace, path: Path) -> LoadtestResults:
 def parser() -> argparse.ArgumentParser:
     out = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     out.add_argument("--model", default="medium")
-    out.add_argument("--units", default="4,16,32,64,96,128", help="the sweep's unit counts")
+    out.add_argument("--units", default="4,16,32,64,96,128,160", help="the sweep's unit counts")
     out.add_argument("--upload-every-s", type=float, default=10.0)
     out.add_argument("--link", default="100mbit/25ms")
     out.add_argument("--warmup-s", type=float, default=30.0)
