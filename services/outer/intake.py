@@ -103,7 +103,7 @@ class Intake:
                 continue
             if info.upload in self.buffered:
                 continue  # acknowledged with the rest of its upload once merged
-            if not self._on_its_unit_s_subject(info.upload, msg.subject):
+            if not self._came_from_its_unit(info.upload, msg.subject):
                 detail = f"a chunk of {info.upload} came on {msg.subject}"
                 self._reject([msg], Rejected("inconsistent_ids", detail), None)
                 continue
@@ -186,7 +186,7 @@ class Intake:
         self.ledger.accept(valid.codec, valid.payload_bytes)
         self.buffered.add(upload)
 
-    def _on_its_unit_s_subject(self, upload: str, subject: str) -> bool:
+    def _came_from_its_unit(self, upload: str, subject: str) -> bool:
         """Whether a chunk of one of this job's uploads came on the subject of the unit its id
         names: another unit's chunk must not join (or evict) that unit's upload. Other ids
         pass; validation rejects their uploads whole."""

@@ -297,13 +297,13 @@ class Reassembler:
     """Collects chunks (any order, duplicates allowed) and returns each blob once complete.
 
     A whole upload is preallocated as one bytearray when its first chunk arrives, so memory is
-    bounded by ``max_pending_bytes``: when the incomplete uploads hold more than that, or are
-    more than ``max_pending_uploads``, one is evicted: the least recently active upload of the
-    sender holding the most incomplete uploads. One sender that floods the reassembler thus
-    evicts its own uploads, not the others'; among senders of one upload each, the least
-    recently active upload goes. A completed
-    upload is forgotten, so redelivered chunks of it start it again; deduplicating whole
-    uploads is the caller's job.
+    bounded by ``max_pending_bytes`` (plus, for a moment, the upload that goes over it): when
+    the incomplete uploads hold more than that, or are more than ``max_pending_uploads``, one
+    is evicted: the least recently active upload of the sender holding the most incomplete
+    uploads. One sender that floods the reassembler thus evicts its own uploads, not the
+    others'; among senders of one upload each, the least recently active upload goes. A
+    completed upload is forgotten, so redelivered chunks of it start it again; deduplicating
+    whole uploads is the caller's job.
     """
 
     def __init__(
