@@ -1,7 +1,8 @@
 """The claims of ``bench/loadtest.py`` hold for figures that meet them and fail for figures that
-do not: up to 64 units keep up and 96 saturate in every run, a saturated outer merges at the
-documented rate with the cores busy, an applied MB costs the outer what the documents say; the
-saturation point is reported only when the sweep and every repeat of its deciding stages agree.
+do not: up to the documented units keep up and the documented saturated stage saturates in
+every run, a saturated outer merges at the documented rate with the cores busy, an applied MB
+costs the outer what the documents say; the saturation point is reported only when the sweep
+and every repeat of its deciding stages agree.
 Runs are built by hand: no load test runs here."""
 
 from __future__ import annotations
@@ -24,18 +25,51 @@ from tests.helpers import REPO
 EVIDENCE = Path("bench/results/loadtest.json")
 
 
-@pytest.fixture
-def lt(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    monkeypatch.syspath_prepend(str(REPO / "bench"))
+def load() -> ModuleType:
+    """bench/loadtest.py as a module (bench/ must be on sys.path)."""
     spec = importlib.util.spec_from_file_location(
         "loadtest_under_test", REPO / "bench" / "loadtest.py"
     )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while defined
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop(spec.name, None)
+    return module
+
+
+@pytest.fixture
+def lt(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    module = load()
+    sys.modules["loadtest_under_test"] = module
     yield module
-    sys.modules.pop(spec.name, None)
+    sys.modules.pop("loadtest_under_test", None)
+
+
+def documented() -> tuple[int, int, float, float]:
+    """What the documents say: the most units the outer keeps up with, the fewest that
+    saturate it, and two rates of a saturated outer inside the documented range
+    (bench/loadtest.py's ``DOCUMENTED_KEPT``, ``DOCUMENTED_SATURATED``, ``SATURATED_RATE``)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        module = load()
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    low, high = module.SATURATED_RATE
+    return (
+        module.DOCUMENTED_KEPT,
+        module.DOCUMENTED_SATURATED,
+        round(low + 0.75 * (high - low), 2),
+        round(low + 0.25 * (high - low), 2),
+    )
+
+
+# The synthetic runs below are built around the documented stages: K units keep up, S saturate
+# (applying A uploads/s in the sweep and B in the repeats).
+K, S, A, B = documented()
 
 
 def failures(claims, quick: bool = False):
@@ -98,7 +132,7 @@ def report(*stages: LoadtestStage) -> LoadtestReport:
     )
 
 
-def commit_each(units: int = 96) -> LoadtestReport:
+def commit_each(units: int = S) -> LoadtestReport:
     """The saturated stage with a commit after every fetch: fewer uploads/s, more CPU each."""
     return report(stage(units, 2.5, per_commit=1.0, outer_cpu=0.9))
 
@@ -110,7 +144,7 @@ def results(
     wanted: int = 3,
     each: list[LoadtestReport] | None = None,
 ):
-    """Stored results; ``each``: the commit-each runs (default: one per repeat, 96 units)."""
+    """Stored results; ``each``: the commit-each runs (default: one per repeat, S units)."""
     each = [commit_each() for _ in repeats] if each is None else each
     provenance = lt.Provenance(
         commit="abc1234",
@@ -123,21 +157,21 @@ def results(
     return lt.LoadtestResults(
         provenance=provenance,
         sweep=lt.LoadtestRun(
-            role="sweep", units="4,16,32,64,96", seed=0, returncode=0, report=sweep
+            role="sweep", units=f"4,16,32,{K},{S}", seed=0, returncode=0, report=sweep
         ),
         repeats=[
-            lt.LoadtestRun(role="repeat", units="64,96", seed=i, returncode=0, report=r)
+            lt.LoadtestRun(role="repeat", units=f"{K},{S}", seed=i, returncode=0, report=r)
             for i, r in enumerate(repeats, start=1)
         ],
         commit_each=[
-            lt.LoadtestRun(role="commit_each", units="96", seed=i, returncode=0, report=r)
+            lt.LoadtestRun(role="commit_each", units=str(S), seed=i, returncode=0, report=r)
             for i, r in enumerate(each, start=1)
         ],
     )
 
 
-SWEEP = (stage(4), stage(16), stage(32), stage(64), stage(96, 6.0))
-REPEAT = (stage(64), stage(96, 5.76))  # 96 units: 0.60 of the offer
+SWEEP = (stage(4), stage(16), stage(32), stage(K), stage(S, A))
+REPEAT = (stage(K), stage(S, B))
 
 
 def by_text(lt: ModuleType, res) -> dict[str, object]:
@@ -149,19 +183,21 @@ def test_the_documented_run_with_agreeing_repeats_meets_every_claim(lt, tmp_path
     checked = lt.claims(good)
     assert all(claim.holds for claim in checked), checked
     assert not failures(checked)
-    assert lt.deciding(good.sweep.report) == [64, 96]
-    assert lt.verdict(good) == "saturation point: 96 units, 64 units kept up, in all 4 measurements"
+    assert lt.deciding(good.sweep.report) == [K, S]
+    verdict = f"saturation point: {S} units, {K} units kept up, in all 4 measurements"
+    assert lt.verdict(good) == verdict
     claims = by_text(lt, good)
-    assert claims["96 units or more saturate the outer in every run"].measured == (
+    assert claims[f"{S} units or more saturate the outer in every run"].measured == (
         "saturated in 4 of 4"
     )
     assert claims["the outer keeps up"].measured.endswith("lowest of 7: 4 units, sweep (seed 0)")
-    # 0.76 cores over 6.4 uploads/s of 9.7 MB at 64 units: 0.0122 CPU-s per MB, 2.23× less.
+    # 0.76 cores over K / 10 uploads/s of 9.7 MB each.
+    gain = lt.ISSUE_CPU_S_PER_MB / (0.76 / (K / 10 * 9.7))
     cpu = claims[
-        "at 64 units the outer spends ≥ 2× less CPU per applied MB than the 0.0273 CPU-s of "
-        "issue 28, in every run"
+        f"at {K} units the outer spends ≥ {lt.CPU_PER_MB_GAIN:g}× less CPU per applied MB than "
+        "the 0.0273 CPU-s of issue 28, in every run"
     ]
-    assert cpu.holds and cpu.measured.endswith("2.23× (median 2.23×)"), cpu
+    assert cpu.holds and cpu.measured.endswith(f"{gain:.2f}× (median {gain:.2f}×)"), cpu
     # The stored file reloads to the same results, and the section renders from it.
     path = tmp_path / "loadtest.json"
     lt.save(path, good)
@@ -169,32 +205,35 @@ def test_the_documented_run_with_agreeing_repeats_meets_every_claim(lt, tmp_path
     assert again == good
     text = lt.render(again, lt.claims(again), EVIDENCE)
     assert text.startswith("## Load test\n\n`bench/loadtest.py` at commit `abc1234`")
-    # The outer's CPU-seconds per applied upload and per MB: 0.76 cores over 6.0 uploads/s.
-    assert "| 0.127 / 0.0131 |" in text
-    assert "96 units: applied / offered 0.625, 0.600, 0.600, 0.600" in text
-    assert "**saturation point: 96 units, 64 units kept up, in all 4 measurements**" in text
+    # The outer's CPU-seconds per applied upload and per MB: 0.76 cores over A uploads/s.
+    assert f"| {0.76 / A:.3f} / {0.76 / (A * 9.7):.4f} |" in text
+    first, rest = A / (S / 10), B / (S / 10)
+    assert f"{S} units: applied / offered {first:.3f}, {rest:.3f}, {rest:.3f}, {rest:.3f}" in text
+    assert f"**{verdict}**" in text
 
 
 def test_an_edge_stage_that_disagrees_leaves_the_point_undetermined(lt):
-    # The third repeat keeps up at 96 units (0.91 of the offer): the 0.90 margin decides nothing,
-    # which the section reports; and the documents, which say 96 units saturate, are wrong.
+    # The third repeat keeps up at S units (0.91 of the offer): the 0.90 margin decides nothing,
+    # which the section reports; and the documents, which say S units saturate, are wrong.
     edge = results(
         lt,
         report(*SWEEP),
         report(*REPEAT),
         report(*REPEAT),
-        report(stage(64), stage(96, 8.7)),
+        report(stage(K), stage(S, 0.91 * S / 10)),
     )
     assert "not determined at the 0.90 margin" in lt.verdict(edge)
     wrong = [claim.text for claim in lt.claims(edge) if not claim.holds]
     assert wrong == [
-        "96 units or more saturate the outer in every run (docs/NETWORK.md: 96 units saturated "
-        "it in all runs)"
+        f"{S} units or more saturate the outer in every run (docs/NETWORK.md: {S} units "
+        "saturated it in all runs)"
     ]
-    # A repeat in which 64 units fall behind breaks the keep-up claim.
-    slow = results(lt, report(*SWEEP), *(report(stage(64, 4.8), stage(96, 5.76)) for _ in range(3)))
+    # A repeat in which K units fall behind breaks the keep-up claim.
+    behind = 0.75 * K / 10
+    slow = results(lt, report(*SWEEP), *(report(stage(K, behind), stage(S, B)) for _ in range(3)))
     keep_up = by_text(lt, slow)["the outer keeps up"]
-    assert keep_up.holds is False and keep_up.measured.startswith("4.8000 / 6.4000 = 0.750")
+    assert keep_up.holds is False
+    assert keep_up.measured.startswith(f"{behind:.4f} / {K / 10:.4f} = 0.750")
 
 
 def test_missing_repeats_or_a_failed_run_are_not_measured(lt):
@@ -203,7 +242,7 @@ def test_missing_repeats_or_a_failed_run_are_not_measured(lt):
     assert keep_up.holds is None and "repeats are missing" in keep_up.measured
     assert keep_up in failures(lt.claims(short), quick=True)
     short.repeats.append(
-        lt.LoadtestRun(role="repeat", units="64,96", seed=2, returncode=1, report=None)
+        lt.LoadtestRun(role="repeat", units=f"{K},{S}", seed=2, returncode=1, report=None)
     )
     finished = lt.claims(short)[0]
     assert finished.holds is False and "repeat 2 (seed 2) exited 1" in finished.measured
@@ -227,36 +266,57 @@ def test_unbalanced_books_a_slow_stage_and_undocumented_figures_fail(lt):
     assert books.holds is False and books.measured == "7 of 10 stages"
     keep_up = claims["the outer keeps up"]  # 32 units applied 1.5 of 3.2 (16 units 1.0 of 1.6)
     assert keep_up.holds is False and keep_up.measured.startswith("1.5000 / 3.2000 = 0.469")
-    saturate = claims["96 units or more saturate the outer in every run"]
-    assert saturate.holds is False and saturate.measured == "no stage of 96 units or more"
-    rate = claims["a saturated outer applies 2.1–6.9 uploads/s, every saturated stage"]
+    saturate = claims[f"{S} units or more saturate the outer in every run"]
+    assert saturate.holds is False and saturate.measured == f"no stage of {S} units or more"
+    low, high = lt.SATURATED_RATE
+    rate_text = f"a saturated outer applies {low:.1f}–{high:.1f} uploads/s, every saturated stage"
+    rate = claims[rate_text]
     assert rate.holds is False and rate.measured == "1.00–1.50 over 5 stages"
-    # 96 units that kept up contradict the documents.
-    fast = report(stage(32), stage(64), stage(96))
-    none = by_text(lt, results(lt, fast, report(stage(96)), wanted=1))
-    assert none["96 units or more saturate the outer in every run"].holds is False
-    assert none["a saturated outer applies 2.1–6.9 uploads/s, every saturated stage"].holds is False
-    # An outer that spends as much per MB at 64 units as before breaks the CPU claim.
-    costly = report(stage(64, outer_cpu=1.6), stage(96, 5.76))
+    # S units that kept up contradict the documents.
+    fast = report(stage(32), stage(K), stage(S))
+    none = by_text(lt, results(lt, fast, report(stage(S)), wanted=1))
+    assert none[f"{S} units or more saturate the outer in every run"].holds is False
+    assert none[rate_text].holds is False
+    # An outer that spends as much per MB at K units as before (0.0258 CPU-s) breaks the claim.
+    costly = report(stage(K, outer_cpu=0.0258 * K / 10 * 9.7), stage(S, B))
     cpu = next(
         c
         for c in lt.claims(results(lt, report(*SWEEP), costly, wanted=1))
-        if c.text.startswith("at 64 units")
+        if c.text.startswith(f"at {K} units")
     )
     assert cpu.holds is False and cpu.measured.startswith(
         "0.0258 CPU-s per MB at worst over 2 runs"
     )
-    # A run without a stage of 64 units (as a quick run's) measured it: the claim fails, and a
+    # A run without a stage of K units (as a quick run's) measured it: the claim fails, and a
     # quick run, which fails only on what is not measured, passes it.
     small = results(lt, report(stage(1), stage(2)), report(stage(2)), wanted=1)
-    cpu = next(c for c in lt.claims(small) if c.text.startswith("at 64 units"))
-    assert cpu.holds is False and cpu.measured == "no stage of 64 units"
+    cpu = next(c for c in lt.claims(small) if c.text.startswith(f"at {K} units"))
+    assert cpu.holds is False and cpu.measured == f"no stage of {K} units"
     assert cpu not in failures(lt.claims(small), quick=True)
 
 
+def test_the_rate_claim_needs_every_run_s_fastest_stage_at_three_times_issue_28(lt):
+    text = (
+        f"the outer applies ≥ {lt.RATE_GAIN:g}× the 2.87 uploads/s of issue 28 at its fastest "
+        "stage, in every run"
+    )
+    fast = 3.0 * 2.87 + 0.01
+    quick = results(lt, report(*SWEEP), *(report(stage(K), stage(S, fast)) for _ in range(3)))
+    assert by_text(lt, quick)[text].holds
+    # A run whose fastest stage applied 8.0 uploads/s, 2.79× issue 28's, breaks it.
+    slow = [report(stage(K), stage(S, fast)), report(stage(K, 0.5 * K / 10), stage(S, 8.0))]
+    claim = by_text(lt, results(lt, report(*SWEEP), *slow, wanted=2))[text]
+    assert claim.holds is False and claim.measured.endswith("2.79× at worst"), claim
+    tiny = results(lt, report(stage(4), stage(8, 0.5)), report(stage(4), stage(8, 0.5)), wanted=1)
+    claim = by_text(lt, tiny)[text]
+    assert (
+        claim.holds is False and claim.measured == "0.50–0.50 uploads/s over 2 runs: 0.17× at worst"
+    )
+
+
 def test_the_cores_claim_needs_the_machine_busy_at_every_saturated_stage(lt):
-    idle = stage(96, 5.76).model_copy(update={"outer_cpu": 0.5, "generator_cpu": 0.3})
-    res = results(lt, report(*SWEEP), *(report(stage(64), idle) for _ in range(3)))
+    idle = stage(S, B).model_copy(update={"outer_cpu": 0.5, "generator_cpu": 0.3})
+    res = results(lt, report(*SWEEP), *(report(stage(K), idle) for _ in range(3)))
     cores = next(c for c in lt.claims(res) if c.text.startswith("at every saturated stage"))
     assert cores.holds is False and cores.measured == "1.2400 / 2.0000 = 0.620"
 
@@ -277,9 +337,12 @@ def test_batched_commits_are_claimed_from_the_pairs_on_the_same_seed(lt):
         "batched commits cost the outer ≥ 1.2× less CPU per applied MB than a commit "
         "after every fetch, in the median of the pairs on the same seed"
     ]
-    # 0.9 cores over 2.5 uploads/s against 0.76 over 5.76: 2.73× the CPU-s per MB.
-    assert gain.holds and gain.measured.endswith("(median 2.73×)"), gain
-    cheap = [report(stage(96, 2.5, per_commit=1.0, outer_cpu=0.3)) for _ in range(3)]
+    # 0.9 cores over 2.5 uploads/s against 0.76 over B.
+    expected = (0.9 / 2.5) / (0.76 / B)
+    assert gain.holds and gain.measured.endswith(f"(median {expected:.2f}×)"), gain
+    # Half the CPU per MB of the batched stage: 0.76 cores over B uploads/s.
+    cheap_cpu = 0.76 * 2.5 / B / 2
+    cheap = [report(stage(S, 2.5, per_commit=1.0, outer_cpu=cheap_cpu)) for _ in range(3)]
     claims = by_text(lt, results(lt, report(*SWEEP), *repeats, each=cheap))
     assert (
         claims[
@@ -297,4 +360,4 @@ def test_batched_commits_are_claimed_from_the_pairs_on_the_same_seed(lt):
         is None
     )
     text = lt.render(results(lt, report(*SWEEP), *repeats), [], EVIDENCE)
-    assert "| 96 | 1 | after every fetch | 2.50 | 1.0 | 0.90 |" in text
+    assert f"| {S} | 1 | after every fetch | 2.50 | 1.0 | 0.90 |" in text
