@@ -8,8 +8,8 @@ BENCHMARKS.md.
 2. **Repeats**: its deciding stages, the last stage that kept up and the first that saturated
    (the largest stage alone when none saturated), run again ``--repeats`` times, each a fresh
    ``diloco loadtest --units 128,160`` with the next seed (other phases and payloads). The
-   saturation point is claimed only when the sweep and every repeat agree on both stages;
-   otherwise it is not determined at the ``--saturation-share`` margin, and the claim fails.
+   saturation point is stated only when the sweep and every repeat agree on both stages;
+   otherwise the section reports it as not determined at the ``--saturation-share`` margin.
 
 Raw results: ``bench/results/loadtest.json`` (every run's ``LoadtestReport``: each stage's raw
 figures). The outer's CPU-seconds per applied upload (and MB) are its CPU cores over the window
