@@ -25,28 +25,25 @@ from tests.helpers import REPO
 EVIDENCE = Path("bench/results/loadtest.json")
 
 
+UNDER_TEST = "loadtest_under_test"
+
+
 def load() -> ModuleType:
-    """bench/loadtest.py as a module (bench/ must be on sys.path)."""
-    spec = importlib.util.spec_from_file_location(
-        "loadtest_under_test", REPO / "bench" / "loadtest.py"
-    )
+    """bench/loadtest.py as a module, registered in ``sys.modules`` as ``UNDER_TEST`` (its
+    dataclasses and models look their module up there); bench/ must be on ``sys.path``."""
+    spec = importlib.util.spec_from_file_location(UNDER_TEST, REPO / "bench" / "loadtest.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while defined
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.modules.pop(spec.name, None)
+    sys.modules[UNDER_TEST] = module
+    spec.loader.exec_module(module)
     return module
 
 
 @pytest.fixture
 def lt(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
     monkeypatch.syspath_prepend(str(REPO / "bench"))
-    module = load()
-    sys.modules["loadtest_under_test"] = module
-    yield module
-    sys.modules.pop("loadtest_under_test", None)
+    yield load()
+    sys.modules.pop(UNDER_TEST, None)
 
 
 def documented() -> tuple[int, int, float, float]:
@@ -58,6 +55,7 @@ def documented() -> tuple[int, int, float, float]:
         module = load()
     finally:
         sys.path.remove(str(REPO / "bench"))
+        sys.modules.pop(UNDER_TEST, None)
     low, high = module.SATURATED_RATE
     return (
         module.DOCUMENTED_KEPT,

@@ -91,7 +91,8 @@ class Intake:
             except WireError as err:
                 self._reject([msg], Rejected("bad_chunk_header", str(err)), None)
                 continue
-            done = self._done(info.upload)
+            own = self._unit_round(info.upload)
+            done = self.ledger.is_done(*own) if own is not None else None
             if done == "applied":
                 self.ledger.deduplicated += 1
                 with contextlib.suppress(nats.errors.Error):
@@ -103,7 +104,10 @@ class Intake:
                 continue
             if info.upload in self.buffered:
                 continue  # acknowledged with the rest of its upload once merged
-            if not self._came_from_its_unit(info.upload, msg.subject):
+            # Another unit's chunk must not join (or evict) the upload its id names.
+            if own is not None and _sender(msg.subject) != _sender(
+                subjects.grads_subject(self.rules.job, own[0], 0)
+            ):
                 detail = f"a chunk of {info.upload} came on {msg.subject}"
                 self._reject([msg], Rejected("inconsistent_ids", detail), None)
                 continue
@@ -186,27 +190,14 @@ class Intake:
         self.ledger.accept(valid.codec, valid.payload_bytes)
         self.buffered.add(upload)
 
-    def _came_from_its_unit(self, upload: str, subject: str) -> bool:
-        """Whether a chunk of one of this job's uploads came on the subject of the unit its id
-        names: another unit's chunk must not join (or evict) that unit's upload. Other ids
-        pass; validation rejects their uploads whole."""
-        try:
-            job, unit, _, _ = parse_upload_id(upload)
-        except WireError:
-            return True
-        return job != self.rules.job or _sender(subject) == _sender(
-            subjects.grads_subject(job, unit, 0)
-        )
-
-    def _done(self, upload: str) -> str | None:
-        """Whether an upload of this job was applied or rejected before (by its id)."""
+    def _unit_round(self, upload: str) -> tuple[int, int] | None:
+        """The unit and round an upload id of this job names; None for another job's id or
+        one that does not parse (validation rejects such uploads whole)."""
         try:
             job, unit, round_, _ = parse_upload_id(upload)
         except WireError:
             return None
-        if job != self.rules.job:
-            return None
-        return self.ledger.is_done(unit, round_)
+        return (unit, round_) if job == self.rules.job else None
 
 
 def _sender(subject: str) -> str:
