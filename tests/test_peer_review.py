@@ -16,6 +16,7 @@ from services.outer.peers import PeerReview
 from services.outer.service import OuterService
 from services.outer.settings import OuterSettings
 from shared import subjects
+from shared.settings.algorithm import AlgorithmSettings
 from shared.settings.nats import NatsSettings
 from shared.transport.blobs import chunk_size_for, publish_blob
 from shared.transport.connection import connect
@@ -422,6 +423,35 @@ def test_an_honest_upload_against_older_peers_passes_when_their_next_ones_agree(
         outer.offer(0, arrival(unit, update, base_version=3, at=2.0, round_=1))
     assert outer.settle(2.0) == [] and outer.held() == 0
     assert merged_units(outer, 2.0) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("finished", "horizons", "rejected_at"),
+    [
+        ((1, 2, 3), (20,), 1.0),  # every other unit has trained its 20 steps
+        ((1, 2), (20,), 1.0),  # one may still send: a second opinion needs two
+        ((1,), (20,), 31.0),  # two may still send: it waits for them
+        ((1, 2, 3), (), 31.0),  # the units' steps not known (no --learner-steps)
+    ],
+)
+def test_a_doubted_upload_waits_only_for_second_opinions_that_can_come(
+    finished: tuple[int, ...], horizons: tuple[int, ...], rejected_at: float
+) -> None:
+    """A run's last doubted upload does not hold the run's end ``peer_hold_s``: once fewer
+    than 2 other units may still send an upload (the others' uploads have claimed every step
+    they train), it is rejected at once; while they may, it waits for them."""
+    settings = AlgorithmSettings(fragments=1, peer_review=True, peer_hold_s=30.0)
+    outer, named = OuterCore(tiny_named(), settings.outer_algorithm(4, horizons)), tiny_named()
+    for unit in (1, 2, 3):
+        steps = 20 if unit in finished else 10
+        outer.offer(0, arrival(unit, correlated(named, unit), steps=steps, at=0.0))
+    assert outer.settle(0.0) == [] and merged_units(outer, 0.0) == [1, 2, 3]
+    outer.offer(0, arrival(0, correlated(named, 0, sign=-1.0), base_version=3, at=1.0))
+    if rejected_at > 1.0:
+        assert outer.settle(1.0) == [] and outer.held() == 1
+    rejected = outer.settle(rejected_at)
+    assert [(a.unit, why.reason) for a, why in rejected] == [(0, "direction_outlier")]
+    assert outer.held() == 0 and outer.due(rejected_at) == []
 
 
 def test_an_upload_that_finds_no_peers_is_merged_after_peer_hold_s() -> None:

@@ -443,7 +443,8 @@ class OuterCore:
         doubted: it is judged again against the uploads its peers send next (an honest unit's
         update can reverse its peers' older ones where the params moved past a minimum; a
         hostile one keeps disagreeing), and rejected if they still disagree, or if none come
-        within ``peer_hold_s``.
+        within ``peer_hold_s``, or once too few other units may still send one (they have
+        trained to the end: a run's last doubted uploads do not hold its end ``peer_hold_s``).
         """
         rejected: list[tuple[Arrival, Rejected]] = []
         peers = self.peers
@@ -475,7 +476,7 @@ class OuterCore:
                         rejected.append((arrival, why))
                         peers.refuse(fragment, arrival.unit, arrival.upload)
                     continue
-                if review.held and now < entry.deadline:
+                if review.held and now < entry.deadline and not self._unanswered(fragment, entry):
                     waiting.append(entry)
                     continue
                 if review.held and entry.doubt is not None:
@@ -510,6 +511,16 @@ class OuterCore:
     def _waiting(self, fragment: int) -> bool:
         """Whether arrivals of ``fragment`` are held for want of peers."""
         return any(h.doubt is None for h in self._held[fragment])
+
+    def _unanswered(self, fragment: int, entry: _Held) -> bool:
+        """Whether ``entry`` is doubted and fewer than ``MIN_PEERS`` other units may yet send
+        the uploads its second opinion needs (the others have sent every step they train,
+        :meth:`PeerReview.finished`): it waits for none that can come."""
+        peers = self.peers
+        if peers is None or entry.doubt is None or entry.seen is None:
+            return False
+        version = self.fragments[fragment].version
+        return peers.second_opinions(fragment, entry.arrival.unit, version, entry.seen) < MIN_PEERS
 
     def _doubted(self, fragment: int, unit: int) -> bool:
         """Whether an upload of ``unit`` waits for a second opinion on ``fragment``."""

@@ -26,8 +26,9 @@ the honest ones an honest upload is judged by):
   second opinion (``OuterCore.settle``): it waits, unmerged, for its peers' next uploads, as
   an honest update can reverse older ones where the params moved past a minimum, and is
   rejected as ``direction_outlier`` if those disagree too (or none come within
-  ``peer_hold_s``); a unit has one upload waiting so at a time, its next disagreeing one is
-  rejected at once;
+  ``peer_hold_s``, or fewer than ``MIN_PEERS`` other units may still send one: the others'
+  uploads have claimed every step they train, :meth:`PeerReview.finished`); a unit has one
+  upload waiting so at a time, its next disagreeing one is rejected at once;
 * **size**: its norm is clipped to ``NORM_CLIP`` × the upper median of the peers' norms
   (counted as clipped), so one upload weighs at most that many honest ones. Norms are compared
   per √ of the inner steps behind them (noise adds up as √k, drift as k: within the factor for
@@ -218,6 +219,25 @@ class PeerReview:
         if len(self.horizons) == 1:
             return self.horizons[0]
         return self.horizons[unit] if 0 <= unit < len(self.horizons) else None
+
+    def finished(self, fragment: int, unit: int) -> bool:
+        """Whether ``unit``'s uploads of ``fragment`` have claimed every step of its horizon:
+        it sends no more of them (never where its horizon is not known). A unit that claims
+        more steps than it trains, or trains steps again after a restart, reads as finished
+        early."""
+        horizon = self.horizon(unit)
+        latest = self._latest[fragment].get(unit)
+        return horizon is not None and latest is not None and latest.claimed >= horizon
+
+    def second_opinions(
+        self, fragment: int, unit: int, version: int, newer_than: Mapping[int, int]
+    ) -> int:
+        """How many other units may yet judge ``unit``'s doubted upload of ``fragment``: the
+        peers that sent a newer upload than ``newer_than`` counted, and every other unit of the
+        job that has not :meth:`finished` (it may still send one)."""
+        newer = self._peers(fragment, unit, version, newer_than)
+        others = (set(range(self.num_units)) | set(self._latest[fragment])) - {unit} - set(newer)
+        return len(newer) + sum(not self.finished(fragment, other) for other in others)
 
     def quorate(self, fragment: int) -> bool:
         """Whether ``fragment`` has had uploads from ``MIN_PEERS`` + 1 units: the job's start is
