@@ -570,7 +570,8 @@ def test_the_outer_service_holds_first_uploads_for_peers_and_refuses_a_hostile_u
 ) -> None:
     """Through NATS: a 4-unit job's first uploads wait for peers; the unit going against the
     others is dead-lettered as ``direction_outlier`` and counted under its unit, and the rest
-    are applied."""
+    are applied. Each unit trains 10 steps (``--learner-steps``), all in that one upload, so
+    the doubted upload is rejected as soon as its peers' are in: no second opinion can come."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(256)) * 40)
     settings = OuterSettings(
@@ -581,6 +582,7 @@ def test_the_outer_service_holds_first_uploads_for_peers_and_refuses_a_hostile_u
         num_units=4,
         fragments=1,  # the uploads carry the whole model
         peer_review=True,
+        learner_steps="10",  # upload_blob's inner steps
         eval_every_s=3600,
     )
 
