@@ -23,7 +23,7 @@ import pytest
 
 from services.orchestration.nats_server import NatsServer, start_nats_server
 from shared.runtime import configure_jax
-from tests.helpers import ServiceProcesses
+from tests.helpers import ONCE_PER_RUN, ServiceProcesses, run_dir
 from tests.memory_nats import MemoryNats, start_memory_nats
 
 
@@ -41,25 +41,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that starts a nats-server (through the fixture) with ``nats``, and run
     the ``slow`` tier first: with several workers (``-n`` with ``--maxschedchunk 1``, as
     ``make test`` runs it), the long tests are shared out first and the short ones fill the
-    gaps at the end."""
+    gaps at the end. The first test to use each fixture of ``ONCE_PER_RUN`` runs before all,
+    and the others that use it last in their tier, by when it is computed: one worker
+    computes it while the others run other tests."""
     for item in items:
         if "nats_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.nats)
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
-def _run_dir(factory: pytest.TempPathFactory) -> Path:
-    """A folder shared by every worker of this run (``pytest -n``: the workers' base
-    temporary folders sit side by side in it)."""
-    base = factory.getbasetemp()
-    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    first: set[str] = set()
+    order: dict[str, tuple[int, int]] = {}
+    for item in items:
+        once = set(getattr(item, "fixturenames", ())) & set(ONCE_PER_RUN)
+        if once - first:
+            first |= once
+            order[item.nodeid] = (0, 0)
+        else:
+            order[item.nodeid] = (1 + (item.get_closest_marker("slow") is None), bool(once))
+    items.sort(key=lambda item: order[item.nodeid])
 
 
 @pytest.fixture(scope="session", autouse=True)
 def jax_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One persistent JAX compilation cache for every process of the run: the service
     processes the tests start, and the test processes themselves."""
-    cache = _run_dir(tmp_path_factory) / "jax-cache"
+    cache = run_dir(tmp_path_factory) / "jax-cache"
     cache.mkdir(exist_ok=True)
     os.environ["DILOCO_JAX_CACHE"] = str(cache)
     configure_jax()

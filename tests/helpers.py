@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import inspect
 import os
 import signal
@@ -34,6 +35,7 @@ from shared.transport.connection import connect
 from shared.transport.streams import ensure_streams, prepare_streams
 
 if TYPE_CHECKING:
+    import pytest
     from pydantic_settings import BaseSettings
 
     from services.orchestration.local.records import RunSummary
@@ -46,6 +48,31 @@ AUTH = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
 
 T = TypeVar("T")
 SettingsT = TypeVar("SettingsT", bound="BaseSettings")
+
+
+def run_dir(factory: pytest.TempPathFactory) -> Path:
+    """A folder shared by every worker of this run (``pytest -n``: the workers' base
+    temporary folders sit side by side in it)."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+#: Session fixtures whose value :func:`computed_once` computes once for the whole run. The
+#: first test that uses each runs first, the others last in their tier (``tests/conftest.py``),
+#: so that no worker waits while another computes it.
+ONCE_PER_RUN = ("honest_alone", "device_runs")
+
+
+def computed_once(factory: pytest.TempPathFactory, name: str, compute: Callable[[], str]) -> str:
+    """``compute()``'s text, computed once for the whole run: the first worker to ask computes
+    it under a file lock, the others (and later asks) read what it wrote."""
+    shared = run_dir(factory)
+    result = shared / f"{name}.txt"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            result.write_text(compute())
+    return result.read_text()
 
 
 def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, interval_s: float = 0.2) -> T:

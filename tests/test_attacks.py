@@ -24,15 +24,13 @@ merging"), with 3 seeds of clean runs and 2 hostile units of 8.
 
 from __future__ import annotations
 
-import fcntl
-import os
 from pathlib import Path
 
 import pytest
 
 from services.orchestration.local.records import RunSummary
 from shared.settings.algorithm import AlgorithmSettings
-from tests.helpers import run_up_to_end
+from tests.helpers import computed_once, run_up_to_end
 
 pytestmark = pytest.mark.slow  # real processes and nats-server (run by make test)
 
@@ -68,18 +66,13 @@ def final_eval(summary: RunSummary) -> float:
 @pytest.fixture(scope="session")
 def honest_alone(tmp_path_factory: pytest.TempPathFactory, jax_cache: Path) -> float:
     """The final eval of the 3 honest units alone in a job of 4's momentum period: run once
-    for every test worker (the first to ask runs it under a file lock, the others read its
-    result)."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    result = shared / "attacks-honest-alone.txt"
-    with open(shared / "attacks-honest-alone.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not result.exists():
-            folder = tmp_path_factory.mktemp("honest-alone")
-            summary = run(folder, jax_cache, 3, "--dn-period", "4")
-            result.write_text(repr(final_eval(summary)))
-    return float(result.read_text())
+    for the whole run (:func:`computed_once`)."""
+
+    def compute() -> str:
+        folder = tmp_path_factory.mktemp("honest-alone")
+        return repr(final_eval(run(folder, jax_cache, 3, "--dn-period", "4")))
+
+    return float(computed_once(tmp_path_factory, "attacks-honest-alone", compute))
 
 
 #: What the outer counts each attack's uploads under (refused for these reasons, or clipped),

@@ -27,7 +27,7 @@ from shared.codec.api import decode_tensors, encode_tensors
 from shared.model_config import get_config
 from shared.records import MAX_BATCH_SIZE
 from shared.records.jobs import DesiredRecord
-from tests.helpers import run_up_to_end, wait_for
+from tests.helpers import computed_once, run_up_to_end, wait_for
 from tests.test_faults import assert_books_balance, unit_status, wait_caught_up
 
 DEVICES = 4
@@ -38,40 +38,45 @@ DELTA_ATOL = 1e-5
 BLOCK = 256
 
 
-@pytest.fixture(scope="module")
-def runs() -> dict:
-    """``tests/unit_devices_run.py`` in a process that sees 4 CPU devices."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
-    ).strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "unit_devices_run.py"), str(DEVICES)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+@pytest.fixture(scope="session")
+def device_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``tests/unit_devices_run.py`` in a process that sees 4 CPU devices, run once for the
+    whole run (:func:`computed_once`)."""
+
+    def compute() -> str:
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (
+            env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICES}"
+        ).strip()
+        env["JAX_PLATFORMS"] = "cpu"
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "unit_devices_run.py"), str(DEVICES)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    return json.loads(computed_once(tmp_path_factory, "unit-devices-runs", compute))
 
 
 @pytest.mark.parametrize(
     ("layout", "reference"), [("replicated", "one"), ("sharded", "one"), ("sharded", "replicated")]
 )
-def test_four_devices_follow_the_single_device_loss_over_50_steps(runs, layout, reference):
-    expected = np.array(runs[reference]["losses"])
-    many = np.array(runs[layout]["losses"])
+def test_four_devices_follow_the_single_device_loss_over_50_steps(device_runs, layout, reference):
+    expected = np.array(device_runs[reference]["losses"])
+    many = np.array(device_runs[layout]["losses"])
     assert len(expected) == len(many) == 50
     np.testing.assert_allclose(many, expected, rtol=LOSS_RTOL)
     assert expected[-1] < expected[0] - 1.0, "the run must train, or the comparison proves nothing"
 
 
 @pytest.mark.parametrize("layout", ["replicated", "sharded"])
-def test_uploads_on_four_devices_decode_to_the_single_device_pseudo_gradient(runs, layout):
-    one, many = runs["one"]["uploads"], runs[layout]["uploads"]
+def test_uploads_on_four_devices_decode_to_the_single_device_pseudo_gradient(device_runs, layout):
+    one, many = device_runs["one"]["uploads"], device_runs[layout]["uploads"]
     assert [u["fragment"] for u in many] == [u["fragment"] for u in one]
     assert len(one) == 10
     for reference, upload in zip(one, many, strict=True):
@@ -85,17 +90,17 @@ def test_uploads_on_four_devices_decode_to_the_single_device_pseudo_gradient(run
         assert np.all(np.abs(decoded - expected) <= bound + DELTA_ATOL)
 
 
-def test_sharded_state_puts_a_quarter_on_each_device_and_replicated_all(runs):
-    sharded = runs["sharded"]["state_share_per_device"]
+def test_sharded_state_puts_a_quarter_on_each_device_and_replicated_all(device_runs):
+    sharded = device_runs["sharded"]["state_share_per_device"]
     assert len(sharded) == DEVICES
     # The tiny model's every tensor has an axis 4 divides; the optimizer's step count is
     # replicated (a few bytes).
     assert all(abs(share - 1 / DEVICES) < 0.01 for share in sharded), sharded
-    assert runs["replicated"]["state_share_per_device"] == [1.0] * DEVICES
+    assert device_runs["replicated"]["state_share_per_device"] == [1.0] * DEVICES
 
 
-def test_a_tensor_is_split_along_its_largest_axis_that_the_devices_divide(runs):
-    assert runs["specs"] == {
+def test_a_tensor_is_split_along_its_largest_axis_that_the_devices_divide(device_runs):
+    assert device_runs["specs"] == {
         "(2, 48, 144)": [None, None, "data"],
         "(2, 48)": [None, "data"],
         "(64, 48)": ["data", None],
