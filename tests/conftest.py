@@ -41,21 +41,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that starts a nats-server (through the fixture) with ``nats``, and run
     the ``slow`` tier first: with several workers (``-n`` with ``--maxschedchunk 1``, as
     ``make test`` runs it), the long tests are shared out first and the short ones fill the
-    gaps at the end. The first test to use each fixture of ``ONCE_PER_RUN`` runs before all,
-    and the others that use it last in their tier, by when it is computed: one worker
-    computes it while the others run other tests."""
+    gaps at the end. Of the tests that use a fixture of ``ONCE_PER_RUN``, all but the first
+    run last in their tier, by when it is computed: the first one's worker computes it while
+    the others run other tests, instead of waiting for it."""
     for item in items:
         if "nats_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.nats)
-    first: set[str] = set()
-    order: dict[str, tuple[int, int]] = {}
+    seen: set[str] = set()
+    order: dict[str, tuple[bool, bool]] = {}
     for item in items:
         once = set(getattr(item, "fixturenames", ())) & set(ONCE_PER_RUN)
-        if once - first:
-            first |= once
-            order[item.nodeid] = (0, 0)
-        else:
-            order[item.nodeid] = (1 + (item.get_closest_marker("slow") is None), bool(once))
+        later = bool(once) and once <= seen
+        seen |= once
+        order[item.nodeid] = (item.get_closest_marker("slow") is None, later)
     items.sort(key=lambda item: order[item.nodeid])
 
 

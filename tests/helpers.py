@@ -58,8 +58,8 @@ def run_dir(factory: pytest.TempPathFactory) -> Path:
 
 
 #: Session fixtures whose value :func:`computed_once` computes once for the whole run. The
-#: first test that uses each runs first, the others last in their tier (``tests/conftest.py``),
-#: so that no worker waits while another computes it.
+#: tests that use each run last in their tier but the first (``tests/conftest.py``), so that
+#: no worker waits while another computes it.
 ONCE_PER_RUN = ("honest_alone", "device_runs")
 
 
