@@ -265,8 +265,16 @@ def test_outer_killed_at_random_moments_loses_and_duplicates_nothing(
         for u in range(units)
     ]
     wait_for(lambda: outer_applied(url, job) >= 2, 180, "training")
-    for name in ("b", "c"):  # standbys, ready while the first kills come
+    for name in ("b", "c"):  # standbys, ready before the first kill
         outers[name] = start_outer(services, url, job, f"outer-{name}", units)
+    # On a loaded machine, standbys still starting at the kills left every takeover to the
+    # killed outer, restarted at once: all 4 kills hit "a" (a CI run).
+    for name in ("b", "c"):
+        wait_for(
+            lambda n=name: "standing by" in services.log(f"outer-{n}"),
+            120,
+            f"outer-{name} to stand by",
+        )
     killed_holders: list[str] = []
     killed_names: list[str] = []
     for kill in range(kills):
