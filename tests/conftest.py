@@ -23,7 +23,7 @@ import pytest
 
 from services.orchestration.nats_server import NatsServer, start_nats_server
 from shared.runtime import configure_jax
-from tests.helpers import ONCE_PER_RUN, ServiceProcesses, run_dir
+from tests.helpers import ServiceProcesses, run_dir
 from tests.memory_nats import MemoryNats, start_memory_nats
 
 
@@ -41,20 +41,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Mark every test that starts a nats-server (through the fixture) with ``nats``, and run
     the ``slow`` tier first: with several workers (``-n`` with ``--maxschedchunk 1``, as
     ``make test`` runs it), the long tests are shared out first and the short ones fill the
-    gaps at the end. Of the tests that use a fixture of ``ONCE_PER_RUN``, all but the first
-    run last in their tier, by when it is computed: the first one's worker computes it while
-    the others run other tests, instead of waiting for it."""
+    gaps at the end."""
     for item in items:
         if "nats_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.nats)
-    seen: set[str] = set()
-    order: dict[str, tuple[bool, bool]] = {}
-    for item in items:
-        once = set(getattr(item, "fixturenames", ())) & set(ONCE_PER_RUN)
-        later = bool(once) and once <= seen
-        seen |= once
-        order[item.nodeid] = (item.get_closest_marker("slow") is None, later)
-    items.sort(key=lambda item: order[item.nodeid])
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -57,12 +57,6 @@ def run_dir(factory: pytest.TempPathFactory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-#: Session fixtures whose value :func:`computed_once` computes once for the whole run. The
-#: tests that use each run last in their tier but the first (``tests/conftest.py``), so that
-#: no worker waits while another computes it.
-ONCE_PER_RUN = ("honest_alone", "device_runs")
-
-
 def computed_once(factory: pytest.TempPathFactory, name: str, compute: Callable[[], str]) -> str:
     """``compute()``'s text, computed once for the whole run: the first worker to ask computes
     it under a file lock, the others (and later asks) read what it wrote."""
