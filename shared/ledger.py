@@ -16,9 +16,9 @@ from pydantic import Field
 
 from shared.records import Count, Record
 from shared.records.outer import LedgerRecord, OuterStatus
-from shared.records.unit import UnitStatus
+from shared.records.unit import UnitStateFile, UnitStatus
 
-__all__ = ["RoundSet", "balance"]
+__all__ = ["RoundSet", "balance", "with_state_file"]
 
 
 class RoundSet:
@@ -174,6 +174,29 @@ def balance(outer: OuterStatus | None, units: Mapping[int, UnitStatus]) -> Books
         published=published_total,
         rejected=sum(ledger.rejected.values()),
         unrecorded=unrecorded_total,
+    )
+
+
+def with_state_file(status: UnitStatus | None, unit: int, state: UnitStateFile) -> UnitStatus:
+    """A unit's status record (None: it never wrote one) with the rounds of its state file
+    added: the rounds it handed out (``next_round``) and those it recorded as published.
+
+    The unit writes its state file before each publish and after each ack, and its status
+    record only every ``--status-interval-s``. A unit that is stopped for good (quarantined:
+    its learner killed, its NATS user removed) never writes the status record again, so the
+    rounds it published since its last write would read as foreign to :func:`balance`; its
+    state file holds them.
+    """
+    published = RoundSet(status.published_rounds if status is not None else ())
+    for first, last in state.published:
+        published.add_range(first, last)
+    next_round = max(status.next_round if status is not None else 0, state.next_round)
+    base = status if status is not None else UnitStatus(unit=unit, state="stopped")
+    return base.model_copy(
+        update={
+            "published_rounds": published.ranges(),
+            "next_round": max(next_round, published.max() + 1),
+        }
     )
 
 

@@ -9,9 +9,9 @@ import math
 import pytest
 
 from services.learner.accounting import LIFETIME_WRITE_S, RATE_WINDOW_TALLIES, TrainingAccount
-from services.learner.records import UnitStateFile
 from services.learner.unit_state import STATE_FILE, UnitState
 from shared import records
+from shared.records.unit import UnitStateFile
 
 
 class FakeClock:

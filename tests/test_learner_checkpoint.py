@@ -21,15 +21,16 @@ from services.learner.checkpoint import (
 from services.learner.core import LearnerCore, Upload
 from services.learner.handoff import hand_off
 from services.learner.link import LearnerLink
-from services.learner.records import UnitIdentity, UnitStateFile
+from services.learner.records import UnitIdentity
 from services.learner.settings import LearnerSettings
 from services.learner.trainer import InnerTrainer, inner_optimizer
-from services.learner.unit_state import STATE_FILE, UnitState
+from services.learner.unit_state import STATE_FILE, UnitState, read_state_file, state_file
 from services.link.proxy import LinkProxy
 from shared import model, pytree, records
 from shared.atomic import temp_file
 from shared.link_spec import LinkSpec
 from shared.records.outer import OuterStatus, UnitLedger
+from shared.records.unit import UnitStateFile
 from shared.settings.algorithm import InnerAlgorithmSettings
 from tests.helpers import read_status, wait_for
 
@@ -77,6 +78,10 @@ def test_state_file_round_trips_and_a_crash_mid_write_leaves_it_intact(tmp_path)
     again.reserve(7)  # the next write goes through despite the leftover
     assert records.decode(UnitStateFile, path.read_bytes()).next_round == 7
     assert not temp_file(path).exists()
+    # Read by anyone else (``diloco up``), it is the same record, and only as the unit it names.
+    assert state_file(tmp_path, "t", 0) == path
+    assert read_state_file(path, "t", 0) == again.as_record()
+    assert read_state_file(path, "t", 1) is None and not UnitState(path, "t", 1).loaded
 
 
 def test_unreadable_state_file_is_ignored(tmp_path, caplog):

@@ -20,7 +20,7 @@ from services.learner import unit_control
 from services.learner.checkpoint import load_checkpoint, save_checkpoint, take_snapshot
 from services.learner.core import LearnerCore
 from services.learner.link import LearnerLink
-from services.learner.records import LearnerCheckpointMeta, UnitIdentity, UnitStateFile
+from services.learner.records import LearnerCheckpointMeta, UnitIdentity
 from services.learner.settings import LearnerSettings
 from services.learner.trainer import InnerTrainer, inner_optimizer
 from services.learner.unit_control import UnitControl
@@ -28,7 +28,7 @@ from services.learner.unit_state import STATE_FILE, UnitState
 from shared import kv, model, records, subjects
 from shared.records.jobs import DESIRED_STATES, DesiredRecord
 from shared.records.outer import OuterStatus, UnitLedger
-from shared.records.unit import UnitStatus
+from shared.records.unit import UnitStateFile, UnitStatus
 from shared.settings.algorithm import InnerAlgorithmSettings
 from tests.helpers import wait_for_async
 from tests.strategies import record_bytes

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shared.ledger import RoundSet, balance
+from shared.ledger import RoundSet, balance, with_state_file
 from shared.records.outer import OuterStatus
-from shared.records.unit import UnitStatus
+from shared.records.unit import UnitStateFile, UnitStatus
 
 ops = st.lists(
     st.one_of(
@@ -99,3 +99,26 @@ def test_balance_tells_a_lost_ack_from_a_round_the_unit_never_handed_out() -> No
     # A unit with no status at all: everything applied under its name is foreign.
     books = balance(_outer(applied=1, applied_rounds={3: [(0, 0)]}), units)
     assert not books.balanced and books.per_unit[3].foreign == [0]
+
+
+def test_a_stopped_units_state_file_holds_the_rounds_its_status_record_missed() -> None:
+    # Unit 0 was quarantined between the broker's ack of round 1 and its next status write:
+    # its status record stops at next round 1, its state file says rounds 0-1 published.
+    stale = {0: UnitStatus(unit=0, published_rounds=[(0, 0)], next_round=1, tokens=7)}
+    outer = _outer(applied=2, applied_rounds={0: [(0, 1)]})
+    assert balance(outer, stale).per_unit[0].foreign == [1]
+    state = UnitStateFile(job="j", unit=0, next_round=2, published=[[0, 1]])
+    folded = with_state_file(stale[0], 0, state)
+    assert folded.published_rounds == [[0, 1]] and folded.next_round == 2 and folded.tokens == 7
+    books = balance(outer, {0: folded})
+    assert books.balanced and books.published == 2, books.problems
+    # Round 2 is still one the unit never handed out, and a unit that never wrote a status
+    # record gets one from its state file alone.
+    assert balance(_outer(applied=3, applied_rounds={0: [(0, 2)]}), {0: folded}).per_unit[
+        0
+    ].foreign == [2]
+    alone = with_state_file(
+        None, 3, UnitStateFile(job="j", unit=3, next_round=5, published=[[0, 3]])
+    )
+    assert alone.unit == 3 and alone.next_round == 5 and alone.state == "stopped"
+    assert balance(_outer(applied=5, applied_rounds={3: [(0, 4)]}), {3: alone}).balanced

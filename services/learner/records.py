@@ -1,44 +1,17 @@
-"""A learner's own files under ``<checkpoint-dir>/J/unit-<u>/``, read back by the same unit after a
-restart: the state file (:class:`UnitStateFile`, ``unit_state.py``) and the checkpoint's metadata
-(:class:`LearnerCheckpointMeta`, ``checkpoint.py``)."""
+"""A learner's checkpoint files under ``<checkpoint-dir>/J/unit-<u>/``, read back by the same unit
+after a restart: the checkpoint's metadata (:class:`LearnerCheckpointMeta`, ``checkpoint.py``).
+Its state file, which ``diloco up`` reads too, is ``shared.records.unit.UnitStateFile``."""
 
 from __future__ import annotations
 
 from pydantic import (
     Field,
-    NonNegativeFloat,
 )
 
 from shared.records import (
     Count,
     Record,
-    RoundRanges,
 )
-from shared.records.jobs import DesiredState
-
-
-class UnitStateFile(Record):
-    """A learner's small durable record: rounds used and published, desired state, lifetime
-    counters (``services/learner/unit_state.py``)."""
-
-    job: str
-    unit: Count
-    next_round: Count = Field(0, description="first round number never handed out yet")
-    desired: DesiredState = "running"
-    published: RoundRanges = Field([], description="rounds JetStream accepted (lifetime)")
-    lifetime: dict[str, Count] = {}
-    first_trained_at: NonNegativeFloat | None = Field(
-        None, description="when the unit first trained (unix seconds, its own clock)"
-    )
-    trained_s: NonNegativeFloat = Field(
-        0.0, description="seconds the unit's processes have spent training, across restarts"
-    )
-    computing_s: NonNegativeFloat = Field(
-        0.0, description="of those, seconds computing (waits at sync points excluded)"
-    )
-    computed_tokens: Count = Field(
-        0, description="tokens computed meanwhile (steps trained again after a crash included)"
-    )
 
 
 class FragmentSyncRecord(Record):

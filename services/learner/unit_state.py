@@ -3,7 +3,7 @@ state and lifetime counters, so that a restarted unit never reuses a round numbe
 the desired state it last knew even when NATS is unreachable.
 
 The file lives in ``<checkpoint_dir>/<job>/unit-<u>/state.json`` and holds one
-``shared.records.UnitStateFile``::
+``shared.records.unit.UnitStateFile``::
 
     {"job": "J", "unit": 0,
      "next_round": 42,                  # first round number never handed out yet
@@ -28,11 +28,11 @@ import logging
 import threading
 from pathlib import Path
 
-from services.learner.records import UnitStateFile
 from shared import records
 from shared.atomic import atomic_write_bytes
 from shared.ledger import RoundSet
 from shared.records.jobs import DESIRED_STATES, DesiredState
+from shared.records.unit import UnitStateFile
 from shared.unit_counters import LIFETIME_COUNTERS, LifetimeCounter
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,34 @@ STATE_FILE = "state.json"
 def unit_dir(checkpoint_dir: str | Path, job: str, unit: int) -> Path:
     """The folder of one unit's state file and checkpoint."""
     return Path(checkpoint_dir) / job / f"unit-{unit}"
+
+
+def state_file(checkpoint_dir: str | Path, job: str, unit: int) -> Path:
+    """The path of one unit's state file."""
+    return unit_dir(checkpoint_dir, job, unit) / STATE_FILE
+
+
+def read_state_file(path: Path, job: str, unit: int) -> UnitStateFile | None:
+    """The state file of ``job``'s ``unit`` at ``path``, or None (logged) when it is missing or
+    unreadable, names another unit, or its published rounds are not valid ranges."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        log.warning("cannot read unit state %s (%s)", path, err)
+        return None
+    record = records.decode(UnitStateFile, raw, str(path))
+    try:
+        if record is None:
+            raise ValueError("not a unit state record")
+        if (record.job, record.unit) != (job, unit):
+            raise ValueError(f"it names {record.job!r} unit {record.unit}")
+        RoundSet(record.published)
+    except ValueError as err:
+        log.warning("ignoring unreadable unit state %s: %s", path, err)
+        return None
+    return record
 
 
 class UnitState:
@@ -81,7 +109,7 @@ class UnitState:
     @classmethod
     def for_unit(cls, checkpoint_dir: str | None, job: str, unit: int) -> UnitState:
         """The unit's state (file-backed when ``checkpoint_dir`` is set, else in memory)."""
-        path = None if checkpoint_dir is None else unit_dir(checkpoint_dir, job, unit) / STATE_FILE
+        path = None if checkpoint_dir is None else state_file(checkpoint_dir, job, unit)
         return cls(path, job, unit)
 
     # ---- changes (each one is written through) -----------------------------------------------
@@ -180,21 +208,10 @@ class UnitState:
             log.error("cannot write unit state %s: %s", self.path, err)
 
     def _load(self, path: Path) -> None:
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
+        record = read_state_file(path, self.job, self.unit)
+        if record is None:
             return
-        except OSError as err:
-            log.warning("cannot read unit state %s (%s); starting afresh", path, err)
-            return
-        record = records.decode(UnitStateFile, raw, str(path))
-        try:
-            if record is None:
-                raise ValueError("not a unit state record")
-            published = RoundSet(record.published)
-        except ValueError as err:
-            log.warning("ignoring unreadable unit state %s: %s", path, err)
-            return
+        published = RoundSet(record.published)
         self.published = published
         self.next_round = max(record.next_round, published.max() + 1, 0)
         self.desired = record.desired

@@ -130,3 +130,29 @@ def unit_liveness(entry: Stamped[UnitStatus] | None, timeout_s: float) -> str:
     if entry is None:
         return "absent"
     return liveness(entry.record.state, entry.age_s, timeout_s, ENDED_STATES)
+
+
+class UnitStateFile(Record):
+    """A learner's small durable record, ``<checkpoint-dir>/J/unit-<u>/state.json``: rounds
+    used and published, desired state, lifetime counters. Written and read back by the unit
+    (``services/learner/unit_state.py``); read by ``diloco up`` for a unit it stopped for good
+    (a quarantined one), whose status record can no longer catch up."""
+
+    job: str
+    unit: Count
+    next_round: Count = Field(0, description="first round number never handed out yet")
+    desired: DesiredState = "running"
+    published: RoundRanges = Field([], description="rounds JetStream accepted (lifetime)")
+    lifetime: dict[str, Count] = {}
+    first_trained_at: NonNegativeFloat | None = Field(
+        None, description="when the unit first trained (unix seconds, its own clock)"
+    )
+    trained_s: NonNegativeFloat = Field(
+        0.0, description="seconds the unit's processes have spent training, across restarts"
+    )
+    computing_s: NonNegativeFloat = Field(
+        0.0, description="of those, seconds computing (waits at sync points excluded)"
+    )
+    computed_tokens: Count = Field(
+        0, description="tokens computed meanwhile (steps trained again after a crash included)"
+    )

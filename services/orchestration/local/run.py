@@ -22,6 +22,8 @@ from typing import Any, TextIO
 
 import nats.errors
 
+from services.learner.unit_state import read_state_file, state_file
+from services.orchestration import commands
 from services.orchestration.children import Launch, popen
 from services.orchestration.local import files, release
 from services.orchestration.local.chaos import unit_of_target
@@ -119,7 +121,8 @@ async def supervise(cluster: Cluster, stop: asyncio.Event) -> RunSummary:
             raise nats.errors.ConnectionReconnectingError
         status = await asyncio.wait_for(read_job_status(nc, js, s.job), STATUS_READ_TIMEOUT_S)
         watch.status = status
-        watch.outer, watch.units = status.outer_record(), status.unit_records()
+        watch.outer = status.outer_record()
+        watch.units = with_quarantined_state_files(cluster, status.unit_records(), watch)
         watch.links = {name: entry.record for name, entry in status.links.items()}
 
     async def act(elapsed: float) -> None:
@@ -220,6 +223,23 @@ async def shut_out_quarantined(
     for job, unit in sorted(wanted - watch.quarantined):
         cluster.quarantine(job, unit)
         watch.quarantined.add((job, unit))
+
+
+def with_quarantined_state_files(
+    cluster: Cluster, units: dict[int, UnitStatus], watch: _Watch
+) -> dict[int, UnitStatus]:
+    """``units`` with the state file of each of this run's quarantined units folded into its
+    status record (``ledger.with_state_file``): its learner is killed and its NATS user gone,
+    so its status record stops where it was, while the outer may still have applied the rounds
+    it published since. Without them the books would never balance and the run never end."""
+    s = cluster.settings
+    for job, unit in watch.quarantined:
+        if job != s.job:
+            continue
+        state = read_state_file(state_file(commands.checkpoint_dir(s), job, unit), job, unit)
+        if state is not None:
+            units[unit] = ledger.with_state_file(units.get(unit), unit, state)
+    return units
 
 
 def target_reached(outer: OuterStatus | None, target: float | None) -> bool:
