@@ -66,7 +66,7 @@ class DownlinkServer:
         self._replies: dict[tuple[int, int], tuple[Delta, DownlinkReply]] = {}
         # Upload ids of deltas: unique across restarts, as JetStream deduplicates by them.
         self._serial = time.time_ns()
-        # Per fragment, one want (or new version) at a time.
+        # Per fragment, one want (or new version) at a time in its sender (computed in a thread).
         self._locks = [asyncio.Lock() for _ in range(fragments)]
         self.answered: dict[str, int] = {"delta": 0, "keyframe": 0, "current": 0}
         self.delta_bytes = 0
@@ -137,7 +137,10 @@ class DownlinkServer:
             except CodecError as err:
                 log.warning("no delta for unit %d: %s", unit, err)
                 answer = Keyframe(sender.version, "no_record")
-            reply = await self._reply(js, unit, want.fragment, answer)
+        # The delta is published outside the lock: the merge loop takes it to publish the next
+        # version (:meth:`published`), and a publish that a broker failover holds up until its
+        # timeout held that version up as long (5 s past the new leaders' election).
+        reply = await self._reply(js, unit, want.fragment, answer)
         if reconnects() != received:
             log.info("params want of unit %d came before a reconnect: not answered", unit)
             return
