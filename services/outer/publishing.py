@@ -22,7 +22,7 @@ import nats.errors
 import numpy as np
 
 from shared.codec import api as codec
-from shared.retry import NATS_ERRORS, retry
+from shared.retry import NATS_ERRORS, QUICK, retry
 from shared.transport import TransportError
 from shared.transport.dead_letters import dead_letter
 from shared.transport.params import publish_params
@@ -106,6 +106,7 @@ async def publish_fragment(
             f"publish version {version} of fragment {fragment}",
             on=(TransportError, *NATS_ERRORS),
             stopping=stopping,
+            backoff=QUICK,  # a broker failover holds it up: reach the new leader soon
         )
     except (TransportError, *NATS_ERRORS):
         log.warning("stopping before version %d of fragment %d was published", version, fragment)

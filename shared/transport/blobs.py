@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
+from typing import Any
 
 import nats
 import nats.errors
@@ -15,6 +17,7 @@ from nats.js import JetStreamContext
 
 from shared.retry import QUICK, retry
 from shared.transport import TransportError
+from shared.transport.pace import pace_of
 from shared.wire.chunks import (
     ChunkInfo,
     chunk_headers,
@@ -30,14 +33,25 @@ MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + HEADER_SLACK_BYTES
 
 PUBLISH_TIMEOUT_S = 10.0
 
-# The slowest link a request's timeout allows for: a request that moves n bytes may take
-# PUBLISH_TIMEOUT_S + 8n / MIN_LINK_BITS_PER_S before it counts as lost (and is retried), so a
-# 1 MiB chunk over a 1 Mbit/s link is not re-sent while it is still crossing.
+# The slowest link a chunk's publish allows for: one that moves n bytes is retried for
+# PUBLISH_ATTEMPTS x (PUBLISH_TIMEOUT_S + 8n / MIN_LINK_BITS_PER_S) before it fails, and an
+# attempt waits for its ack at most this link's time for them until the connection's acks
+# show a faster one (``shared/transport/pace.py``), so that a 1 MiB chunk over a 1 Mbit/s
+# link is not re-sent while it is still crossing.
 MIN_LINK_BITS_PER_S = 1e6
 
-#: A chunk is retried for as long as this many attempts that each time out would take: a
+#: A chunk is retried for as long as this many attempts of ``PUBLISH_TIMEOUT_S`` would take: a
 #: failover's quick "no responders" answers (``shared.retry.QUICK``) do not use it up sooner.
 PUBLISH_ATTEMPTS = 6
+
+#: How long one attempt waits for the broker's ack, beyond its bytes' time on the link, before
+#: the chunk is sent again (with the same message id: JetStream stores it once). Shorter than
+#: ``PUBLISH_TIMEOUT_S``, the chunk's patience per attempt, because a request lost in a broker
+#: failover (sent to a leader as it died, or to a new one not serving yet) is never answered:
+#: in a three-node cluster test one checkpoint chunk waited out a 10-s timeout so, and the
+#: outer's version advanced 18 s after the kill instead of 8. A slow ack under load costs a
+#: copy of the chunk that JetStream drops as a duplicate.
+ATTEMPT_TIMEOUT_S = 2.0
 
 RETRYABLE_API_CODES = {429, 503}
 
@@ -61,8 +75,10 @@ async def publish_blob(
 
     Each chunk is retried (``shared.retry``) with the same ``Nats-Msg-Id`` on timeouts and on
     the server's "busy" answers, which JetStream deduplicates: a timed-out publish may still have
-    been stored. A chunk's timeout allows for the bytes in flight with it to cross a link of
-    ``MIN_LINK_BITS_PER_S``.
+    been stored. An attempt's timeout (``ATTEMPT_TIMEOUT_S``) allows for the bytes in flight
+    with it to cross the link at the pace the connection's acks have shown
+    (``shared/transport/pace.py``), the chunk's retry window (``PUBLISH_ATTEMPTS`` ×
+    ``PUBLISH_TIMEOUT_S``) for them to cross a link of ``MIN_LINK_BITS_PER_S``.
 
     Args:
         js: JetStream context.
@@ -81,6 +97,7 @@ async def publish_blob(
         TransportError: when a chunk fails after all retries or the server rejects it.
     """
     chunks = split_chunks(blob, chunk_size)
+    pace = pace_of(js, MIN_LINK_BITS_PER_S)
     window = asyncio.Semaphore(inflight)
     sequences = [0] * len(chunks)
     in_flight_bytes = 0
@@ -99,21 +116,29 @@ async def publish_blob(
         async with window:
             # The chunks ahead of this one cross the link first.
             in_flight_bytes += len(data)
-            timeout = PUBLISH_TIMEOUT_S + in_flight_bytes * 8 / MIN_LINK_BITS_PER_S
+            ahead = in_flight_bytes
+            timeout = ATTEMPT_TIMEOUT_S + ahead * 8 / pace.bits_per_s()
+            within = PUBLISH_ATTEMPTS * (PUBLISH_TIMEOUT_S + ahead * 8 / MIN_LINK_BITS_PER_S)
+
+            async def attempt() -> Any:
+                sent = time.monotonic()
+                ack = await js.publish(target, data, headers=headers, timeout=timeout)
+                pace.observe(ahead, time.monotonic() - sent)
+                return ack
+
             try:
                 ack = await retry(
-                    lambda: js.publish(target, data, headers=headers, timeout=timeout),
+                    attempt,
                     f"publish {upload} chunk {index}",
                     on=retryable,
-                    within_s=PUBLISH_ATTEMPTS * timeout,
+                    within_s=within,
                     backoff=QUICK,
                 )
             except nats.js.errors.APIError as err:
                 raise TransportError(f"server rejected {target}: {err}") from err
             except (TimeoutError, nats.errors.Error) as err:
                 raise TransportError(
-                    f"chunk {index} of {upload} failed for {PUBLISH_ATTEMPTS * timeout:.0f} s: "
-                    f"{err!r}"
+                    f"chunk {index} of {upload} failed for {within:.0f} s: {err!r}"
                 ) from err
             finally:
                 in_flight_bytes -= len(data)

@@ -16,6 +16,7 @@ from shared.records.outer import ParamsHead
 from shared.retry import Backoff, retry
 from shared.transport import TransportError
 from shared.transport.blobs import (
+    ATTEMPT_TIMEOUT_S,
     MAX_CHUNK_BYTES,
     MIN_LINK_BITS_PER_S,
     PUBLISH_TIMEOUT_S,
@@ -76,7 +77,7 @@ async def publish_params(
         subjects.params_head_subject(job, fragment),
         records.encode(head),
         headers={"Nats-Msg-Id": f"{upload}:head"},
-        timeout=PUBLISH_TIMEOUT_S,
+        timeout=ATTEMPT_TIMEOUT_S,  # the caller retries the whole publish (the same ids)
     )
 
 
