@@ -45,7 +45,7 @@ from shared import subjects
 from shared.cancel import raise_if_cancelling
 from shared.latency import TimeSpent
 from shared.records.jobs import DesiredState
-from shared.retry import NATS_ERRORS, retry
+from shared.retry import NATS_ERRORS, QUICK, retry
 from shared.transport.blobs import chunk_size_for
 from shared.transport.connection import connect_with_retry
 from shared.transport.params import PARAMS_READ_TIMEOUT_S
@@ -57,9 +57,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CLOSE_TIMEOUT_S = 5.0
-# Beyond the flush timeout: the last heartbeat, then closing both connections (each of the two
-# steps bounded by CLOSE_TIMEOUT_S).
-STOP_JOIN_SLACK_S = 2 * CLOSE_TIMEOUT_S + 1.0
+# The last heartbeat is retried for this long: it carries the unit's final books (the rounds it
+# published), which the ledger balances against; in a broker failover the status bucket answers
+# again once nats-server has elected its new leader (4-9 s, plus a campaign of up to 0.8 s).
+FINAL_STATUS_S = 10.0
+# Beyond the flush timeout: the last heartbeat, then closing both connections.
+STOP_JOIN_SLACK_S = FINAL_STATUS_S + CLOSE_TIMEOUT_S + 1.0
 
 
 class LearnerLink:
@@ -259,11 +262,18 @@ class LearnerLink:
         await publisher  # ends once stopping and the queue is flushed (or the deadline passed)
         # The last status first (its counters are final now), before anything that could wait:
         # the process may exit soon after (stop() joins this thread with a timeout).
-        final_status = asyncio.create_task(self.heartbeat.put(status_kv))
+        final_status = asyncio.create_task(
+            retry(
+                lambda: asyncio.wait_for(self.heartbeat.put(status_kv), CLOSE_TIMEOUT_S),
+                "the last heartbeat",
+                within_s=FINAL_STATUS_S,
+                backoff=QUICK,
+            )
+        )
         await _cancel_all(others)
         self.encoder.shutdown()
         try:
-            await asyncio.wait_for(final_status, timeout=CLOSE_TIMEOUT_S)
+            await final_status
         except NATS_ERRORS as err:
             log.warning("the last heartbeat: %s", err)
         closing = asyncio.gather(self.params.close(), params_nc.close(), nc.close())

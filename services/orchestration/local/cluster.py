@@ -34,7 +34,9 @@ from shared import nats_auth, tls
 from shared.link_spec import LinkSpec
 from shared.settings.nats import NatsSettings
 
-STOP_GRACE_S = 30.0
+# A learner's stop takes up to its flush timeout (15 s) and its link's slack (16 s,
+# ``services/learner/link.py``'s STOP_JOIN_SLACK_S) before it gives up on NATS.
+STOP_GRACE_S = 35.0
 CREDENTIALS_DIR = "credentials"  # <data-dir>/credentials/<user>.json, one per NATS user
 TLS_DIR = "tls"  # <data-dir>/tls: the CA and nats-server's certificate (--tls)
 TLS_HOSTS = ["127.0.0.1", "localhost"]  # the names the server's certificate is valid for
