@@ -5,6 +5,8 @@ chunked blobs, the params channel and dead letters.
 * ``streams`` — every stream and KV bucket, its limits, and who may create them;
 * ``blobs`` — a blob published as chunk messages with a bounded window, each retried under its
   ``Nats-Msg-Id``;
+* ``pace`` — how fast a connection's publishes are acknowledged: the link a publish's timeout
+  allows for;
 * ``params`` — the params channel: a fragment's global params as chunks plus a head, and reads
   that see exactly one version;
 * ``dead_letters`` — copies of rejected messages with their reason.
