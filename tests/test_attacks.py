@@ -24,7 +24,6 @@ merging"), with 3 seeds of clean runs and 2 hostile units of 8.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -65,35 +64,15 @@ def final_eval(summary: RunSummary) -> float:
 
 
 @pytest.fixture(scope="session")
-def honest_alone(
-    tmp_path_factory: pytest.TempPathFactory, jax_cache: Path
-) -> Callable[[], RunSummary]:
-    """The run of the 3 honest units alone in a job of 4's momentum period, made once for the
-    whole test run (:func:`computed_once`) when it is first asked for: by
-    :func:`test_the_honest_units_alone_train_to_the_end`, which comes first, so that it runs
-    beside the first attack rather than with a worker waiting for it."""
+def honest_alone(tmp_path_factory: pytest.TempPathFactory, jax_cache: Path) -> float:
+    """The final eval of the 3 honest units alone in a job of 4's momentum period: run once
+    for the whole run (:func:`computed_once`)."""
 
     def compute() -> str:
         folder = tmp_path_factory.mktemp("honest-alone")
-        return run(folder, jax_cache, 3, "--dn-period", "4").model_dump_json()
+        return repr(final_eval(run(folder, jax_cache, 3, "--dn-period", "4")))
 
-    def summary() -> RunSummary:
-        text = computed_once(tmp_path_factory, "attacks-honest-alone", compute)
-        return RunSummary.model_validate_json(text)
-
-    return summary
-
-
-@pytest.mark.timeout(900)
-def test_the_honest_units_alone_train_to_the_end(honest_alone: Callable[[], RunSummary]) -> None:
-    """The attacks' reference: the 3 honest units alone finish, learn, and their books
-    balance with nothing refused."""
-    summary = honest_alone()
-    assert summary.reason == "finished", summary.reason
-    assert summary.ledger.balanced and summary.ledger.rejected == 0, summary.ledger
-    assert summary.outer is not None and summary.outer.evaluation.init is not None
-    init = summary.outer.evaluation.init.nats_per_byte
-    assert init is not None and final_eval(summary) < init - 0.5, (init, final_eval(summary))
+    return float(computed_once(tmp_path_factory, "attacks-honest-alone", compute))
 
 
 #: What the outer counts each attack's uploads under (refused for these reasons, or clipped),
@@ -111,7 +90,7 @@ REASONS: dict[str, set[str] | None] = {
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("attack", list(REASONS))
 def test_one_hostile_unit_of_four_is_counted_and_the_job_trains_as_its_honest_units_alone(
-    attack: str, tmp_path: Path, jax_cache: Path, honest_alone: Callable[[], RunSummary]
+    attack: str, tmp_path: Path, jax_cache: Path, honest_alone: float
 ) -> None:
     """The attacker's uploads are counted under their reasons (all but its originals, for a
     replay), at most ``HONEST_REFUSED`` of the honest units' are refused, and the job ends as
@@ -132,5 +111,5 @@ def test_one_hostile_unit_of_four_is_counted_and_the_job_trains_as_its_honest_un
     honest = {u: summary.outer.units[u] for u in (1, 2, 3)}
     refused = sum(sum(unit.rejected.values()) for unit in honest.values())
     assert refused <= HONEST_REFUSED, (attack, honest)
-    value, reference = final_eval(summary), final_eval(honest_alone())
-    assert value <= WITHIN * reference, (attack, value, reference)
+    value = final_eval(summary)
+    assert value <= WITHIN * honest_alone, (attack, value, honest_alone)
