@@ -64,7 +64,7 @@ from shared.records.outer import (
 from shared.retry import NATS_ERRORS, QUICK, retry
 from shared.runtime import configure_jax, freeze_startup_heap
 from shared.transport import TransportError
-from shared.transport.blobs import chunk_size_for
+from shared.transport.blobs import ATTEMPT_TIMEOUT_S, chunk_size_for
 from shared.transport.connection import connect_with_retry
 from shared.transport.streams import prepare_streams
 
@@ -252,8 +252,11 @@ class OuterService:
         outer_kv = await js.key_value(subjects.OUTER_BUCKET)
         self._outer_kv = outer_kv
         self.state = "standby"
+        # The lease's records are small: a write whose answer a broker failover lost is retried
+        # after ATTEMPT_TIMEOUT_S, not after the context's default 5 s.
+        lease_js = nc.jetstream(timeout=ATTEMPT_TIMEOUT_S)
         lease = Lease(
-            outer_kv,
+            await lease_js.key_value(subjects.OUTER_BUCKET),
             subjects.lease_key(self.settings.job, self.settings.shard),
             self.holder,
             self.settings.lease_s,
