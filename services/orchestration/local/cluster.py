@@ -15,6 +15,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from shared.settings.nats import NatsSettings
 # A learner's stop takes up to its flush timeout (15 s) and its link's slack (16 s,
 # ``services/learner/link.py``'s STOP_JOIN_SLACK_S) before it gives up on NATS.
 STOP_GRACE_S = 35.0
+KILL_WAIT_S = 5.0  # how long a SIGKILLed learner may take to exit
 CREDENTIALS_DIR = "credentials"  # <data-dir>/credentials/<user>.json, one per NATS user
 TLS_DIR = "tls"  # <data-dir>/tls: the CA and nats-server's certificate (--tls)
 TLS_HOSTS = ["127.0.0.1", "localhost"]  # the names the server's certificate is valid for
@@ -412,7 +414,8 @@ class Cluster:
 
     def quarantine(self, job: str, unit: int) -> None:
         """Shut a quarantined unit out: remove its NATS user and reload nats-server (which
-        closes its connections), and SIGKILL its learner for good."""
+        closes its connections), and SIGKILL its learner for good; returns once the learner
+        has exited."""
         revoked = self.credentials.revoke(nats_auth.Identity("learner", job, unit=unit))
         if revoked:
             self.reload_users()
@@ -422,6 +425,8 @@ class Cluster:
             self.supervisor.retire(name)
             if child.alive():
                 child.process.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.process.wait(timeout=KILL_WAIT_S)
         self.print(f"{job} unit {unit} quarantined: its NATS user removed, its learner stopped")
 
     def kill_for_chaos(self, event: ChaosEvent) -> None:

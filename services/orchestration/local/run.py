@@ -38,7 +38,7 @@ from shared.job_status import JobStatus, read_job_status
 from shared.records.jobs import DesiredRecord, DesiredState
 from shared.records.link import LinkStatus
 from shared.records.outer import OuterStatus
-from shared.records.unit import UnitStatus
+from shared.records.unit import UnitStateFile, UnitStatus
 from shared.transport.connection import connect
 from shared.transport.streams import ensure_streams
 
@@ -74,7 +74,9 @@ class _Watch:
     status: JobStatus | None = None  # the last read of the job's status records
     started_at: float | None = None  # when the units were started (together), unix seconds
     chaos_offset_s: float | None = None  # how far the failure schedule had run by then
-    quarantined: set[tuple[str, int]] = field(default_factory=set)  # (job, unit) shut out
+    # (job, unit) shut out, with the unit's state file as its killed learner left it (this
+    # run's job; None for a registry job's unit, or where there is none).
+    quarantined: dict[tuple[str, int], UnitStateFile | None] = field(default_factory=dict)
 
     def start(self, cluster: Cluster) -> None:
         """Note that the units start now, and how far the failure schedule has run."""
@@ -220,9 +222,13 @@ async def shut_out_quarantined(
         record = await kv.get(desired_kv, subjects.desired_key(s.job, unit), DesiredRecord)
         if record is not None and record.state == "quarantined":
             wanted.add((s.job, unit))
-    for job, unit in sorted(wanted - watch.quarantined):
-        cluster.quarantine(job, unit)
-        watch.quarantined.add((job, unit))
+    for job, unit in sorted(wanted - watch.quarantined.keys()):
+        cluster.quarantine(job, unit)  # its learner has exited: the file no longer changes
+        state = None
+        if job == s.job:
+            path = state_file(commands.checkpoint_dir(s), job, unit)
+            state = read_state_file(path, job, unit)
+        watch.quarantined[(job, unit)] = state
 
 
 def with_quarantined_state_files(
@@ -232,12 +238,8 @@ def with_quarantined_state_files(
     status record (``ledger.with_state_file``): its learner is killed and its NATS user gone,
     so its status record stops where it was, while the outer may still have applied the rounds
     it published since. Without them the books would never balance and the run never end."""
-    s = cluster.settings
-    for job, unit in watch.quarantined:
-        if job != s.job:
-            continue
-        state = read_state_file(state_file(commands.checkpoint_dir(s), job, unit), job, unit)
-        if state is not None:
+    for (job, unit), state in watch.quarantined.items():
+        if job == cluster.settings.job and state is not None:
             units[unit] = ledger.with_state_file(units.get(unit), unit, state)
     return units
 
