@@ -34,9 +34,18 @@ class ServerFiles:
 
     def server_block(self) -> str:
         """nats-server's ``tls`` block: TLS only, with this certificate."""
+        return f"tls {{ {self._settings()} }}"
+
+    def route_block(self) -> str:
+        """The ``tls`` block of nats-server's ``cluster``: routes over mutual TLS, each node
+        showing this certificate (which names every node's address) and checking the other's
+        against the CA, so only a holder of the cluster's key can join it."""
+        return f"tls {{ {self._settings()}, verify: true }}"
+
+    def _settings(self) -> str:
         return (
-            f'tls {{ cert_file: "{self.cert}", key_file: "{self.key}", '
-            f'ca_file: "{self.ca_cert}", timeout: 5 }}'
+            f'cert_file: "{self.cert}", key_file: "{self.key}", ca_file: "{self.ca_cert}", '
+            "timeout: 5"
         )
 
 
@@ -104,7 +113,13 @@ def make_server_files(folder: Path, hosts: list[str]) -> ServerFiles:
         .not_valid_before(start)
         .not_valid_after(end)
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        # Client too: a node of a cluster shows it when it dials another node's route port.
+        .add_extension(
+            x509.ExtendedKeyUsage(
+                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+            ),
+            critical=False,
+        )
         .sign(ca_key, hashes.SHA256())
     )
     files = ServerFiles(folder / "ca.pem", folder / "server.pem", folder / "server-key.pem")

@@ -25,9 +25,10 @@ import pytest
 from docker.types import Mount
 
 from services.orchestration.compose import docker_api
-from services.orchestration.compose.broker import make_secrets
+from services.orchestration.compose.broker import make_secrets, route_secret
 from services.orchestration.compose.controller import Controller
 from services.orchestration.compose.settings import BrokerSettings, ControllerSettings
+from services.orchestration.nats_server import BrokerError, ClusterNode
 from shared import liveness, nats_auth
 from shared.nats_auth import Credentials, CredentialsError, Identity
 from tests.fake_docker import FakeDockerServer
@@ -53,6 +54,19 @@ def test_the_broker_makes_the_secrets_once_and_keeps_them(tmp_path: Path) -> Non
     assert files_again is not None and files_again.ca_cert.read_bytes() == ca
     assert again.authorization_block().count('"user"') == 2
     assert make_secrets(settings.model_copy(update={"tls": False}))[1] is None
+
+
+def test_the_first_node_makes_the_routes_secret_and_the_others_read_it(tmp_path: Path) -> None:
+    secret = route_secret(tmp_path)
+    assert stat.S_IMODE((tmp_path / "route-secret").stat().st_mode) == 0o600
+    assert route_secret(tmp_path) == secret and len(secret) >= 16
+    node = ClusterNode("n1", "0.0.0.0:6222", ("nats-route://nats:6222",), secret)
+    assert f'"nats-route://route:{secret}@nats:6222"' in node.block()
+    # A secret that would break the configuration (or is too short to be one) is refused.
+    for bad in ("short", 'x" }, authorization { user: "a', "a" * 20 + "@evil"):
+        (tmp_path / "route-secret").write_text(f"{bad}\n")
+        with pytest.raises(BrokerError, match="route secret"):
+            ClusterNode("n1", "0.0.0.0:6222", ("nats-route://nats:6222",), route_secret(tmp_path))
 
 
 def test_users_another_process_adds_are_loaded_and_bad_files_skipped(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 network namespaces of their own, joined by veth links to one switch (a bridge in a namespace of its
 own), each learner's link shaped by ``tc`` in both directions. Every process connects as its own
 NATS user over TLS (the broker's certificate names the nodes' addresses), to every node's
-address; nothing reaches another host but over those links. This is as close as one machine
+address, and the brokers' routes are mutual TLS with the routes password; nothing reaches
+another host but over those links. This is as close as one machine
 gets to separate machines (docs/RELIABILITY.md, "Hosts, not processes").
 
 Needs root and a kernel that allows network namespaces (``ip netns``) with ``tc``'s ``tbf``;
@@ -273,3 +274,9 @@ def test_brokers_outer_shards_and_learners_on_separate_hosts_train_over_shaped_t
     }
     for unit in range(UNITS):
         assert sent[unit] >= uploaded[unit] > 0, (sent, uploaded)
+    # The brokers routed to each other (the streams got three replicas) over mutual TLS and
+    # with the routes password, which a stranger lacks (tests/test_nats_routes.py).
+    for index in range(len(brokers)):
+        config = (tmp_path / f"store{index}" / "nats-server.conf").read_text()
+        cluster = config[config.index("cluster {") :]
+        assert 'user: "route"' in cluster and "verify: true" in cluster, cluster

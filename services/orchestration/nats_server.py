@@ -8,6 +8,8 @@ never slept for. A server that died can be restarted on the same port and JetStr
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import shutil
 import signal
 import socket
@@ -17,12 +19,18 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared import atomic
 from shared.transport.streams import STORE_BYTES
 
+if TYPE_CHECKING:
+    from shared import tls
+
 READY_LINE = "Server is ready"
+ROUTE_USER = "route"  # the user a node of a cluster presents on the others' route ports
+ROUTE_SECRET_BYTES = 24
+ROUTE_SECRET = re.compile(r"[A-Za-z0-9_-]{16,}")
 RELOADED_LINE = "Reloaded server configuration"
 # JetStream's file store is sized to what the streams' limits reserve (twice, for two creators
 # racing), not to the free disk: each stream stays within its own limit, and a small disk does
@@ -78,11 +86,22 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
+def new_route_secret() -> str:
+    """A fresh password for a cluster's routes (URL-safe: it goes into the route URLs)."""
+    return secrets.token_urlsafe(ROUTE_SECRET_BYTES)
+
+
 @dataclass(frozen=True)
 class ClusterNode:
     """A server's place in a JetStream cluster: its name, where its routes listen, and the
     route URLs of the cluster's nodes (its own may be among them: nats-server ignores a route
     to itself, so every node can be given the same list).
+
+    A route is a server-to-server link that carries every account's messages, so a stranger
+    must not open one: the nodes share ``secret`` (user ``ROUTE_USER``), which a dialling
+    server must present and which each node presents when it dials; with ``route_tls`` the
+    routes are mutual TLS as well (the secret then never crosses the network in clear, and a
+    node must hold the cluster's certificate).
 
     The nodes do not advertise each other's client URLs (``no_advertise``): a client connects
     to the URLs it is given, so one behind a shaped link (``diloco link``) never finds its way
@@ -92,15 +111,26 @@ class ClusterNode:
     name: str
     listen: str  # host:port
     routes: tuple[str, ...]  # nats-route://host:port
+    secret: str
+    route_tls: tls.ServerFiles | None = None
     cluster: str = "diloco"
+
+    def __post_init__(self) -> None:
+        if not ROUTE_SECRET.fullmatch(self.secret):
+            raise BrokerError("a route secret is 16 or more URL-safe characters (A-Z a-z 0-9 _ -)")
 
     def block(self) -> str:
         """The server's ``server_name`` and ``cluster`` configuration."""
-        routes = ", ".join(f'"{route}"' for route in self.routes)
+        login = f"nats-route://{ROUTE_USER}:{self.secret}@"
+        hosts = (route.removeprefix("nats-route://") for route in self.routes)
+        routes = ", ".join(f'"{login}{host}"' for host in hosts)
+        secured = f'authorization {{ user: "{ROUTE_USER}", password: "{self.secret}", timeout: 2 }}'
+        if self.route_tls is not None:
+            secured += f", {self.route_tls.route_block()}"
         return (
             f'server_name: "{self.name}"\n'
             f'cluster {{ name: "{self.cluster}", listen: "{self.listen}", '
-            f"no_advertise: true, routes: [{routes}] }}"
+            f"no_advertise: true, {secured}, routes: [{routes}] }}"
         )
 
 
@@ -394,13 +424,17 @@ def start_nats_cluster(
     host: str = "127.0.0.1",
     port: int = 0,
     monitor: bool = False,
+    route_tls: tls.ServerFiles | None = None,
     **options: Any,
 ) -> list[NatsServer]:
     """Start a JetStream cluster of ``nodes`` servers on ``host``, routed to each other, each
     with its own store under ``store_root/n<i>`` (``port``: node i's client port is
     ``port + i``, 0: free ports; ``monitor``: each node serves its monitoring endpoints on a
     free port, so :meth:`NatsServer.wait_healthy` can tell when a restarted node has caught up;
-    ``options``: as :func:`start_nats_server`'s, for every node).
+    ``route_tls``: the routes are mutual TLS with these files (their certificate names
+    ``host``); ``options``: as :func:`start_nats_server`'s, for every node). The routes'
+    secret is made here and kept in the nodes' private configuration files, which a
+    restarted node reads again.
     Streams created with ``num_replicas = nodes`` keep every message on every node: any one
     node of three may die (``kill -9``) and the others elect new stream leaders and go on.
     Returns once every node knows the JetStream metadata leader (streams can be created).
@@ -416,12 +450,15 @@ def start_nats_cluster(
     if port:
         clients = [port + index for index in range(nodes)]
     servers: list[NatsServer] = []
+    secret = new_route_secret()
     try:
         for index in range(nodes):
             node = ClusterNode(
                 f"n{index}",
                 f"{host}:{routes[index]}",
                 tuple(f"nats-route://{host}:{peer}" for peer in routes if peer != routes[index]),
+                secret,
+                route_tls,
             )
             store = Path(store_root) / f"n{index}"
             servers.append(

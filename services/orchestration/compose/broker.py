@@ -2,8 +2,10 @@
 
 At its first start it makes, in the ``secrets`` volume (``--secrets-dir``): the credentials of the
 admin (the controller) and the gateway, a CA and the server's certificate for the names the other
-containers use (``--server-names``), and the gateway's API token (``api-token``). Later starts
-keep them. Then it runs nats-server with JetStream (every listed user, TLS only; with ``--routes``,
+containers use (``--server-names``), the gateway's API token (``api-token``) and, for a cluster,
+the routes' password (``route-secret``). Later starts keep them, and the cluster's other nodes,
+started after the first, read them: their routes are mutual TLS with that certificate and that
+password. Then it runs nats-server with JetStream (every listed user, TLS only; with ``--routes``,
 as a node of a JetStream cluster, docker-compose.yml's ``cluster`` profile) and checks the
 credentials folder every ``--poll-s``: a user the controller added for a new job's container is
 loaded into the running server (a reload, no reconnects), so that container's first connection is
@@ -23,6 +25,7 @@ from pathlib import Path
 from services.orchestration import nats_server
 from services.orchestration.compose.settings import (
     CREDENTIALS_DIR,
+    ROUTE_SECRET_FILE,
     TLS_DIR,
     TOKEN_FILE,
     BrokerSettings,
@@ -84,6 +87,16 @@ def make_secrets(settings: BrokerSettings) -> tuple[nats_auth.Credentials, tls.S
     return credentials, files
 
 
+def route_secret(folder: Path) -> str:
+    """The password of the cluster's routes (``route-secret`` in the secrets folder), made by
+    the first node at its first start; the others read it."""
+    path = folder / ROUTE_SECRET_FILE
+    if not path.exists():
+        atomic.write_private_bytes(path, f"{nats_server.new_route_secret()}\n".encode())
+        log.info("made the cluster's route secret (%s)", path)
+    return path.read_text().strip()
+
+
 def run_broker(settings: BrokerSettings, stop: threading.Event) -> int:
     """Run nats-server until ``stop`` is set (then stop it gracefully: exit 0) or it exits by
     itself (returns its exit code)."""
@@ -95,6 +108,8 @@ def run_broker(settings: BrokerSettings, stop: threading.Event) -> int:
             settings.server_name or socket.gethostname(),
             f"{settings.listen_host}:{settings.route_port}",
             tuple(routes),
+            route_secret(settings.secrets_dir),
+            files,  # routes over mutual TLS where clients are (the certificate names every node)
         )
     server = nats_server.start_nats_server(
         settings.store_dir,

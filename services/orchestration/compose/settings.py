@@ -18,6 +18,7 @@ from shared.settings.resources import LearnerThreads
 CREDENTIALS_DIR = "credentials"
 TLS_DIR = "tls"
 TOKEN_FILE = "api-token"
+ROUTE_SECRET_FILE = "route-secret"  # the password of the cluster's routes
 
 
 class BrokerSettings(BaseSettings):
@@ -28,7 +29,8 @@ class BrokerSettings(BaseSettings):
 
     secrets_dir: Path = Field(
         Path("/secrets"),
-        description="folder of the cluster's secrets: credentials/<user>.json, tls/, api-token",
+        description="folder of the cluster's secrets: credentials/<user>.json, tls/, api-token, "
+        "route-secret",
     )
     store_dir: Path = Field(Path("/data"), description="JetStream's store and the server log")
     listen_host: str = Field("0.0.0.0", description="interface nats-server listens on")

@@ -182,7 +182,7 @@ class Cluster:
             what = f"fresh JetStream store {store}"
         else:
             self.servers = nats_server.start_nats_cluster(
-                store, s.nats_cluster, port=s.nats_port, **options
+                store, s.nats_cluster, port=s.nats_port, route_tls=self.tls_files, **options
             )
             what = (
                 f"{s.nats_cluster}-node JetStream cluster, every stream on every node; fresh "
