@@ -1,5 +1,6 @@
 """Tests for shared/data.py: corpus loading, splits, shards, samplers, eval batches."""
 
+import os
 import pathlib
 import sysconfig
 
@@ -135,6 +136,18 @@ def test_load_corpus_folder(tmp_path):
     # Sorted by path, joined with newlines.
     assert load_corpus(tmp_path) == b"aaa\nbbb\nccc"
     assert load_corpus(tmp_path, max_bytes=5) == b"aaa\nb"
+
+
+def test_a_folder_corpus_keeps_regular_files_in_path_order_and_follows_no_folder_link(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.txt").write_bytes(b"x")
+    (tmp_path / "a-b.txt").write_bytes(b"-")  # after a/x.txt: sorted by the path's parts
+    (tmp_path / ".dotfile").write_bytes(b".")  # a hidden file is kept, a hidden folder is not
+    (tmp_path / "link.txt").symlink_to(tmp_path / "a-b.txt")  # a link to a file is read
+    (tmp_path / "loop").symlink_to(tmp_path / "a")  # a link to a folder is not followed
+    (tmp_path / "broken").symlink_to(tmp_path / "missing")
+    os.mkfifo(tmp_path / "fifo")  # never opened: reading it would block
+    assert load_corpus(tmp_path) == b".\nx\n-\n-"
 
 
 def test_load_corpus_errors(tmp_path):
