@@ -47,7 +47,8 @@ def _walk_files(
 
     def walk(folder: str, parts: tuple[str, ...]) -> None:
         try:
-            entries = list(os.scandir(folder))
+            with os.scandir(folder) as listing:
+                entries = list(listing)
         except OSError:
             return  # unreadable, as os.walk skips it
         for entry in entries:
