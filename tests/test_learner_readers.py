@@ -94,6 +94,63 @@ async def test_a_unit_hears_each_change_of_its_desired_state(nats_server, monkey
         await nc.close()
 
 
+class LaggingKV(FakeKV):
+    """A bucket that stores a write only after the first read that follows it: JetStream's
+    stream takes a message in after the subscribers of its subject have heard it."""
+
+    def __init__(self, values: dict[str, bytes]) -> None:
+        super().__init__(values)
+        self.pending: dict[str, bytes] = {}
+        self.reads = 0
+
+    async def get(self, key: str):
+        self.reads += 1
+        found = await super().get(key)
+        self.values.update(self.pending)
+        self.pending.clear()
+        return found
+
+
+class HeardWrites:
+    """A NATS connection whose subscriptions hear what ``write`` publishes."""
+
+    def __init__(self) -> None:
+        self.callbacks: list = []
+
+    async def subscribe(self, subject: str, cb):
+        self.callbacks.append(cb)
+
+    async def write(self, bucket: LaggingKV, key: str, value: bytes) -> None:
+        bucket.pending[key] = value
+        for callback in self.callbacks:
+            await callback(types.SimpleNamespace(subject=subject_of(key), data=value))
+
+
+def subject_of(key: str) -> str:
+    return f"$KV.{subjects.DESIRED_BUCKET}.{key}"
+
+
+async def test_a_write_heard_before_the_bucket_stored_it_is_read_again_soon(monkeypatch) -> None:
+    monkeypatch.setattr(unit_control, "DESIRED_POLL_S", 3600.0)
+    key = subjects.desired_key(SETTINGS.job, SETTINGS.unit)
+    bucket = LaggingKV({key: records.encode(DesiredRecord(state="paused"))})
+    nc = HeardWrites()
+    control = UnitControl(SETTINGS, UnitState(job="t", unit=1))
+    following = asyncio.create_task(control.follow_desired(bucket, nc))
+    try:
+        await wait_for_async(control.desired_known.is_set, 10, "the first read")
+        assert control.desired_state == "paused"
+        await nc.write(bucket, key, records.encode(DesiredRecord(state="running")))
+        # The read the write set off found the old record; the next, DESIRED_RECHECK_S later,
+        # finds the new one (not the poll, an hour away).
+        await wait_for_async(lambda: control.desired_state == "running", 5, "the resume")
+        reads = bucket.reads
+        await asyncio.sleep(unit_control.DESIRED_RECHECK_S * (unit_control.DESIRED_RECHECKS + 2))
+        assert bucket.reads == reads  # found: no more reads until the next write or poll
+    finally:
+        following.cancel()
+
+
 def test_desired_state_follows_the_record_and_counts_a_rejection() -> None:
     unit_state = UnitState(job="t", unit=1)
     control = UnitControl(SETTINGS, unit_state)

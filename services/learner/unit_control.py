@@ -40,6 +40,12 @@ log = logging.getLogger(__name__)
 
 DESIRED_POLL_S = 5.0  # fallback for a missed notification
 DESIRED_RETRY_S = 0.5  # after a read that failed
+# A write can be heard before JetStream has stored it: nats-server hands a published message to
+# the subject's subscribers and queues it for the stream at once. A read that finds no change
+# after a heard write is made again this often, this many times, not only at the next poll (in
+# CI a unit released with three others started 5.0 s after them, a poll later).
+DESIRED_RECHECK_S = 0.2
+DESIRED_RECHECKS = 5
 RATES_POLL_S = 10.0
 OUTER_STATUS_TIMEOUT_S = 2.0
 
@@ -87,13 +93,15 @@ class UnitControl:
 
     async def follow_desired(self, desired_kv: Any, nc: Any) -> None:
         """Follow the unit's desired state (forever): read it once, then whenever a write of it
-        is heard on ``nc`` and at least every ``DESIRED_POLL_S``."""
+        is heard on ``nc`` (again every ``DESIRED_RECHECK_S`` while a read does not find it yet)
+        and at least every ``DESIRED_POLL_S``."""
         changed = asyncio.Event()
 
         async def on_write(_msg: Any) -> None:
             changed.set()
 
         subscription = None
+        rechecks = 0  # reads left to find the write last heard
         while True:
             changed.clear()
             wait_s = DESIRED_POLL_S
@@ -101,12 +109,19 @@ class UnitControl:
                 if subscription is None:
                     subject = subjects.desired_subject(self.settings.job, self.settings.unit)
                     subscription = await nc.subscribe(subject, cb=on_write)
+                before = self.desired_state
                 await self.read_desired(desired_kv)
+                if rechecks and self.desired_state == before:
+                    wait_s, rechecks = DESIRED_RECHECK_S, rechecks - 1
+                else:
+                    rechecks = 0
             except NATS_ERRORS as err:
                 log.info("desired-state read: %r", err)
                 wait_s = DESIRED_RETRY_S
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), timeout=wait_s)
+            if changed.is_set():
+                rechecks = DESIRED_RECHECKS
             raise_if_cancelling()
 
     async def read_desired(self, desired_kv: Any) -> None:
