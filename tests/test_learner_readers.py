@@ -75,9 +75,10 @@ def test_a_malformed_desired_record_changes_nothing(data: bytes) -> None:
 
 
 async def test_a_unit_hears_each_change_of_its_desired_state(nats_server, monkeypatch) -> None:
-    """The desired state is read when a write of it is heard: with the fallback poll out of
+    """The desired state is read when a write of it is heard: with the fallback polls out of
     reach, a pause and a resume still arrive."""
-    monkeypatch.setattr(unit_control, "DESIRED_POLL_S", 3600.0)
+    for poll in ("DESIRED_POLL_S", "WAITING_POLL_S"):
+        monkeypatch.setattr(unit_control, poll, 3600.0)
     nc = await nats.connect(nats_server.url)
     try:
         desired = await nc.jetstream().create_key_value(bucket=subjects.DESIRED_BUCKET)
@@ -131,7 +132,8 @@ def subject_of(key: str) -> str:
 
 
 async def test_a_write_heard_before_the_bucket_stored_it_is_read_again_soon(monkeypatch) -> None:
-    monkeypatch.setattr(unit_control, "DESIRED_POLL_S", 3600.0)
+    for poll in ("DESIRED_POLL_S", "WAITING_POLL_S"):
+        monkeypatch.setattr(unit_control, poll, 3600.0)
     key = subjects.desired_key(SETTINGS.job, SETTINGS.unit)
     bucket = LaggingKV({key: records.encode(DesiredRecord(state="paused"))})
     nc = HeardWrites()
@@ -147,6 +149,26 @@ async def test_a_write_heard_before_the_bucket_stored_it_is_read_again_soon(monk
         reads = bucket.reads
         await asyncio.sleep(unit_control.DESIRED_RECHECK_S * (unit_control.DESIRED_RECHECKS + 2))
         assert bucket.reads == reads  # found: no more reads until the next write or poll
+    finally:
+        following.cancel()
+
+
+async def test_a_waiting_unit_polls_its_desired_state_more_often(monkeypatch) -> None:
+    """A resume whose write was never heard reaches a paused unit at its next poll, every
+    ``WAITING_POLL_S``; a running unit's poll is ``DESIRED_POLL_S``."""
+    monkeypatch.setattr(unit_control, "DESIRED_POLL_S", 3600.0)
+    monkeypatch.setattr(unit_control, "WAITING_POLL_S", 0.1)
+    key = subjects.desired_key(SETTINGS.job, SETTINGS.unit)
+    bucket = FakeKV({key: records.encode(DesiredRecord(state="paused"))})
+    control = UnitControl(SETTINGS, UnitState(job="t", unit=1))
+    following = asyncio.create_task(control.follow_desired(bucket, HeardWrites()))
+    try:
+        await wait_for_async(control.desired_known.is_set, 10, "the first read")
+        bucket.values[key] = records.encode(DesiredRecord(state="running"))  # not heard
+        await wait_for_async(lambda: control.desired_state == "running", 5, "the resume")
+        bucket.values[key] = records.encode(DesiredRecord(state="paused"))  # not heard
+        await asyncio.sleep(1.0)
+        assert control.desired_state == "running"  # running: the next poll is an hour away
     finally:
         following.cancel()
 

@@ -3,7 +3,8 @@ continue, and its peers' speeds.
 
 * The desired state (``shared.records.DesiredRecord`` in KV ``diloco_desired``) is read when
   a write of it is heard (a subscription to its KV subject), and every ``DESIRED_POLL_S`` in
-  case a notification was missed (while reconnecting). It starts from the one the unit's state
+  case a notification was missed (while reconnecting; every ``WAITING_POLL_S`` while the unit
+  waits to be resumed). It starts from the one the unit's state
   file remembers, so a paused unit restarted while NATS is down stays paused, and every change
   is remembered there.
 * The outer's next round for this unit (``OuterStatus.next_round``) is read once at start-up, so
@@ -39,6 +40,9 @@ from shared.retry import NATS_ERRORS
 log = logging.getLogger(__name__)
 
 DESIRED_POLL_S = 5.0  # fallback for a missed notification
+# The same while the unit waits to be resumed (paused or idle): a missed resume costs it the whole
+# wait, and a unit that waits sends nothing else.
+WAITING_POLL_S = 1.0
 DESIRED_RETRY_S = 0.5  # after a read that failed
 # A write can be heard before JetStream has stored it: nats-server hands a published message to
 # the subject's subscribers and queues it for the stream at once. A read that finds no change
@@ -94,7 +98,7 @@ class UnitControl:
     async def follow_desired(self, desired_kv: Any, nc: Any) -> None:
         """Follow the unit's desired state (forever): read it once, then whenever a write of it
         is heard on ``nc`` (again every ``DESIRED_RECHECK_S`` while a read does not find it yet)
-        and at least every ``DESIRED_POLL_S``."""
+        and at least every ``DESIRED_POLL_S`` (``WAITING_POLL_S`` while it is not running)."""
         changed = asyncio.Event()
 
         async def on_write(_msg: Any) -> None:
@@ -104,7 +108,6 @@ class UnitControl:
         rechecks = 0  # reads left to find the write last heard
         while True:
             changed.clear()
-            wait_s = DESIRED_POLL_S
             try:
                 if subscription is None:
                     subject = subjects.desired_subject(self.settings.job, self.settings.unit)
@@ -115,6 +118,8 @@ class UnitControl:
                     wait_s, rechecks = DESIRED_RECHECK_S, rechecks - 1
                 else:
                     rechecks = 0
+                    running = self.desired_state == "running"
+                    wait_s = DESIRED_POLL_S if running else WAITING_POLL_S
             except NATS_ERRORS as err:
                 log.info("desired-state read: %r", err)
                 wait_s = DESIRED_RETRY_S
