@@ -4,9 +4,8 @@ continue, and its peers' speeds.
 * The desired state (``shared.records.DesiredRecord`` in KV ``diloco_desired``) is read when
   a write of it is heard (a subscription to its KV subject), and every ``DESIRED_POLL_S`` in
   case a notification was missed (while reconnecting; every ``WAITING_POLL_S`` while the unit
-  waits to be resumed). It starts from the one the unit's state
-  file remembers, so a paused unit restarted while NATS is down stays paused, and every change
-  is remembered there.
+  waits to be resumed). It starts from the one the unit's state file remembers, so a paused
+  unit restarted while NATS is down stays paused, and every change is remembered there.
 * The outer's next round for this unit (``OuterStatus.next_round``) is read once at start-up, so
   that a unit without a state file never reuses a round the outer has applied.
 * With Dynamic Local Updates, every unit's speed (``UnitStatus.tokens_per_s`` of the running
@@ -46,8 +45,7 @@ WAITING_POLL_S = 1.0
 DESIRED_RETRY_S = 0.5  # after a read that failed
 # A write can be heard before JetStream has stored it: nats-server hands a published message to
 # the subject's subscribers and queues it for the stream at once. A read that finds no change
-# after a heard write is made again this often, this many times, not only at the next poll (in
-# CI a unit released with three others started 5.0 s after them, a poll later).
+# after a heard write is made again this often, this many times, not only at the next poll.
 DESIRED_RECHECK_S = 0.2
 DESIRED_RECHECKS = 5
 RATES_POLL_S = 10.0
